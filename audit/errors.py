@@ -1,0 +1,145 @@
+"""One error root for the host side, typed subclasses that carry fields, named exit codes.
+
+The CLI catches :class:`AuditError` once and maps it to ``exc.exit_code``; nothing below the CLI
+prints or exits.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    #: the audit ran and found a MISMATCH or CRASH (or UNVERIFIED under --strict)
+    FINDINGS = 1
+    #: bad input: lock file, expectations, CLI arguments
+    USAGE = 2
+    #: the environment could not be prepared (venv build, wheel hash, stub build)
+    ENVIRONMENT = 3
+    #: a probe run failed or produced no usable evidence
+    RUN_FAILED = 4
+    #: the audit was interrupted (SIGINT/SIGTERM)
+    INTERRUPTED = 130
+
+
+class AuditError(Exception):
+    """Root of every error the harness raises on purpose."""
+
+    exit_code: ExitCode = ExitCode.RUN_FAILED
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:  # message plus an actionable hint when there is one
+        return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+
+
+class UsageError(AuditError):
+    exit_code = ExitCode.USAGE
+
+
+class LockError(UsageError):
+    """A problem in images.lock, with the file and (when known) the line."""
+
+    def __init__(self, message: str, *, path: str, line: int | None = None, hint: str | None = None):
+        self.path = path
+        self.line = line
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {message}", hint=hint)
+
+
+class UnknownPinError(UsageError):
+    def __init__(self, pin: str, *, known: list[str], path: str):
+        self.pin = pin
+        self.known = known
+        self.path = path
+        super().__init__(
+            f"pin {pin!r} is not in {path}",
+            hint="known pins: " + (", ".join(known) if known else "(none)"),
+        )
+
+
+class RuntimeUnsupportedError(UsageError):
+    """The pin exists but the chosen runtime cannot audit it (e.g. a docker-only image locally)."""
+
+    def __init__(self, pin: str, *, runtime: str, supported: list[str], reason: str):
+        self.pin = pin
+        self.runtime = runtime
+        self.supported = supported
+        super().__init__(
+            f"pin {pin!r} cannot be audited by the {runtime} runtime: {reason}",
+            hint="use RUNTIME=" + " or RUNTIME=".join(supported) if supported else None,
+        )
+
+
+class SelectionError(UsageError):
+    """An unknown system or layout name on the command line."""
+
+    def __init__(self, kind: str, value: str, *, known: list[str]):
+        self.kind = kind
+        self.value = value
+        self.known = known
+        super().__init__(f"unknown {kind} {value!r}", hint=f"known {kind}s: {', '.join(known)}")
+
+
+class EnvironmentBuildError(AuditError):
+    exit_code = ExitCode.ENVIRONMENT
+
+    def __init__(self, message: str, *, step: str, log_tail: str = "", hint: str | None = None):
+        self.step = step
+        self.log_tail = log_tail
+        text = f"{step}: {message}"
+        if log_tail:
+            text += "\n--- last output ---\n" + log_tail
+        super().__init__(text, hint=hint)
+
+
+class WheelHashMismatch(EnvironmentBuildError):
+    def __init__(self, *, wheel: str, expected: str, found: str):
+        self.wheel = wheel
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"{wheel} has sha256 {found}, images.lock pins {expected}",
+            step="verify wheel",
+            hint="the download was altered or the lock is wrong; do not edit the hash to match",
+        )
+
+
+class StubBuildError(EnvironmentBuildError):
+    pass
+
+
+class EvidenceError(AuditError):
+    """Evidence files that cannot be read: wrong schema version, malformed records, none at all."""
+
+    exit_code = ExitCode.RUN_FAILED
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None, hint: str | None = None):
+        self.path = path
+        self.line = line
+        where = f"{path}:{line}: " if path and line else (f"{path}: " if path else "")
+        super().__init__(where + message, hint=hint)
+
+
+class ProbeRunError(AuditError):
+    """A probe agent process failed."""
+
+    exit_code = ExitCode.RUN_FAILED
+
+    def __init__(self, message: str, *, cell: str, returncode: int | None, log_tail: str):
+        self.cell = cell
+        self.returncode = returncode
+        self.log_tail = log_tail
+        super().__init__(f"{cell}: {message} (exit {returncode})\n--- last output ---\n{log_tail}")
+
+
+class RenderError(AuditError):
+    exit_code = ExitCode.RUN_FAILED
+
+
+class Interrupted(AuditError):
+    exit_code = ExitCode.INTERRUPTED

@@ -1,0 +1,71 @@
+"""Read the per-process evidence files the probes write, check their schema, and combine them.
+
+Every file starts with a header record ``{"kind": "header", "schema": N, ...}``. A reader refuses a
+schema it does not know, naming both versions. Combining keeps every record, tagged with the cell
+(system, layout) and the process it came from, in a stable order.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import EvidenceError
+
+#: the evidence schema this harness reads (probes.EVIDENCE_SCHEMA writes it; kept in step by a test)
+SCHEMA = 1
+
+
+@dataclass
+class EvidenceFile:
+    path: Path
+    header: dict
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def cell(self) -> tuple[str, str] | None:
+        c = self.header.get("cell") or {}
+        if "system" in c and "layout" in c:
+            return c["system"], c["layout"]
+        return None
+
+    def of_kind(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r.get("kind") == kind]
+
+
+def read_file(path: str | Path) -> EvidenceFile:
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EvidenceError(f"cannot read evidence: {exc}", path=str(path)) from None
+    if not lines:
+        raise EvidenceError("empty evidence file (the process wrote nothing)", path=str(path))
+    records = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EvidenceError(f"malformed JSON: {exc.msg}", path=str(path), line=no) from None
+        if not isinstance(rec, dict) or "kind" not in rec:
+            raise EvidenceError("record without a 'kind'", path=str(path), line=no)
+        records.append(rec)
+    header = records[0]
+    if header.get("kind") != "header":
+        raise EvidenceError("first record is not a header", path=str(path), line=1)
+    if header.get("schema") != SCHEMA:
+        raise EvidenceError(
+            f"evidence schema {header.get('schema')!r}, this harness reads schema {SCHEMA}",
+            path=str(path), line=1,
+            hint="re-run the audit with this harness's probes, or use the harness that wrote it",
+        )
+    return EvidenceFile(path=path, header=header, records=records[1:])
+
+
+def read_dir(directory: str | Path) -> list[EvidenceFile]:
+    """All evidence files below ``directory``, ordered by cell then file name (stable)."""
+    directory = Path(directory)
+    files = [read_file(p) for p in sorted(directory.rglob("evidence-*.jsonl"))]
+    return sorted(files, key=lambda f: (f.cell or ("", ""), f.header.get("role", ""), f.path.name))

@@ -1,0 +1,95 @@
+"""Per-process evidence: one versioned JSON Lines file per process, combined on the host.
+
+The first record of every file is a header carrying the schema version; the host refuses files whose
+version it does not know. Records are buffered in memory and written at flush/exit, so recording a
+selection costs a list append.
+"""
+from __future__ import annotations
+
+import atexit
+import enum
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+from contextvars import ContextVar
+
+from . import EVIDENCE_SCHEMA
+
+#: the model-layer prefix currently under construction (pushed by scope probes)
+current_scope: ContextVar[tuple[str, ...]] = ContextVar("serving_truth_scope", default=())
+
+
+def describe(value, _depth: int = 0):
+    """A stable, JSON-able description of a selector's argument or result.
+
+    Enum members become ``Class.MEMBER``, classes ``module:qualname``; objects their class. Never
+    raises and never calls user ``__repr__`` (which could touch devices).
+    """
+    try:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, enum.Enum):
+            return f"{type(value).__name__}.{value.name}"
+        if isinstance(value, type):
+            return f"{value.__module__}:{value.__qualname__}"
+        if _depth < 3 and isinstance(value, (list, tuple)):
+            return [describe(v, _depth + 1) for v in value]
+        if _depth < 3 and isinstance(value, dict):
+            return {str(k): describe(v, _depth + 1) for k, v in value.items()}
+        if callable(value) and hasattr(value, "__qualname__"):
+            return f"{getattr(value, '__module__', '?')}:{value.__qualname__}"
+        cls = type(value)
+        return f"<{cls.__module__}:{cls.__qualname__}>"
+    except Exception:  # pragma: no cover - describing must never fail
+        return "<undescribable>"
+
+
+class Recorder:
+    """Collects evidence records of one process and writes them as one JSON Lines file."""
+
+    def __init__(self, out_dir: str | None, *, role: str = "process", meta: dict | None = None):
+        self.out_dir = out_dir
+        self.role = role
+        self._records: list[dict] = []
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.path: str | None = None
+        self._header = {
+            "kind": "header",
+            "schema": EVIDENCE_SCHEMA,
+            "role": role,
+            "pid": os.getpid(),
+            "python": sys.version.split()[0],
+            **(meta or {}),
+        }
+        if out_dir:
+            atexit.register(self.flush)
+
+    def emit(self, kind: str, **fields) -> None:
+        with self._lock:
+            self._seq += 1
+            self._records.append({"kind": kind, "seq": self._seq, **fields})
+
+    def records(self) -> list[dict]:
+        with self._lock:
+            return [self._header, *self._records]
+
+    def flush(self) -> str | None:
+        """Write everything recorded so far (rewrites the process's file atomically)."""
+        if not self.out_dir:
+            return None
+        with self._lock:
+            if self.path is None:
+                host = socket.gethostname().split(".")[0] or "host"
+                name = f"evidence-{host}-{os.getpid()}-{secrets.token_hex(3)}.jsonl"
+                self.path = os.path.join(self.out_dir, name)
+            lines = [json.dumps(r, sort_keys=True, default=str) for r in (self._header, *self._records)]
+            os.makedirs(self.out_dir, exist_ok=True)
+            tmp = self.path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write("\n".join(lines) + "\n")
+            os.replace(tmp, self.path)
+            return self.path

@@ -1,0 +1,198 @@
+"""The stages of a resolve-mode run: platform, config, distributed, construct, inspect.
+
+Imported only inside the pinned environment by :mod:`probes.agent`. It drives vLLM's own code paths
+(the server's argument parser, ``create_engine_config``, the worker's distributed init, the model
+loader's ``create_model``) and stands in only for device boundaries, each listed in SIMULATED.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+
+from . import simulate
+from .install import ProbeSet
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def _first_attr(specs: list[str]):
+    last = None
+    for spec in specs:
+        module, _, qual = spec.partition(":")
+        try:
+            obj = importlib.import_module(module)
+            for part in qual.split("."):
+                obj = getattr(obj, part)
+            return obj
+        except (ImportError, AttributeError) as exc:
+            last = exc
+    raise ImportError(f"none of {specs} found: {last}")
+
+
+def _vllm_version() -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def serve_argv(job: dict) -> list[str]:
+    """The argv ``vllm serve`` would get for this cell (after the ``serve`` word)."""
+    return [job["model_dir"], *job["layout"]["serve_args"], "--load-format", "dummy",
+            *job.get("extra_serve_args", [])]
+
+
+def run(job: dict, rec, Stage) -> None:
+    from .agent import availability, fingerprint
+
+    system, layout = job["system"], job["layout"]
+    world = int(layout["world_size"])
+    rec.emit("job", system=system, layout=layout, argv=["vllm", "serve", *serve_argv(job)])
+    rec.emit("fingerprint", **fingerprint())
+
+    with Stage(rec, "platform"):
+        simulate.load_stub_libcuda(job["stub_libcuda"])
+        simulate.simulate_torch(system, world)
+        probes = ProbeSet(rec, vllm_version=_vllm_version()).install()
+        platform = simulate.install_platform(system, world)
+        simulate.stand_in_cuda_streams()
+        rec.emit("platform", cls=f"{type(platform).__mro__[1].__module__}:{type(platform).__mro__[1].__qualname__}",
+                 capability=list(system["capability"]), device_name=platform.get_device_name())
+    try:
+        _run_stages(job, rec, Stage, probes)
+    finally:
+        rec.emit("availability", **availability())
+        rec.emit("simulated", items=dict(sorted(simulate.SIMULATED.items())))
+        probes.finalize()
+
+
+def _run_stages(job, rec, Stage, probes) -> None:
+    import torch
+
+    with Stage(rec, "config"):
+        parser_cls = _first_attr(["vllm.utils.argparse_utils:FlexibleArgumentParser",
+                                  "vllm.utils:FlexibleArgumentParser"])
+        make_arg_parser = _first_attr(["vllm.entrypoints.common.cli_args:make_arg_parser",
+                                       "vllm.entrypoints.openai.cli_args:make_arg_parser"])
+        validate = _first_attr(["vllm.entrypoints.common.cli_args:validate_parsed_serve_args",
+                                "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args"])
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+
+        parser = make_arg_parser(parser_cls(description="vLLM OpenAI-Compatible RESTful API server."))
+        args = parser.parse_args(serve_argv(job))
+        if getattr(args, "model_tag", None):
+            args.model = args.model_tag
+        validate(args)
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        rec.emit("config", architecture=list(getattr(mc.hf_config, "architectures", []) or []),
+                 quantization=str(mc.quantization), dtype=str(mc.dtype),
+                 tensor_parallel_size=pc.tensor_parallel_size, data_parallel_size=pc.data_parallel_size,
+                 enable_expert_parallel=bool(pc.enable_expert_parallel),
+                 moe_backend=str(getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", "")),
+                 max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                 speculative=str(getattr(vllm_config.speculative_config, "method", None)))
+
+    from vllm.config import set_current_vllm_config
+
+    with Stage(rec, "distributed"), set_current_vllm_config(vllm_config):
+        _init_fake_distributed(vllm_config, rec)
+
+    with Stage(rec, "construct"), set_current_vllm_config(vllm_config):
+        from vllm.model_executor.model_loader import get_model_loader
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        loader = get_model_loader(vllm_config.load_config)
+        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"), \
+                simulate.meta_device_mode():
+            model = loader.create_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        rec.emit("model", cls=f"{type(model).__module__}:{type(model).__qualname__}",
+                 parameters_meta=all(p.is_meta for p in model.parameters()))
+
+    with Stage(rec, "inspect"):
+        inspect_model(model, rec)
+
+
+def _init_fake_distributed(vllm_config, rec) -> None:
+    """Make this process rank 0 of the layout's world with torch's fake process group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from vllm.distributed import parallel_state as ps
+
+    pc = vllm_config.parallel_config
+    world = pc.world_size_across_dp if pc.data_parallel_size > 1 else pc.world_size
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    real_new_group = dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):
+        kwargs["backend"] = "fake"
+        return real_new_group(ranks, *args, **kwargs)
+
+    dist.new_group = new_group
+    simulate.SIMULATED["torch.distributed"] = f"fake process group, this process is rank 0 of {world}"
+    orig_init = ps.GroupCoordinator.__init__
+
+    def coordinator_init(self, *args, **kwargs):
+        import inspect
+
+        bound = inspect.signature(orig_init).bind(self, *args, **kwargs)
+        bound.arguments["use_device_communicator"] = False
+        if "use_message_queue_broadcaster" in bound.arguments:
+            bound.arguments["use_message_queue_broadcaster"] = False
+        orig_init(*bound.args, **bound.kwargs)
+
+    ps.GroupCoordinator.__init__ = coordinator_init
+    simulate.SIMULATED["vllm GroupCoordinator"] = "built without device communicator or shm broadcaster"
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    init_worker_distributed_environment(vllm_config, rank=0, distributed_init_method="tcp://127.0.0.1:1",
+                                        local_rank=0, backend="fake")
+    rec.emit("distributed", world_size=world)
+
+
+def _describe_obj(value):
+    from .recorder import describe
+
+    return describe(value)
+
+
+def inspect_model(model, rec) -> None:
+    """Read per-layer choices off the constructed modules (the same objects serving would use)."""
+    import enum
+
+    from .recorder import describe
+
+    for name, module in model.named_modules():
+        m = _LAYER_RE.search(name)
+        if not m:
+            continue
+        facts = {}
+        for attr, value in sorted(vars(module).items()):
+            if attr.startswith("_") or attr in ("training",):
+                continue
+            if isinstance(value, (enum.Enum, type)):
+                facts[attr] = describe(value)
+            elif attr in ("quant_method", "impl", "prefill_backend", "attn_backend", "moe_kernel",
+                          "fused_experts", "runner", "kda_prefill_backend", "kda_decode_backend") \
+                    and value is not None:
+                facts[attr] = describe(value) if isinstance(value, type) else describe(type(value)) \
+                    if not isinstance(value, (str, bool, int)) else value
+            elif isinstance(value, str) and ("backend" in attr or attr.endswith("_impl")):
+                facts[attr] = value
+            elif isinstance(value, bool) and ("mega" in attr or "backend" in attr or attr.startswith("use_")):
+                facts[attr] = value
+        qm = getattr(module, "quant_method", None)
+        if qm is not None and not isinstance(qm, type):
+            for attr, value in sorted(vars(qm).items()):
+                if isinstance(value, (enum.Enum, type)):
+                    facts[f"quant_method.{attr}"] = describe(value)
+        if facts or name.count(".") <= 4:
+            rec.emit("module", name=name, layer=int(m.group(1)),
+                     cls=f"{type(module).__module__}:{type(module).__qualname__}", facts=facts)

@@ -1,13 +1,21 @@
-"""Resolve-mode agent: run vLLM's own selection code for one (system, layout) cell.
+"""Resolve-mode agent: run vLLM's own selection code for a plan of (system, layout) cells.
 
-Runs inside the pinned environment (a venv holding the pinned wheel, or the pinned image) as::
+Runs inside the pinned environment (a venv holding the pinned wheel, or the pinned image)::
 
-    python -m probes.agent JOB.json
+    python -m probes.agent PLAN.json
 
-The job (written by the host) names the simulated system, the serving layout as ``vllm serve``
-arguments, the model directory (a config.json, no weights), the stub libcuda and the evidence
-directory. Each stage is recorded with its outcome, so the ledger can say how deep construction
-went; a failing stage is evidence, not a crash of the harness.
+Process layout (import-time state follows the GPU, so the capability never changes in a process):
+
+* the agent loads the stub libcuda and imports torch and other platform-independent modules once;
+* it forks one child per distinct SM capability, which installs the probes and the simulated
+  platform, then imports vLLM (import-time constants and cached selectors see that SM only);
+* that child forks one grandchild per cell, which sets the SKU and world size, builds the config
+  from ``vllm serve`` arguments, initialises a fake process group, constructs the model on the meta
+  device, inspects it, and writes ``<out_dir>/<system>--<layout>/evidence-*.jsonl``.
+
+Each stage is recorded with its outcome, so the ledger can say how deep construction went; a
+failing stage is evidence, not a crash of the harness. A cell whose process dies leaves its
+``agent.log`` and no evidence file; the host reports it as INCOMPLETE.
 """
 from __future__ import annotations
 
@@ -24,19 +32,25 @@ import traceback
 
 from .recorder import Recorder
 
-JOB_SCHEMA = 1
+PLAN_SCHEMA = 1
 
 #: packages whose presence/version changes what vLLM selects (install, not GPU)
 FINGERPRINT_PACKAGES = (
     "vllm", "torch", "triton", "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache",
     "deep-gemm", "deep_gemm", "nvidia-cutlass-dsl", "humming-kernels", "triton-kernels", "tilelang",
     "quack-kernels", "tokenspeed-mla", "flash-kda", "flashkda", "transformers", "compressed-tensors",
-    "cuda-python", "nvidia-cuda-nvcc", "nvidia-nccl-cu13", "nvidia-nccl-cu12", "xgrammar",
+    "cuda-python", "nvidia-cuda-nvcc", "nvidia-nccl-cu13", "nvidia-nccl-cu12", "xgrammar", "ninja",
 )
 FINGERPRINT_MODULES = ("deep_gemm", "flashinfer", "flash_kda", "flashkda", "triton_kernels", "humming",
-                       "cutlass", "tilelang", "vllm.third_party.deep_gemm")
+                       "cutlass", "tilelang", "vllm.third_party.deep_gemm", "vllm._flashkda_C")
 FINGERPRINT_TOOLS = ("nvcc", "ninja", "gcc", "c++", "cc")
-FINGERPRINT_ENV_PREFIXES = ("VLLM_", "CUDA_", "TRITON_", "FLASHINFER_", "DG_", "TORCH_CUDA_ARCH")
+FINGERPRINT_ENV_PREFIXES = ("VLLM_", "CUDA_", "TRITON_", "FLASHINFER_", "DG_", "TORCH_CUDA_ARCH", "PYTORCH_")
+#: set by the harness itself; not part of the audited environment
+_HARNESS_ENV = ("TRITON_LIBCUDA_PATH", "VLLM_PLUGINS", "PYTORCH_NVML_BASED_CUDA_CHECK")
+
+
+class StageFailed(Exception):
+    pass
 
 
 class Stage(contextlib.AbstractContextManager):
@@ -57,11 +71,28 @@ class Stage(contextlib.AbstractContextManager):
                       error={"type": f"{et.__module__}:{et.__qualname__}", "message": str(ev)[:4000],
                              "where": f"{where.filename}:{where.lineno} in {where.name}" if where else "",
                              "traceback": traceback.format_exception(et, ev, tb)[-12:]})
-        raise _StageFailed(self.name) from ev
+        raise StageFailed(self.name) from ev
 
 
-class _StageFailed(Exception):
-    pass
+def _module_present(dotted: str) -> bool:
+    """Whether a module is installed, without importing it or its parents (no side effects)."""
+    top, _, rest = dotted.partition(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    parts = rest.split(".")
+    for base in spec.submodule_search_locations or ():
+        folder = os.path.join(base, *parts[:-1])
+        if os.path.isdir(os.path.join(folder, parts[-1])) or os.path.exists(os.path.join(folder, parts[-1] + ".py")):
+            return True
+        if os.path.isdir(folder) and any(n.startswith(parts[-1] + ".") and n.endswith(".so") for n in os.listdir(folder)):
+            return True
+    return False
 
 
 def fingerprint() -> dict:
@@ -71,31 +102,27 @@ def fingerprint() -> dict:
             pkgs[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    modules = {}
-    for mod in FINGERPRINT_MODULES:
-        try:
-            modules[mod] = importlib.util.find_spec(mod) is not None
-        except (ImportError, ValueError):
-            modules[mod] = False
-    tools = {t: bool(shutil.which(t)) for t in FINGERPRINT_TOOLS}
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(FINGERPRINT_ENV_PREFIXES)
-           and k not in ("TRITON_LIBCUDA_PATH",)}
-    return {"packages": pkgs, "modules": modules, "tools": tools, "env": env,
-            "python": sys.version.split()[0], "executable_prefix": sys.prefix}
+    return {
+        "packages": pkgs,
+        "modules": {mod: _module_present(mod) for mod in FINGERPRINT_MODULES},
+        "tools": {t: bool(shutil.which(t)) for t in FINGERPRINT_TOOLS},
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(FINGERPRINT_ENV_PREFIXES) and k not in _HARNESS_ENV},
+        "python": sys.version.split()[0],
+    }
 
 
 def availability() -> dict:
-    """vLLM's own "is X available" answers (after vLLM is importable)."""
+    """vLLM's own "is X available" answers, asked after the model was built."""
     out = {}
-    probes = (
+    checks = (
         ("deep_gemm", "vllm.utils.deep_gemm", "has_deep_gemm"),
         ("flashinfer", "vllm.utils.flashinfer", "has_flashinfer"),
         ("flashinfer_cutlass_fused_moe", "vllm.utils.flashinfer", "has_flashinfer_cutlass_fused_moe"),
         ("flashinfer_trtllm_fused_moe", "vllm.utils.flashinfer", "has_flashinfer_trtllm_fused_moe"),
         ("triton_kernels", "vllm.utils.import_utils", "has_triton_kernels"),
-        ("torch.cuda.is_available", "torch.cuda", "is_available"),
     )
-    for key, module, fn in probes:
+    for key, module, fn in checks:
         try:
             out[key] = bool(getattr(importlib.import_module(module), fn)())
         except Exception as exc:
@@ -109,34 +136,90 @@ def availability() -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m probes.agent JOB.json", file=sys.stderr)
-        return 2
-    with open(argv[0], encoding="utf-8") as fh:
-        job = json.load(fh)
-    if job.get("schema") != JOB_SCHEMA:
-        print(f"job schema {job.get('schema')!r}, this agent reads {JOB_SCHEMA}", file=sys.stderr)
-        return 2
-    rec = Recorder(job["out_dir"], role="resolve-agent", meta={
-        "cell": {"system": job["system"]["name"], "layout": job["layout"]["name"]},
-        "mode": "resolve", "pin": job.get("pin", ""),
-    })
+def cell_dir(plan: dict, cell: dict) -> str:
+    return os.path.join(plan["out_dir"], f"{cell['system']['name']}--{cell['layout']['name']}")
+
+
+def _fork(fn, *args) -> int:
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            code = fn(*args) or 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def run_group(plan: dict, cells: list[dict]) -> int:
+    """One SM: install probes and platform, import vLLM, then one forked process per cell."""
+    from . import resolve
+
+    rec = Recorder(None, role="resolve-agent", meta={"mode": "resolve", "pin": plan.get("pin", "")})
+    first = cells[0]
+    warm = resolve.prepare_group(plan, first, rec, Stage)
+    failed = 0
+    for cell in cells:
+        out = cell_dir(plan, cell)
+        os.makedirs(out, exist_ok=True)
+        pid = _fork(_run_cell, plan, cell, rec, warm, out)
+        if _wait(pid) != 0:
+            failed += 1
+    return 1 if failed else 0
+
+
+def _run_cell(plan, cell, rec, warm, out) -> int:
+    log = os.open(os.path.join(out, "agent.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    from . import resolve
+
+    rec.retarget(out, cell={"system": cell["system"]["name"], "layout": cell["layout"]["name"]})
     try:
-        run(job, rec)
-    except _StageFailed:
+        resolve.run_cell(plan, cell, rec, Stage, warm)
+    except StageFailed:
         pass
     finally:
         path = rec.flush()
-    print(f"evidence: {path}")
+        print(f"evidence: {path}", flush=True)
     return 0
 
 
-def run(job: dict, rec: Recorder) -> None:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m probes.agent PLAN.json", file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as fh:
+        plan = json.load(fh)
+    if plan.get("schema") != PLAN_SCHEMA:
+        print(f"plan schema {plan.get('schema')!r}, this agent reads {PLAN_SCHEMA}", file=sys.stderr)
+        return 2
     from . import resolve
 
-    resolve.run(job, rec, Stage)
+    resolve.prepare_process(plan)
+    groups: dict[tuple, list[dict]] = {}
+    for cell in plan["cells"]:
+        groups.setdefault(tuple(cell["system"]["capability"]), []).append(cell)
+    parallel = max(1, int(plan.get("parallel", 1)))
+    running: list[int] = []
+    failed = 0
+    for cells in groups.values():
+        while len(running) >= parallel:
+            failed += _wait(running.pop(0)) != 0
+        running.append(_fork(run_group, plan, cells))
+    for pid in running:
+        failed += _wait(pid) != 0
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

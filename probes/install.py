@@ -6,14 +6,11 @@ import importlib.util
 import inspect
 import sys
 import threading
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from . import patching
 from .recorder import Recorder, current_scope, describe
 from .targets import TARGETS, Target, spec_applies, split_spec
-
-_candidate_backend: ContextVar[object] = ContextVar("serving_truth_candidate_backend", default=None)
 
 
 def _scope() -> str:
@@ -55,8 +52,9 @@ class _TargetHooks(patching.Hooks):
 
 class ScopeHooks(_TargetHooks):
     def before(self, args, kwargs):
-        prefix = _bind(self.sig, args, kwargs).get("prefix")
-        if not isinstance(prefix, str):
+        bound = _bind(self.sig, args, kwargs)
+        prefix = next((bound[a] for a in (self.t.args or ("prefix",)) if isinstance(bound.get(a), str)), None)
+        if prefix is None:
             return None
         owner = type(args[0]) if args else None
         self.p.rec.emit("scope", target=self.t.id, prefix=prefix, cls=describe(owner))
@@ -64,6 +62,9 @@ class ScopeHooks(_TargetHooks):
 
     def after(self, token, args, kwargs, result):
         if token is not None:
+            if self.t.construct and args:
+                self.p.rec.emit("construct", target=self.t.id, scope=_scope(), cls=describe(type(args[0])),
+                                attrs=_interesting_attrs(args[0]))
             current_scope.reset(token)
 
     def failed(self, token, args, kwargs, exc):
@@ -81,17 +82,29 @@ class SelectHooks(_TargetHooks):
 
 
 def _interesting_attrs(obj) -> dict:
-    """Attributes an object chose at construction: enum members, classes, and strings naming them."""
+    """What an object chose at construction: enum members, classes, the classes of its strategy
+    objects, and flags/strings whose names say they are a choice (``use_*``, ``*backend*``)."""
     out = {}
     try:
-        items = vars(obj).items()
+        items = list(vars(obj).items())
     except TypeError:
         return out
     for name, value in items:
-        if name.startswith("__"):
+        if name.startswith("__") or name == "training":
             continue
+        key = name.lstrip("_")
         if isinstance(value, (enum.Enum, type)):
             out[name] = describe(value)
+        elif isinstance(value, bool):
+            if key.startswith(("use_", "enable_", "is_")) or "backend" in key or "fused" in key:
+                out[name] = value
+        elif isinstance(value, str):
+            if "backend" in key or key.endswith(("_impl", "_kind", "_mode")):
+                out[name] = value
+        elif name in ("quant_method", "impl", "prefill_backend", "runner", "experts", "moe_kernel",
+                      "fused_experts", "routed_experts", "router", "act_fn"):
+            if value is not None:
+                out[name] = describe(type(value))
     return dict(sorted(out.items()))
 
 
@@ -105,45 +118,53 @@ class ConstructHooks(_TargetHooks):
 
 
 class CandidatesHooks(_TargetHooks):
-    def before(self, args, kwargs):
-        backend = _bind(self.sig, args, kwargs).get("backend")
-        return _candidate_backend.set(backend)
+    """``backend_to_kernel_cls(backend) -> [experts classes]``: the oracle is about to try these."""
 
     def after(self, token, args, kwargs, result):
-        if token is not None:
-            _candidate_backend.reset(token)
         backend = _bind(self.sig, args, kwargs).get("backend")
         classes = list(result) if isinstance(result, (list, tuple)) else [result]
+        # the oracle asks each class right after this call returns: remember what is being tried
+        self.p.current_backend = backend
         for cls in classes:
             if isinstance(cls, type):
-                self.p.watch_support_check(cls, backend)
+                self.p.watch_support_check(cls)
         self.p.rec.emit("candidates", target=self.t.id, scope=_scope(), backend=describe(backend),
                         classes=[describe(c) for c in classes])
 
-    def failed(self, token, args, kwargs, exc):
-        if token is not None:
-            _candidate_backend.reset(token)
-        super().failed(token, args, kwargs, exc)
-
 
 class CheckHooks(patching.Hooks):
-    """``is_supported_config(cls, ...) -> (supported, reason)`` of an experts class."""
+    """``is_supported_config(cls, ...) -> (supported, reason)`` of an experts class.
+
+    Overrides call the base implementation; only the outermost call is the oracle's question.
+    """
 
     def __init__(self, probes: "ProbeSet", target_id: str):
         self.p = probes
         self.target_id = target_id
+        self._depth = probes.check_depth  # shared by every wrapped class: overrides call the base
+
+    def before(self, args, kwargs):
+        depth = getattr(self._depth, "n", 0)
+        self._depth.n = depth + 1
+        return depth
 
     def after(self, token, args, kwargs, result):
+        self._depth.n = token or 0
+        if token:
+            return
         cls = args[0] if args else None
         supported, reason = (result if isinstance(result, tuple) and len(result) == 2 else (result, None))
         self.p.rec.emit("candidate", target=self.target_id, scope=_scope(), cls=describe(cls),
-                        backend=describe(_candidate_backend.get()), supported=bool(supported),
+                        backend=describe(self.p.current_backend), supported=bool(supported),
                         reason=describe(reason))
 
     def failed(self, token, args, kwargs, exc):
+        self._depth.n = token or 0
+        if token:
+            return
         cls = args[0] if args else None
         self.p.rec.emit("candidate", target=self.target_id, scope=_scope(), cls=describe(cls),
-                        backend=describe(_candidate_backend.get()), supported=False,
+                        backend=describe(self.p.current_backend), supported=False,
                         reason="raised " + _exc(exc)["type"], error=_exc(exc))
 
 
@@ -171,6 +192,9 @@ class ProbeSet:
         self.hooks = patching.PostImportHooks()
         self.patches: list[patching.Patch] = []
         self.state: dict[str, TargetState] = {t.id: TargetState(t) for t in targets}
+        #: the MoE backend whose experts classes the oracle is asking right now
+        self.current_backend = None
+        self.check_depth = threading.local()
         self._lock = threading.RLock()
 
     # -- installation --------------------------------------------------------------------------
@@ -205,7 +229,7 @@ class ProbeSet:
         except Exception as exc:  # a probe must never break the import it rides on
             self._probe_error(f"install {t.id}", exc)
 
-    def watch_support_check(self, cls: type, backend) -> None:
+    def watch_support_check(self, cls: type) -> None:
         """Wrap ``is_supported_config`` where ``cls`` finds it (its defining class), once."""
         with self._lock:
             for klass in cls.__mro__:
@@ -246,7 +270,7 @@ class ProbeSet:
                         st.attempts.append(f"{spec.split('@')[0]}: module {module} was never imported")
                 imported_or_missing = [a for a in st.attempts if "never imported" not in a]
                 st.status = "drift" if imported_or_missing else "not-reached"
-            self.rec.emit("target", target=tid, kind=st.target.kind, status=st.status, spec=st.spec,
+            self.rec.emit("target", target=tid, target_kind=st.target.kind, status=st.status, spec=st.spec,
                           required=st.target.required, attempts=st.attempts, title=st.target.title)
 
     def uninstall(self) -> None:

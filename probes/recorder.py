@@ -35,9 +35,9 @@ def describe(value, _depth: int = 0):
             return f"{type(value).__name__}.{value.name}"
         if isinstance(value, type):
             return f"{value.__module__}:{value.__qualname__}"
-        if _depth < 3 and isinstance(value, (list, tuple)):
+        if _depth < 6 and isinstance(value, (list, tuple)):
             return [describe(v, _depth + 1) for v in value]
-        if _depth < 3 and isinstance(value, dict):
+        if _depth < 6 and isinstance(value, dict):
             return {str(k): describe(v, _depth + 1) for k, v in value.items()}
         if callable(value) and hasattr(value, "__qualname__"):
             return f"{getattr(value, '__module__', '?')}:{value.__qualname__}"
@@ -67,6 +67,15 @@ class Recorder:
         }
         if out_dir:
             atexit.register(self.flush)
+
+    def retarget(self, out_dir: str, **meta) -> None:
+        """Send this (possibly forked) recorder's records to a new file, with more header fields."""
+        with self._lock:
+            if not self.out_dir:
+                atexit.register(self.flush)
+            self.out_dir = out_dir
+            self.path = None
+            self._header = {**self._header, **meta, "pid": os.getpid()}
 
     def emit(self, kind: str, **fields) -> None:
         with self._lock:

@@ -39,51 +39,86 @@ def _vllm_version() -> str:
         return ""
 
 
-def serve_argv(job: dict) -> list[str]:
+def serve_argv(plan: dict, cell: dict) -> list[str]:
     """The argv ``vllm serve`` would get for this cell (after the ``serve`` word)."""
-    return [job["model_dir"], *job["layout"]["serve_args"], "--load-format", "dummy",
-            *job.get("extra_serve_args", [])]
+    return [plan["model_dir"], *cell["layout"]["serve_args"], *plan.get("serve_args", [])]
 
 
-def run(job: dict, rec, Stage) -> None:
-    from .agent import availability, fingerprint
+def prepare_process(plan: dict) -> None:
+    """The agent's parent: stub driver and platform-independent imports, shared by every fork."""
+    simulate.load_stub_libcuda(plan["stub_libcuda"])
+    for name in plan.get("warm_third_party", ()):
+        try:
+            importlib.import_module(name)
+        except Exception:  # a warm-up import is an optimisation; the cell records real failures
+            pass
 
-    system, layout = job["system"], job["layout"]
-    world = int(layout["world_size"])
-    rec.emit("job", system=system, layout=layout, argv=["vllm", "serve", *serve_argv(job)])
+
+def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
+    """One SM: probes, simulated platform, vLLM imports. Failures are recorded, then re-raised per cell."""
+    from .agent import fingerprint
+
+    warm: dict = {"error": None}
     rec.emit("fingerprint", **fingerprint())
-
-    with Stage(rec, "platform"):
-        simulate.load_stub_libcuda(job["stub_libcuda"])
-        simulate.simulate_torch(system, world)
-        probes = ProbeSet(rec, vllm_version=_vllm_version()).install()
-        platform = simulate.install_platform(system, world)
-        simulate.stand_in_cuda_streams()
-        rec.emit("platform", cls=f"{type(platform).__mro__[1].__module__}:{type(platform).__mro__[1].__qualname__}",
-                 capability=list(system["capability"]), device_name=platform.get_device_name())
     try:
-        _run_stages(job, rec, Stage, probes)
+        with Stage(rec, "platform"):
+            simulate.set_simulated(first_cell["system"], first_cell["layout"]["world_size"])
+            simulate.simulate_torch()
+            probes = ProbeSet(rec, vllm_version=_vllm_version()).install()
+            simulate.install_stand_ins(probes.hooks)
+            platform = simulate.install_platform()
+            simulate.stand_in_cuda_streams()
+            base = type(platform).__mro__[1]
+            rec.emit("platform", cls=f"{base.__module__}:{base.__qualname__}")
+            warm["probes"] = probes
+        with Stage(rec, "imports"):
+            for name in plan.get("warm_imports", ()):
+                importlib.import_module(name)
+    except Exception as exc:  # StageFailed: already recorded in the buffer every cell inherits
+        warm["error"] = exc
+    return warm
+
+
+def run_cell(plan: dict, cell: dict, rec, Stage, warm: dict) -> None:
+    from .agent import StageFailed, availability
+
+    system, layout = cell["system"], cell["layout"]
+    probes = warm.get("probes")
+    rec.emit("job", system=system, layout=layout, argv=["vllm", "serve", *serve_argv(plan, cell)])
+    if warm.get("error") is not None:
+        if probes is not None:
+            probes.finalize()
+        raise StageFailed("platform")
+    simulate.set_simulated(system, layout["world_size"])
+    try:
+        _run_stages(plan, cell, rec, Stage)
     finally:
         rec.emit("availability", **availability())
-        rec.emit("simulated", items=dict(sorted(simulate.SIMULATED.items())))
+        rec.emit("simulated", items=dict(sorted(simulate.SIMULATED.items())),
+                 stand_in_calls=simulate.STAND_IN_CALLS,
+                 device={"name": system["device_name"], "capability": list(system["capability"]),
+                         "total_memory_gib": system["total_memory_gib"], "sm_count": system["sm_count"],
+                         "device_count": layout["world_size"]})
         probes.finalize()
 
 
-def _run_stages(job, rec, Stage, probes) -> None:
+def _run_stages(plan, cell, rec, Stage) -> None:
     import torch
 
     with Stage(rec, "config"):
         parser_cls = _first_attr(["vllm.utils.argparse_utils:FlexibleArgumentParser",
                                   "vllm.utils:FlexibleArgumentParser"])
         make_arg_parser = _first_attr(["vllm.entrypoints.common.cli_args:make_arg_parser",
+                                       "vllm.entrypoints.launchers.cli_args:make_arg_parser",
                                        "vllm.entrypoints.openai.cli_args:make_arg_parser"])
         validate = _first_attr(["vllm.entrypoints.common.cli_args:validate_parsed_serve_args",
+                                "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
                                 "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args"])
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
 
         parser = make_arg_parser(parser_cls(description="vLLM OpenAI-Compatible RESTful API server."))
-        args = parser.parse_args(serve_argv(job))
+        args = parser.parse_args(serve_argv(plan, cell))
         if getattr(args, "model_tag", None):
             args.model = args.model_tag
         validate(args)
@@ -193,6 +228,6 @@ def inspect_model(model, rec) -> None:
             for attr, value in sorted(vars(qm).items()):
                 if isinstance(value, (enum.Enum, type)):
                     facts[f"quant_method.{attr}"] = describe(value)
-        if facts or name.count(".") <= 4:
+        if facts:
             rec.emit("module", name=name, layer=int(m.group(1)),
                      cls=f"{type(module).__module__}:{type(module).__qualname__}", facts=facts)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import types
 
 #: what resolve mode answers instead of a GPU (module:qualname -> what it reports)
 SIMULATED: dict[str, str] = {}
@@ -18,10 +17,11 @@ def real_driver_present() -> bool:
     if os.path.exists("/dev/nvidiactl"):
         return True
     try:
-        ctypes.CDLL("libcuda.so.1", mode=getattr(os, "RTLD_NOLOAD", 4))
-        return True
+        lib = ctypes.CDLL("libcuda.so.1", mode=getattr(os, "RTLD_NOLOAD", 4))
     except OSError:
         return False
+    # a libcuda is already loaded: ours carries a marker symbol, a real driver does not
+    return not hasattr(lib, "audit_cudastub_marker")
 
 
 def load_stub_libcuda(path: str) -> None:
@@ -51,27 +51,43 @@ class _DeviceProperties:
                 f"total_memory={self.total_memory}, multi_processor_count={self.multi_processor_count})")
 
 
-def simulate_torch(system: dict, world_size: int) -> None:
-    """Answer torch.cuda device queries for the simulated GPU (is_available stays False)."""
+class _State:
+    """The SKU and world size currently simulated (set per cell; read by every stand-in)."""
+
+    props: _DeviceProperties | None = None
+    world_size: int = 1
+
+    @classmethod
+    def set(cls, system: dict, world_size: int) -> None:
+        if cls.props is not None and (cls.props.major, cls.props.minor) != tuple(system["capability"]):
+            # import-time constants and cached selectors follow the first capability: never switch
+            raise RuntimeError("the simulated capability cannot change inside one process")
+        cls.props = _DeviceProperties(system)
+        cls.world_size = int(world_size)
+
+
+def set_simulated(system: dict, world_size: int) -> None:
+    _State.set(system, world_size)
+
+
+def simulate_torch() -> None:
+    """Answer torch.cuda device queries for the simulated GPU."""
     import torch
 
-    props = _DeviceProperties(system)
-    cap = (props.major, props.minor)
-
     def get_device_capability(device=None):
-        return cap
+        return (_State.props.major, _State.props.minor)
 
     def get_device_properties(device=None):
-        return props
+        return _State.props
 
     def get_device_name(device=None):
-        return props.name
+        return _State.props.name
 
     def current_device():
         return 0
 
     def device_count():
-        return world_size
+        return _State.world_size
 
     for name, fn in (("get_device_capability", get_device_capability),
                      ("get_device_properties", get_device_properties),
@@ -80,6 +96,24 @@ def simulate_torch(system: dict, world_size: int) -> None:
                      ("device_count", device_count)):
         setattr(torch.cuda, name, fn)
         SIMULATED[f"torch.cuda.{name}"] = "simulated SKU"
+    SIMULATED["torch.cuda.is_available"] = ("True on a simulated device count when vLLM sets "
+                                            "PYTORCH_NVML_BASED_CUDA_CHECK=1 (as it does); no CUDA runtime")
+
+    # torch.accelerator: the device index context is a host-side bookkeeping call on a GPU
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        import contextlib
+
+        class _DeviceIndex(contextlib.AbstractContextManager):
+            def __init__(self, idx=None):
+                self.idx = idx
+
+            def __exit__(self, *exc):
+                return False
+
+        acc.device_index = _DeviceIndex
+        acc.current_device_index = lambda: 0
+        SIMULATED["torch.accelerator.device_index/current_device_index"] = "device 0, no CUDA init"
 
     # Triton: report the NVIDIA driver active, as on a GPU host (vllm.triton_utils.HAS_TRITON).
     try:
@@ -87,32 +121,31 @@ def simulate_torch(system: dict, world_size: int) -> None:
 
         nv_driver.CudaDriver.is_active = staticmethod(lambda: True)
         SIMULATED["triton.backends.nvidia.driver:CudaDriver.is_active"] = "True"
-    except Exception as exc:  # recorded by the caller through SIMULATED
+    except Exception as exc:  # recorded through SIMULATED
         SIMULATED["triton.backends.nvidia.driver:CudaDriver.is_active"] = f"not patched: {exc!r}"
 
 
-def install_platform(system: dict, world_size: int):
+def install_platform():
     """Install a subclass of vLLM's real non-NVML CUDA platform as the current platform."""
     import vllm.platforms as platforms
     from vllm.platforms import cuda as vcuda
     from vllm.platforms.interface import DeviceCapability
 
-    props = _DeviceProperties(system)
-    capability = DeviceCapability(major=props.major, minor=props.minor)
     base = vcuda.NonNvmlCudaPlatform
+    P = _State
 
     overrides = {
-        "get_device_capability": lambda cls, device_id=0: capability,
-        "get_device_name": lambda cls, device_id=0: props.name,
-        "get_device_uuid": lambda cls, device_id=0: props.uuid,
-        "get_device_total_memory": lambda cls, device_id=0: props.total_memory,
-        "device_count": lambda cls: world_size,
+        "get_device_capability": lambda cls, device_id=0: DeviceCapability(major=P.props.major, minor=P.props.minor),
+        "get_device_name": lambda cls, device_id=0: P.props.name,
+        "get_device_uuid": lambda cls, device_id=0: P.props.uuid,
+        "get_device_total_memory": lambda cls, device_id=0: P.props.total_memory,
+        "device_count": lambda cls: P.world_size,
         "is_fully_connected": lambda cls, *a, **k: True,
         "get_device_numa_node": lambda cls, device_id=0: None,
         "get_all_device_numa_nodes": lambda cls: None,
-        "num_compute_units": lambda cls, device_id=0: props.multi_processor_count,
+        "num_compute_units": lambda cls, device_id=0: P.props.multi_processor_count,
         "is_integrated_gpu": lambda cls, device_id=0: False,
-        "is_arch_support_pdl": lambda cls: props.major >= 9,
+        "is_arch_support_pdl": lambda cls: P.props.major >= 9,
     }
     ns: dict = {"__module__": __name__, "__qualname__": "SimulatedCudaPlatform"}
     for name, fn in overrides.items():
@@ -174,5 +207,44 @@ def stand_in_cuda_streams() -> None:
     SIMULATED["torch.cuda.Stream/Event"] = "inert stand-ins (construction stores them; nothing runs)"
 
 
-__all__ = ["SIMULATED", "load_stub_libcuda", "simulate_torch", "install_platform", "meta_device_mode",
-           "stand_in_cuda_streams", "types"]
+
+
+
+#: Objects that, on a GPU, allocate device memory or compile kernels when constructed. Each is
+#: replaced by a stand-in that records its constructor arguments; vLLM's checks before and around
+#: them still run. Applied when the defining module is imported.
+STAND_INS: tuple[str, ...] = (
+    "vllm.models.kimi_k3.nvidia.ops.cute_dsl.latent_moe_tail:CollectiveKernel",
+    "vllm.models.kimi_k3.nvidia.ops.cute_dsl.latent_moe_tail:AdaptiveUpProjectionKernel",
+    "vllm.models.kimi_k3.nvidia.ops.cute_dsl.latent_moe_tail:LamportCopyKernel",
+)
+
+#: constructor calls the stand-ins received: (qualname, kwargs names)
+STAND_IN_CALLS: list[dict] = []
+
+
+def _make_stand_in(qualname: str, original: type) -> type:
+    def __init__(self, *args, **kwargs):
+        STAND_IN_CALLS.append({"cls": qualname, "args": len(args), "kwargs": sorted(kwargs)})
+
+    def __getattr__(self, item):
+        raise AttributeError(f"{qualname} is a resolve-mode stand-in; {item!r} is not simulated")
+
+    return type(original.__name__, (), {"__init__": __init__, "__getattr__": __getattr__,
+                                         "__module__": original.__module__,
+                                         "__qualname__": original.__qualname__,
+                                         "__serving_truth_stand_in__": qualname})
+
+
+def install_stand_ins(hooks) -> None:
+    """Register post-import hooks that swap each STAND_INS class for a recording stand-in."""
+    for spec in STAND_INS:
+        module, _, name = spec.partition(":")
+
+        def swap(mod, name=name, spec=spec):
+            original = getattr(mod, name, None)
+            if isinstance(original, type):
+                setattr(mod, name, _make_stand_in(spec, original))
+                SIMULATED[spec] = "stand-in that records its constructor arguments (no kernel built)"
+
+        hooks.register(module, swap)

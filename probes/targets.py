@@ -35,6 +35,8 @@ class Target:
     title: str = ""
     #: False for targets that only exist in some releases and whose absence is expected
     required: bool = True
+    #: scope targets: also record what the object chose at construction (enums, classes, flags)
+    construct: bool = False
 
 
 VLLM = "vllm."
@@ -42,16 +44,22 @@ MOE = VLLM + "model_executor.layers.fused_moe."
 K3 = VLLM + "models.kimi_k3.nvidia."
 
 TARGETS: tuple[Target, ...] = (
-    # --- scopes: which layer is being built --------------------------------------------------
-    Target("scope.decoder_layer", "scope", (K3 + "model:KimiDecoderLayer.__init__",), title="decoder layer"),
-    Target("scope.fused_moe", "scope", (MOE + "layer:FusedMoE.__init__",), title="FusedMoE layer"),
-    Target("scope.kda", "scope", (K3 + "kda:KimiK3DeltaAttention.__init__",), title="KDA layer"),
-    Target("scope.mla", "scope", (K3 + "mla:KimiK3MLAAttention.__init__",
-                                  K3 + "mla:KimiMLAAttention.__init__"), title="MLA layer", required=False),
-    Target("scope.attention", "scope", (VLLM + "model_executor.layers.attention.attention:Attention.__init__",
-                                        VLLM + "attention.layer:Attention.__init__",
-                                        VLLM + "model_executor.layers.attention.mla_attention:MLAAttention.__init__"),
-           title="attention layer", required=False),
+    # --- scopes: which layer is being built (and what it chose) ------------------------------
+    Target("scope.decoder_layer", "scope", (K3 + "model:KimiDecoderLayer.__init__",), args=("prefix",),
+           title="decoder layer"),
+    Target("scope.kimi_moe", "scope", (K3 + "model:KimiMoE.__init__",), args=("prefix",), construct=True,
+           title="K3 MoE block"),
+    Target("scope.routed_experts", "scope", (MOE + "routed_experts:RoutedExperts.__init__",),
+           args=("layer_name",), construct=True, title="routed experts", required=False),
+    Target("scope.latent_runner", "scope", (K3 + "latent_moe_runner:LatentMoERunner.__init__",
+                                            MOE + "runner.latent_moe_runner:LatentMoERunner.__init__"),
+           args=("layer_name", "prefix"), construct=True, title="latent MoE runner", required=False),
+    Target("scope.kda", "scope", (K3 + "kda:KimiK3DeltaAttention.__init__",), args=("prefix",), construct=True,
+           title="KDA layer"),
+    Target("scope.mla", "scope", (K3 + "mla:MultiHeadLatentAttention.__init__",), args=("prefix",),
+           construct=True, title="MLA layer"),
+    Target("scope.mlp", "scope", (K3 + "model:KimiMLP.__init__",), args=("prefix",), construct=True,
+           title="dense / shared-expert MLP", required=False),
     # --- routed experts ------------------------------------------------------------------------
     Target("moe.quant_method", "construct",
            (VLLM + "model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__",),
@@ -59,34 +67,38 @@ TARGETS: tuple[Target, ...] = (
     Target("moe.oracle.deepseek_v4", "select",
            (MOE + "oracle.mxfp4:select_deepseek_v4_mxfp4_moe_backend",), title="MXFP4 MoE oracle (DSv4/K3)"),
     Target("moe.oracle.mxfp4", "select", (MOE + "oracle.mxfp4:select_mxfp4_moe_backend",),
-           title="MXFP4 MoE oracle"),
+           title="MXFP4 MoE oracle (gpt-oss style)", required=False),
     Target("moe.candidates", "candidates", (MOE + "oracle.mxfp4:backend_to_kernel_cls",),
-           args=("backend",), title="MoE backend candidates"),
+           args=("backend",), title="MoE backend candidates (auto)"),
+    Target("moe.requested", "candidates", (MOE + "oracle.mxfp4:_requested_kernel_cls",),
+           args=("backend",), title="MoE backend candidates (--moe-backend)", required=False),
     Target("moe.mega_moe_experts", "construct",
-           (MOE + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.__init__",
-            K3 + "model:KimiK3MegaMoEExperts.__init__"), title="DeepGEMM MegaMoE experts", required=False),
+           (MOE + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.__init__@0.33<=v",
+            K3 + "model:KimiK3MegaMoEExperts.__init__@v<0.33"),
+           title="DeepGEMM MegaMoE experts"),
     # --- KDA -------------------------------------------------------------------------------------
     Target("kda.prefill", "select", (K3 + "kda:resolve_kda_prefill_backend",), phase="prefill",
            title="KDA prefill backend"),
-    Target("kda.decode", "select", (K3 + "kda:resolve_kda_decode_backend",), phase="decode",
-           title="KDA decode backend", required=False),
-    Target("kda.spec_decode", "select", (K3 + "kda:resolve_kda_spec_decode_backend",), phase="spec-verify",
-           title="KDA spec-decode backend", required=False),
+    Target("kda.decode", "select", (K3 + "kda:resolve_kda_decode_backend@0.30<=v",), phase="decode",
+           title="KDA decode backend"),
+    Target("kda.spec_decode", "select", (K3 + "kda:resolve_kda_spec_decode_backend@0.32<=v",),
+           phase="spec-verify", title="KDA spec-decode backend"),
     # --- MLA ---------------------------------------------------------------------------------------
     Target("mla.attn_backend", "select", (VLLM + "platforms.cuda:CudaPlatformBase.get_attn_backend_cls",),
            args=("selected_backend",), phase="decode", title="attention backend"),
+    Target("mla.attn_candidates", "select", (VLLM + "platforms.cuda:CudaPlatformBase.get_valid_backends",),
+           phase="decode", title="attention backend candidates", required=False),
     Target("mla.prefill", "select", (VLLM + "v1.attention.backends.mla.prefill.selector:get_mla_prefill_backend",),
-           phase="prefill", title="MLA prefill backend", required=False),
+           phase="prefill", title="MLA prefill backend"),
 )
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
-    parts = []
-    for piece in text.split("+")[0].split("."):
-        if not piece.isdigit():
-            break
-        parts.append(int(piece))
-    return tuple(parts) if len(parts) >= 2 else None
+    pieces = text.split("+")[0].split(".")
+    if not all(p.isdigit() for p in pieces):
+        return None  # dev/rc builds: no range applies, every spec is tried
+    parts = tuple(int(p) for p in pieces)
+    return parts if len(parts) >= 2 else None
 
 
 def spec_applies(spec_range: str, version: str) -> bool:

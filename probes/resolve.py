@@ -192,42 +192,25 @@ def _init_fake_distributed(vllm_config, rec) -> None:
     rec.emit("distributed", world_size=world)
 
 
-def _describe_obj(value):
-    from .recorder import describe
-
-    return describe(value)
-
-
 def inspect_model(model, rec) -> None:
-    """Read per-layer choices off the constructed modules (the same objects serving would use)."""
-    import enum
+    """Read per-layer choices off the constructed modules (the objects serving would use).
 
+    This runs after the whole model is built, so it also sees choices made after a layer's own
+    constructor (e.g. linear methods swapped at the end of model construction).
+    """
+    from .install import _interesting_attrs
     from .recorder import describe
 
     for name, module in model.named_modules():
         m = _LAYER_RE.search(name)
         if not m:
             continue
-        facts = {}
-        for attr, value in sorted(vars(module).items()):
-            if attr.startswith("_") or attr in ("training",):
-                continue
-            if isinstance(value, (enum.Enum, type)):
-                facts[attr] = describe(value)
-            elif attr in ("quant_method", "impl", "prefill_backend", "attn_backend", "moe_kernel",
-                          "fused_experts", "runner", "kda_prefill_backend", "kda_decode_backend") \
-                    and value is not None:
-                facts[attr] = describe(value) if isinstance(value, type) else describe(type(value)) \
-                    if not isinstance(value, (str, bool, int)) else value
-            elif isinstance(value, str) and ("backend" in attr or attr.endswith("_impl")):
-                facts[attr] = value
-            elif isinstance(value, bool) and ("mega" in attr or "backend" in attr or attr.startswith("use_")):
-                facts[attr] = value
+        facts = _interesting_attrs(module)
         qm = getattr(module, "quant_method", None)
         if qm is not None and not isinstance(qm, type):
-            for attr, value in sorted(vars(qm).items()):
-                if isinstance(value, (enum.Enum, type)):
-                    facts[f"quant_method.{attr}"] = describe(value)
+            facts["quant_method"] = describe(type(qm))
+            for attr, value in _interesting_attrs(qm).items():
+                facts[f"quant_method.{attr}"] = value
         if facts:
             rec.emit("module", name=name, layer=int(m.group(1)),
                      cls=f"{type(module).__module__}:{type(module).__qualname__}", facts=facts)

@@ -1,0 +1,130 @@
+"""Command line: the only place that prints, uses rich, and turns errors into exit codes."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from . import __version__
+from .errors import AuditError, ExitCode, Interrupted
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serving-truth", description="Audit which kernel path every layer of a model "
+                                "takes when vLLM serves it from a pinned environment.")
+    p.add_argument("--version", action="version", version=f"serving-truth {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("audit", help="audit one pin and write reports/<pin>/ledger.md")
+    a.add_argument("pin", help="a pin name from images.lock, e.g. v0.33.0")
+    a.add_argument("--runtime", default="local", help="where to run the probes (default: local)")
+    a.add_argument("--systems", default="all", help="comma list of systems, or 'all'")
+    a.add_argument("--layouts", default="all", help="comma list of layouts (tp8, tp16, dep8), or 'all'")
+    a.add_argument("--lock", default="images.lock", help="path to images.lock")
+    a.add_argument("--reports", default="reports", help="reports directory")
+    a.add_argument("--parallel", type=int, default=2, help="processes resolving at once (default 2)")
+    a.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+
+    r = sub.add_parser("render", help="re-render a ledger from a run directory's evidence")
+    r.add_argument("run_dir")
+    r.add_argument("--lock", default="images.lock")
+    r.add_argument("--reports", default="reports")
+
+    sub.add_parser("pins", help="list the pins in images.lock").add_argument("--lock", default="images.lock")
+    return p
+
+
+def _positive(value: int, name: str) -> int:
+    from .errors import UsageError
+
+    if value < 1:
+        raise UsageError(f"--{name} must be at least 1, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    out = Console()
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the problem
+        return ExitCode.USAGE if exc.code not in (0, None) else ExitCode.OK
+
+    def on_signal(signum, frame):
+        raise Interrupted(f"interrupted by signal {signum}; no report was written or changed")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if args.command == "pins":
+            return _pins(args, out)
+        if args.command == "render":
+            from .core import render_run
+
+            o = render_run(args.run_dir, lock_path=args.lock, reports_dir=args.reports)
+            out.print(str(o.ledger))
+            return ExitCode.OK
+        return _audit(args, out, err)
+    except KeyboardInterrupt:
+        err.print("[red]interrupted[/red]: no report was written or changed")
+        return ExitCode.INTERRUPTED
+    except AuditError as exc:
+        err.print("[red]error:[/red] " + _escape(str(exc)))
+        return int(exc.exit_code)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _pins(args, out) -> int:
+    from rich.table import Table
+
+    from .lock import load
+
+    lock = load(args.lock)
+    t = Table("pin", "vLLM", "runtimes", "wheel sha256 / image")
+    for pin in lock.pins.values():
+        t.add_row(pin.name, pin.vllm_version, ", ".join(pin.runtimes),
+                  (pin.wheel_sha256[:16] + "…") if pin.wheel_sha256 else pin.image)
+    out.print(t)
+    return ExitCode.OK
+
+
+def _audit(args, out, err) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .core import run_audit
+    from .systems import LAYOUTS, SYSTEMS, select
+
+    _positive(args.parallel, "parallel")
+    n = len(select("system", args.systems, SYSTEMS)) * len(select("layout", args.layouts, LAYOUTS))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=False) as bar:
+        task = bar.add_task(f"audit {args.pin}", total=n)
+
+        def progress(event, **fields):
+            if event == "stage":
+                bar.update(task, description=f"audit {args.pin}: {fields['text']}")
+            elif event == "cell-done":
+                bar.advance(task)
+                bar.update(task, description=f"audit {args.pin}: {fields['system']} / {fields['layout']} done")
+
+        outcome = run_audit(args.pin, lock_path=args.lock, runtime=args.runtime, systems=args.systems,
+                            layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
+                            timeout_s=args.timeout, progress=progress)
+    if outcome.incomplete or outcome.partial:
+        err.print(f"[yellow]warning:[/yellow] {outcome.incomplete} cell(s) INCOMPLETE, "
+                  f"{outcome.partial} stopped early; the ledger says where")
+    if outcome.drift:
+        err.print(f"[yellow]warning:[/yellow] {outcome.drift} probe target(s) drifted; see the ledger's Probe drift")
+    err.print(f"evidence: {outcome.run_dir}")
+    out.print(str(outcome.ledger))
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

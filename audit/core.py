@@ -1,0 +1,100 @@
+"""The audit pipeline, without any UI: pin -> runtime -> evidence -> routing -> report files."""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import evidence, lock as lockmod, routing as routingmod
+from .errors import EvidenceError, UsageError
+from .profiles import KIMI_K3, Profile
+from .render import write_report
+from .runtimes import RunRequest, get_runtime
+from .runtimes.base import Progress, new_run_dir, prune_runs
+from .systems import LAYOUTS, SYSTEMS, select
+
+
+@dataclass
+class AuditOutcome:
+    pin: str
+    report_dir: Path
+    ledger: Path
+    routing_path: Path
+    run_dir: Path
+    cells: int
+    incomplete: int
+    partial: int
+    drift: int
+
+
+def reproduce_command(pin: str, systems: list, layouts: list, runtime: str) -> str:
+    cmd = f"make audit PIN={pin}"
+    if runtime != "local":
+        cmd += f" RUNTIME={runtime}"
+    if len(systems) != len(SYSTEMS):
+        cmd += " SYSTEMS=" + ",".join(s.name for s in systems)
+    if len(layouts) != len(LAYOUTS):
+        cmd += " LAYOUTS=" + ",".join(l.name for l in layouts)
+    return cmd
+
+
+def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: str = "local",
+              systems: str | list | None = None, layouts: str | list | None = None,
+              reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int = 2,
+              timeout_s: float | None = None, progress: Progress = lambda *a, **k: None) -> AuditOutcome:
+    pin = lockmod.load(lock_path).get(pin_name)
+    sys_sel = select("system", systems, SYSTEMS)
+    lay_sel = select("layout", layouts, LAYOUTS)
+    rt = get_runtime(runtime)
+    rt.check(pin)
+    cells = [(s, l) for s in sys_sel for l in lay_sel]
+    run_dir = new_run_dir(pin)
+    request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
+                         timeout_s=timeout_s)
+    result = rt.run(request, progress)
+    run_info = {**result.info, "vllm_commit": pin.vllm_commit,
+                "reproduce": reproduce_command(pin.name, sys_sel, lay_sel, runtime)}
+    meta = {"pin": pin.name, "profile": profile.name, "run": run_info,
+            "cells": [[s.name, l.name] for s, l in cells],
+            "missing": [[k[0], k[1], v] for k, v in sorted(result.missing.items())]}
+    (run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+    outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir)
+    prune_runs(pin)
+    return outcome
+
+
+def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
+               reports_dir: str | Path = "reports") -> AuditOutcome:
+    """(Re)build routing.json and ledger.md from a run directory's evidence; idempotent."""
+    run_dir = Path(run_dir)
+    try:
+        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{run_dir} is not a finished run directory (no run.json)",
+                         hint="pass a directory printed by `serving-truth audit`") from None
+    pin = lockmod.load(lock_path).get(meta["pin"])
+    profile = {KIMI_K3.name: KIMI_K3}[meta["profile"]]
+    files = evidence.read_dir(run_dir / "evidence")
+    expected = [tuple(c) for c in meta["cells"]]
+    missing = {(s, l): info for s, l, info in meta["missing"]}
+    if not files:
+        raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}")
+    routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=expected,
+                                       missing=missing, run=meta["run"])
+    report_dir = Path(reports_dir) / pin.name
+    write_report(report_dir, routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"])
+    cells = routing["cells"]
+    return AuditOutcome(
+        pin=pin.name, report_dir=report_dir, ledger=report_dir / "ledger.md",
+        routing_path=report_dir / "routing.json", run_dir=run_dir, cells=len(cells),
+        incomplete=sum(c["status"] == "INCOMPLETE" for c in cells),
+        partial=sum(c["status"] == "PARTIAL" for c in cells),
+        drift=len({d["target"] for c in cells for d in c["drift"]}),
+    )
+
+
+def clean_cache(keep_envs: bool = True) -> None:
+    from .runtimes.base import cache_root
+
+    shutil.rmtree(cache_root() / "runs", ignore_errors=True)

@@ -1,0 +1,113 @@
+"""Model profiles: what to audit for a model, as data.
+
+A profile names the model's config (shipped as package data, no weights), the modules worth
+importing once per SM, and the *lanes* the ledger reports: for each lane, which evidence records
+(by probe target id) carry its answer per layer. A new model is a new profile, not new code.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a lane's per-layer answer comes from.
+
+    ``kind``/``target`` select records (for ``module`` records, ``target`` is a regular expression
+    on the module name); ``fields`` are ``result`` (a selector's return value), ``attrs.<name>``
+    (what a constructed object chose), ``facts.<name>`` (read off the built module) or ``cls``.
+    """
+
+    kind: str
+    target: str
+    fields: tuple[str, ...]
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Lane:
+    id: str
+    title: str
+    layer_kind: str  # which layers it applies to: moe, kda, mla, dense
+    phase: str  # prefill / decode / spec-verify / all
+    sources: tuple[Source, ...]
+    #: evidence kinds whose records in a layer are this lane's candidates
+    candidates_target: str = ""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    title: str
+    architecture: str
+    config_package_path: str  # inside audit/data
+    warm_imports: tuple[str, ...]
+    lanes: tuple[Lane, ...]
+    #: class qualname suffix -> layer kind, read from scope records (what vLLM actually built)
+    layer_classes: dict[str, str] = field(default_factory=dict)
+
+    def config_text(self) -> str:
+        return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
+
+    def write_model_dir(self, directory: Path) -> Path:
+        """A model directory holding only config.json (weights are dummy; nothing is downloaded)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "config.json"
+        text = self.config_text()
+        json.loads(text)  # fail early on a damaged package
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)
+        return directory
+
+
+KIMI_K3 = Profile(
+    name="kimi-k3",
+    title="Kimi-K3",
+    architecture="KimiK3ForConditionalGeneration",
+    config_package_path="kimi-k3/config.json",
+    warm_imports=(
+        "vllm.config",
+        "vllm.engine.arg_utils",
+        "vllm.model_executor.model_loader",
+        "vllm.models.kimi_k3",
+    ),
+    layer_classes={
+        "KimiK3DeltaAttention": "kda",
+        "MultiHeadLatentAttention": "mla",
+        "KimiMoE": "moe",
+        "KimiMLP@mlp": "dense",
+    },
+    lanes=(
+        Lane("moe", "Routed experts", "moe", "all", (
+            Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls")),
+            Source("construct", "moe.mega_moe_experts", ("cls",), label="MegaMoE"),
+        ), candidates_target="moe.candidate"),
+        Lane("kda.prefill", "KDA prefill", "kda", "prefill", (Source("select", "kda.prefill", ("result",)),)),
+        Lane("kda.decode", "KDA decode", "kda", "decode", (
+            Source("select", "kda.decode", ("result",)),
+            Source("construct", "scope.kda", ("attrs.kda_decode_backend",)),
+        )),
+        Lane("kda.spec_verify", "KDA spec-verify", "kda", "spec-verify", (
+            Source("select", "kda.spec_decode", ("result",)),
+        )),
+        Lane("mla.decode", "MLA attention (decode)", "mla", "decode", (
+            Source("construct", "scope.mla", ("attrs.attn_backend", "attrs.impl")),
+        )),
+        Lane("mla.prefill", "MLA prefill", "mla", "prefill", (
+            Source("construct", "scope.mla", ("attrs.prefill_backend",)),
+        )),
+        Lane("dense", "Dense MLP linears (layer 0)", "dense", "all", (
+            Source("module", r"\.mlp\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
+        )),
+        Lane("shared", "Shared-expert linears", "moe", "all", (
+            Source("module", r"\.shared_experts\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
+        )),
+    ),
+)
+
+PROFILES = {p.name: p for p in (KIMI_K3,)}

@@ -1,0 +1,145 @@
+"""Render routing.json into the markdown ledger (jinja2 templates shipped as package data).
+
+The renderer only formats: every fact comes from the routing model, which comes from evidence.
+The same routing always renders the same bytes (stable ordering, no clock).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+
+from . import __version__
+from .errors import RenderError
+from .fsutil import write_all_atomic
+from .routing import EVIDENCE_LEVELS, STAGE_MEANING, STAGE_ORDER, short
+from .systems import LAYOUTS, SYSTEMS
+
+
+def _md(text) -> str:
+    """Escape a value for a markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ").strip()
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("audit", "templates"),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["md"] = _md
+    env.filters["short"] = short
+    return env
+
+
+def _lane_summary(groups: list[dict]) -> str:
+    if not groups:
+        return "—"
+    if len(groups) == 1:
+        return groups[0]["value"]
+    return "; ".join(f"{g['value']} (layers {g['ranges']})" for g in groups)
+
+
+def _uniform(cells: list[dict], getter):
+    """The value every complete cell agrees on, or None with the disagreeing values."""
+    values = {json.dumps(getter(c), sort_keys=True) for c in cells if c.get("status") != "INCOMPLETE"}
+    if len(values) == 1:
+        return json.loads(values.pop()), []
+    return None, sorted(values)
+
+
+def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
+    cells = routing["cells"]
+    systems = [s for s in SYSTEMS.values() if any(c["system"] == s.name for c in cells)]
+    known_layouts = [l for l in LAYOUTS.values() if any(c["layout"] == l.name for c in cells)]
+    lane_titles = routing.get("lane_titles", {})
+    lane_ids = list(lane_titles) or sorted({k for c in cells for k in c["lanes"]})
+    by = {(c["system"], c["layout"]): c for c in cells}
+
+    matrices = []
+    for layout in known_layouts:
+        rows = []
+        for lane in lane_ids:
+            row = [lane_titles.get(lane, lane)]
+            for s in systems:
+                c = by.get((s.name, layout.name))
+                if c is None:
+                    row.append("not audited")
+                elif c["status"] == "INCOMPLETE":
+                    row.append("INCOMPLETE")
+                else:
+                    row.append(_lane_summary(c["lanes"].get(lane, [])))
+            rows.append(row)
+        levels = sorted({by[(s.name, layout.name)]["evidence"] for s in systems if (s.name, layout.name) in by})
+        matrices.append({"layout": layout, "rows": rows, "levels": levels})
+
+    details = []
+    for s in systems:
+        entries = []
+        for layout in known_layouts:
+            c = by.get((s.name, layout.name))
+            if c is None:
+                continue
+            lanes = []
+            for lane in lane_ids:
+                for g in c["lanes"].get(lane, []):
+                    lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"]})
+            entries.append({"layout": layout, "cell": c, "lanes": lanes})
+        details.append({"system": s, "entries": entries})
+
+    drift = {}
+    for c in cells:
+        for d in c["drift"]:
+            key = d["target"]
+            drift.setdefault(key, {**d, "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
+    complete = [c for c in cells if c["status"] != "INCOMPLETE"]
+    fingerprint, fp_diff = _uniform(complete, lambda c: c.get("fingerprint", {}))
+    availability, av_diff = _uniform(complete, lambda c: c.get("availability", {}))
+    simulated, _ = _uniform(complete, lambda c: c.get("simulated", {}))
+    levels = sorted({c["evidence"] for c in cells})
+    return {
+        "title": profile_title,
+        "routing": routing,
+        "pin": routing["pin"],
+        "run": routing.get("run", {}),
+        "harness_version": __version__,
+        "systems": systems,
+        "layouts": known_layouts,
+        "matrices": matrices,
+        "details": details,
+        "drift": sorted(drift.values(), key=lambda d: d["target"]),
+        "incomplete": [c for c in cells if c["status"] == "INCOMPLETE"],
+        "partial": [c for c in cells if c["status"] == "PARTIAL"],
+        "fingerprint": fingerprint or {},
+        "fingerprint_differs": bool(fp_diff),
+        "availability": availability or {},
+        "availability_differs": bool(av_diff),
+        "simulated": simulated or {},
+        "levels": levels,
+        "level_text": EVIDENCE_LEVELS,
+        "stage_order": STAGE_ORDER,
+        "stage_meaning": STAGE_MEANING,
+        "reproduce": reproduce,
+    }
+
+
+def render_ledger(routing: dict, *, profile_title: str, reproduce: str) -> str:
+    try:
+        template = _env().get_template("ledger.md.j2")
+        return template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce))
+    except jinja2.TemplateError as exc:
+        raise RenderError(f"ledger template failed: {exc}") from exc
+
+
+def routing_json(routing: dict) -> str:
+    return json.dumps(routing, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def write_report(report_dir: Path, routing: dict, *, profile_title: str, reproduce: str) -> list[Path]:
+    """Render first, then replace ``routing.json`` and ``ledger.md`` together (atomic per file)."""
+    ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce)
+    return write_all_atomic({report_dir / "routing.json": routing_json(routing), report_dir / "ledger.md": ledger})

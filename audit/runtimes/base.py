@@ -1,0 +1,131 @@
+"""The runtime interface and the run directory every runtime fills the same way."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Protocol
+
+from ..lock import Pin
+from ..profiles import Profile
+from ..systems import Layout, System
+
+#: progress(event, **fields): "stage" (text), "cell-done" (system, layout, ok)
+Progress = Callable[..., None]
+
+
+def cache_root() -> Path:
+    root = os.environ.get("SERVING_TRUTH_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "serving-truth"
+
+
+@dataclass
+class RunRequest:
+    pin: Pin
+    profile: Profile
+    cells: list[tuple[System, Layout]]
+    run_dir: Path
+    parallel: int = 2
+    timeout_s: float | None = None
+
+    @property
+    def evidence_dir(self) -> Path:
+        return self.run_dir / "evidence"
+
+
+@dataclass
+class RunResult:
+    evidence_dir: Path
+    #: (system, layout) -> {"reason": ..., "log_tail": ...} for cells without evidence
+    missing: dict[tuple[str, str], dict] = field(default_factory=dict)
+    #: runtime facts for the provenance block (runtime, python, mode, date, ...)
+    info: dict = field(default_factory=dict)
+
+
+class Runtime(Protocol):
+    name: str
+
+    def check(self, pin: Pin) -> None:
+        """Raise RuntimeUnsupportedError when this runtime cannot audit the pin."""
+
+    def run(self, request: RunRequest, progress: Progress) -> RunResult:
+        ...
+
+
+def new_run_dir(pin: Pin, *, root: Path | None = None) -> Path:
+    root = (root or cache_root()) / "runs"
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = root / f"{pin.name}-{stamp}-{os.getpid()}"
+    path.mkdir()
+    return path
+
+
+def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
+    runs = sorted((root or cache_root()).joinpath("runs").glob(f"{pin.name}-*"))
+    for old in runs[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def stage_probes(run_dir: Path) -> Path:
+    """Copy the probes package into the run directory: the exact probes a run used stay with it."""
+    src = resources.files("probes")
+    dest = run_dir / "probes"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for entry in src.iterdir():
+        if entry.name.endswith(".py"):
+            (dest / entry.name).write_text(entry.read_text(encoding="utf-8"), encoding="utf-8")
+    return run_dir
+
+
+def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str) -> Path:
+    plan = {
+        "schema": 1,
+        "pin": request.pin.name,
+        "model_dir": model_dir,
+        "stub_libcuda": stub_libcuda,
+        "out_dir": out_dir,
+        "parallel": request.parallel,
+        "serve_args": ["--load-format", "dummy"],
+        "warm_third_party": ["torch", "transformers", "triton"],
+        "warm_imports": list(request.profile.warm_imports),
+        "cells": [{"system": s.as_job(), "layout": l.as_job()} for s, l in request.cells],
+    }
+    path = request.run_dir / "plan.json"
+    path.write_text(json.dumps(plan, indent=1, sort_keys=True), encoding="utf-8")
+    return path
+
+
+def cell_dir_name(system: str, layout: str) -> str:
+    return f"{system}--{layout}"
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def collect_missing(request: RunRequest, *, fallback_log: Path | None = None) -> dict[tuple[str, str], dict]:
+    """Cells whose process left no evidence file, with the tail of their log."""
+    missing = {}
+    for system, layout in request.cells:
+        d = request.evidence_dir / cell_dir_name(system.name, layout.name)
+        if any(d.glob("evidence-*.jsonl")):
+            continue
+        log = d / "agent.log"
+        tail = log_tail(log) if log.exists() else (log_tail(fallback_log) if fallback_log else "")
+        missing[(system.name, layout.name)] = {
+            "reason": "the cell's process ended without writing evidence" if log.exists()
+            else "the cell never started (the agent failed before it)",
+            "log_tail": tail,
+        }
+    return missing

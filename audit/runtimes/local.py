@@ -1,0 +1,271 @@
+"""The local runtime: a cached venv holding exactly the pinned vLLM wheel, no GPU needed.
+
+The environment is built once per (wheel sha256, Python) under the cache root and reused. The probe
+agent runs in a subprocess of that venv with a minimal, explicit environment (no host variables leak
+in, host toolchains such as a CUDA toolkit on /usr/local are not on PATH), in resolve mode.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .. import cudastub
+from ..errors import EnvironmentBuildError, Interrupted, RuntimeUnsupportedError, WheelHashMismatch
+from ..lock import Pin
+from .base import (Progress, RunRequest, RunResult, cache_root, cell_dir_name, collect_missing, log_tail,
+                   stage_probes, write_plan)
+
+ENV_MARKER = ".serving-truth-env.json"
+#: run inside a freshly built env: what it holds (torch must be a CUDA build)
+ENV_PROBE = ("import json, platform, torch, importlib.metadata as m; print(json.dumps({'torch': torch.__version__, "
+             "'cuda': torch.version.cuda, 'vllm': m.version('vllm'), 'python': platform.python_version()}))")
+#: the only PATH entries the agent sees besides the venv: the OS, not the host's toolchains
+SYSTEM_PATH = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def find_python(version: str) -> str:
+    """An interpreter for ``3.X``: on PATH, or under pyenv; errors name what was tried."""
+    tried = []
+    candidates = [shutil.which(f"python{version}")]
+    pyenv_root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
+    candidates += sorted(glob.glob(f"{pyenv_root}/versions/{version}.*/bin/python{version}"), reverse=True)
+    candidates += [f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
+    for c in candidates:
+        if not c or not os.path.exists(c):
+            continue
+        tried.append(c)
+        try:
+            out = subprocess.run([c, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and out.stdout.strip() == version:
+            return c
+    raise EnvironmentBuildError(
+        f"no working Python {version} found (tried: {', '.join(tried) or 'nothing on PATH or under pyenv'})",
+        step="find python", hint=f"install Python {version} (e.g. `pyenv install {version}`) or put python{version} on PATH",
+    )
+
+
+def _run(cmd: list[str], *, step: str, env: dict | None = None, timeout: float = 3600) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise EnvironmentBuildError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}", step=step,
+                                    log_tail=str(exc.stdout or "")[-3000:]) from None
+    except OSError as exc:
+        raise EnvironmentBuildError(f"cannot run {cmd[0]}: {exc}", step=step) from None
+    if out.returncode != 0:
+        tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
+        raise EnvironmentBuildError(f"failed (exit {out.returncode}): {' '.join(cmd)}", step=step, log_tail=tail)
+    return out.stdout
+
+
+class LocalRuntime:
+    name = "local"
+
+    def __init__(self, root: Path | None = None):
+        self.root = root or cache_root()
+
+    # -- pins ----------------------------------------------------------------------------------
+    def check(self, pin: Pin) -> None:
+        if not pin.has_wheel:
+            raise RuntimeUnsupportedError(
+                pin.name, runtime=self.name, supported=[r for r in pin.runtimes if r != self.name],
+                reason="it pins an image, not a PyPI wheel the local runtime could install")
+
+    def env_dir(self, pin: Pin) -> Path:
+        tag = "cp" + pin.python.replace(".", "")
+        return self.root / "envs" / f"vllm-{pin.vllm_version}-{tag}-{pin.wheel_sha256[:12]}"
+
+    # -- environment ---------------------------------------------------------------------------
+    def wheel_path(self, pin: Pin, progress: Progress) -> Path:
+        wheels = self.root / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        path = wheels / pin.wheel
+        if path.exists() and sha256_file(path) == pin.wheel_sha256:
+            return path
+        progress("stage", text=f"downloading {pin.wheel}")
+        python = find_python(pin.python)
+        tmp = wheels / f".download-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _run([python, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                  f"vllm=={pin.vllm_version}", "-d", str(tmp)], step="download wheel")
+            got = tmp / pin.wheel
+            if not got.exists():
+                names = ", ".join(p.name for p in tmp.iterdir()) or "nothing"
+                raise EnvironmentBuildError(
+                    f"pip downloaded {names}, not the pinned {pin.wheel}", step="download wheel",
+                    hint="the pinned wheel is for another platform/Python; check images.lock")
+            found = sha256_file(got)
+            if found != pin.wheel_sha256:
+                raise WheelHashMismatch(wheel=pin.wheel, expected=pin.wheel_sha256, found=found)
+            os.replace(got, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return path
+
+    def ensure_env(self, pin: Pin, progress: Progress) -> Path:
+        """Build (once) the venv holding the pinned wheel; verify it carries a CUDA torch."""
+        env = self.env_dir(pin)
+        marker = env / ENV_MARKER
+        if marker.exists():
+            try:
+                info = json.loads(marker.read_text())
+                if info.get("wheel_sha256") == pin.wheel_sha256:
+                    return env
+            except (OSError, ValueError):
+                pass
+        wheel = self.wheel_path(pin, progress)
+        python = find_python(pin.python)
+        progress("stage", text=f"building the vLLM {pin.vllm_version} environment (once; several minutes)")
+        if env.exists():
+            shutil.rmtree(env)
+        env.parent.mkdir(parents=True, exist_ok=True)
+        _run([python, "-m", "venv", str(env)], step="create venv")
+        py = str(env / "bin" / "python")
+        _run([py, "-m", "pip", "install", "--no-input", str(wheel)], step="pip install vllm wheel",
+             timeout=5400)
+        probe = _run([py, "-c", ENV_PROBE], step="check torch", env=self._env(env, None))
+        info = json.loads(probe.strip().splitlines()[-1])
+        if not info.get("cuda"):
+            raise EnvironmentBuildError(
+                f"torch {info.get('torch')} in {env} is a CPU build; vLLM's compiled ops need the CUDA build",
+                step="check torch", hint="a local find-links wheel shadowed PyPI's; remove it from pip's config and rebuild")
+        if info.get("vllm") != pin.vllm_version:
+            raise EnvironmentBuildError(f"installed vLLM is {info.get('vllm')}, pinned {pin.vllm_version}",
+                                        step="check vllm")
+        marker.write_text(json.dumps({"wheel_sha256": pin.wheel_sha256, **info}, sort_keys=True))
+        return env
+
+    def site_packages(self, env: Path) -> Path:
+        found = sorted(env.glob("lib/python*/site-packages"))
+        if not found:
+            raise EnvironmentBuildError(f"no site-packages under {env}", step="inspect venv")
+        return found[0]
+
+    def ensure_stub(self, env: Path) -> Path:
+        if cudastub.real_driver_present():
+            raise EnvironmentBuildError(
+                "a real NVIDIA driver is present: resolve mode refuses to stand in for it",
+                step="stub libcuda", hint="observe mode (a later capability) is the way to audit on a GPU host")
+        return cudastub.build_stub([self.site_packages(env)], self.root / "stubs")
+
+    def _env(self, env: Path, stub: Path | None, pythonpath: Path | None = None) -> dict:
+        """The agent's whole environment: explicit, minimal, reproducible."""
+        caches = self.root / "runtime-cache" / env.name
+        out = {
+            "PATH": os.pathsep.join([str(env / "bin"), *SYSTEM_PATH]),
+            "HOME": str(caches / "home"),
+            "LANG": "C.UTF-8",
+            "TZ": "UTC",
+            "PYTHONNOUSERSITE": "1",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_CACHE_ROOT": str(caches / "vllm"),
+            "TRITON_CACHE_DIR": str(caches / "triton"),
+            "XDG_CACHE_HOME": str(caches / "xdg"),
+            "VLLM_PLUGINS": "",
+        }
+        if stub is not None:
+            out["LD_LIBRARY_PATH"] = str(stub.parent)
+        if pythonpath is not None:
+            out["PYTHONPATH"] = str(pythonpath)
+        return out
+
+    # -- run -----------------------------------------------------------------------------------
+    def run(self, request: RunRequest, progress: Progress) -> RunResult:
+        self.check(request.pin)
+        env = self.ensure_env(request.pin, progress)
+        progress("stage", text="building the stub libcuda (cached)")
+        stub = self.ensure_stub(env)
+        model_dir = request.profile.write_model_dir(request.run_dir / "model")
+        stage_probes(request.run_dir)
+        request.evidence_dir.mkdir(parents=True, exist_ok=True)
+        plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub),
+                          out_dir=str(request.evidence_dir))
+        log = request.run_dir / "agent.log"
+        started = datetime.now(timezone.utc)
+        progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.agent", str(plan)],
+                                    stdout=fh, stderr=subprocess.STDOUT, env=self._env(env, stub, request.run_dir),
+                                    cwd=str(request.run_dir), start_new_session=True)
+            try:
+                self._wait(proc, request, progress)
+            except BaseException:
+                _kill(proc)
+                raise
+        missing = collect_missing(request, fallback_log=log)
+        if len(missing) == len(request.cells):
+            from ..errors import ProbeRunError
+
+            raise ProbeRunError("the agent produced no evidence for any cell", cell="all",
+                                returncode=proc.returncode, log_tail=log_tail(log))
+        py = json.loads((env / ENV_MARKER).read_text())
+        return RunResult(evidence_dir=request.evidence_dir, missing=missing, info={
+            "runtime": f"local venv ({env.name})", "python": py.get("python"),
+            "mode": "resolve", "date": started.strftime("%Y-%m-%d"),
+        })
+
+    def _wait(self, proc: subprocess.Popen, request: RunRequest, progress: Progress) -> None:
+        deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
+        reported: set[tuple[str, str]] = set()
+        while True:
+            rc = proc.poll()
+            for system, layout in request.cells:
+                key = (system.name, layout.name)
+                d = request.evidence_dir / cell_dir_name(*key)
+                if key not in reported and any(d.glob("evidence-*.jsonl")):
+                    reported.add(key)
+                    progress("cell-done", system=key[0], layout=key[1])
+            if rc is not None:
+                return
+            if deadline and time.monotonic() > deadline:
+                _kill(proc)
+                from ..errors import ProbeRunError
+
+                raise ProbeRunError(f"timed out after {request.timeout_s:.0f}s", cell="all",
+                                    returncode=None, log_tail=log_tail(request.run_dir / "agent.log"))
+            time.sleep(0.5)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Stop the agent and every process it forked (they share its session)."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+__all__ = ["LocalRuntime", "find_python", "sha256_file", "Interrupted"]

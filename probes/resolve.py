@@ -66,6 +66,7 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
             simulate.simulate_torch()
             probes = ProbeSet(rec, vllm_version=_vllm_version()).install()
             simulate.install_stand_ins(probes.hooks)
+            simulate.install_in_process_registry(probes.hooks)
             platform = simulate.install_platform()
             simulate.stand_in_cuda_streams()
             base = type(platform).__mro__[1]

@@ -248,3 +248,27 @@ def install_stand_ins(hooks) -> None:
                 SIMULATED[spec] = "stand-in that records its constructor arguments (no kernel built)"
 
         hooks.register(module, swap)
+
+
+def install_in_process_registry(hooks) -> None:
+    """vLLM inspects model classes in a fresh subprocess (so the frontend never initialises CUDA).
+    That subprocess would not carry the simulated platform, and K3's package picks its NVIDIA or
+    AMD implementation at import time by platform, so resolve mode runs the inspection in-process,
+    under the same simulated GPU."""
+    import functools
+
+    def patch(mod):
+        original = getattr(mod, "_run_in_subprocess", None)
+        if original is None:
+            SIMULATED["vllm registry model inspection"] = "not patched: _run_in_subprocess not found"
+            return
+
+        @functools.wraps(original)
+        def in_process(fn):
+            return fn()
+
+        mod._run_in_subprocess = in_process
+        SIMULATED["vllm registry model inspection"] = ("run in-process under the simulated platform "
+                                                       "(vLLM uses a subprocess to avoid CUDA init)")
+
+    hooks.register("vllm.model_executor.models.registry", patch)

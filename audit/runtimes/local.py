@@ -169,7 +169,8 @@ class LocalRuntime:
                 step="stub libcuda", hint="observe mode (a later capability) is the way to audit on a GPU host")
         return cudastub.build_stub([self.site_packages(env)], self.root / "stubs")
 
-    def _env(self, env: Path, stub: Path | None, pythonpath: Path | None = None) -> dict:
+    def _env(self, env: Path, stub: Path | None, pythonpath: Path | None = None,
+             run_dir: Path | None = None) -> dict:
         """The agent's whole environment: explicit, minimal, reproducible."""
         caches = self.root / "runtime-cache" / env.name
         out = {
@@ -183,7 +184,8 @@ class LocalRuntime:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
-            "VLLM_CACHE_ROOT": str(caches / "vllm"),
+            # vLLM's own caches hold derived state (model info, compile artefacts): per run
+            "VLLM_CACHE_ROOT": str((run_dir or caches) / "vllm-cache"),
             "TRITON_CACHE_DIR": str(caches / "triton"),
             "XDG_CACHE_HOME": str(caches / "xdg"),
             "VLLM_PLUGINS": "",
@@ -210,7 +212,7 @@ class LocalRuntime:
         progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
         with open(log, "wb") as fh:
             proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.agent", str(plan)],
-                                    stdout=fh, stderr=subprocess.STDOUT, env=self._env(env, stub, request.run_dir),
+                                    stdout=fh, stderr=subprocess.STDOUT, env=self._env(env, stub, request.run_dir, request.run_dir),
                                     cwd=str(request.run_dir), start_new_session=True)
             try:
                 self._wait(proc, request, progress)

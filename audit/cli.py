@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--reports", default="reports")
 
     sub.add_parser("pins", help="list the pins in images.lock").add_argument("--lock", default="images.lock")
+
+    e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
+    e.add_argument("pin")
+    e.add_argument("--lock", default="images.lock")
     return p
 
 
@@ -45,8 +49,8 @@ def _positive(value: int, name: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    err = Console(stderr=True)
-    out = Console()
+    err = Console(stderr=True, soft_wrap=True)
+    out = Console(soft_wrap=True)
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse already printed the problem
@@ -59,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pins":
             return _pins(args, out)
+        if args.command == "env":
+            return _env(args, out, err)
         if args.command == "render":
             from .core import render_run
 
@@ -94,13 +100,32 @@ def _pins(args, out) -> int:
     return ExitCode.OK
 
 
+def _env(args, out, err) -> int:
+    from .lock import load
+    from .runtimes.local import LocalRuntime
+
+    pin = load(args.lock).get(args.pin)
+    rt = LocalRuntime()
+    rt.check(pin)
+    with err.status(f"preparing the vLLM {pin.vllm_version} environment") as status:
+        env = rt.ensure_env(pin, lambda event, **f: status.update(f.get("text", "")))
+        stub = rt.ensure_stub(env)
+    out.print(str(env))
+    err.print(f"stub libcuda: {stub}")
+    return ExitCode.OK
+
+
 def _audit(args, out, err) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .core import run_audit
     from .systems import LAYOUTS, SYSTEMS, select
 
+    from .lock import load
+    from .runtimes import get_runtime
+
     _positive(args.parallel, "parallel")
+    get_runtime(args.runtime).check(load(args.lock).get(args.pin))  # bad input fails before any work
     n = len(select("system", args.systems, SYSTEMS)) * len(select("layout", args.layouts, LAYOUTS))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:

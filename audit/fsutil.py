@@ -6,6 +6,12 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | Path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -15,6 +21,7 @@ def write_atomic(path: str | Path, text: str) -> Path:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; reports are ordinary files
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -40,6 +47,7 @@ def write_all_atomic(files: dict[Path, str]) -> list[Path]:
                 fh.write(text)
                 fh.flush()
                 os.fsync(fh.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())
     except BaseException:
         for tmp, _ in staged:
             try:

@@ -182,7 +182,7 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
         raise err(ctx + f"python must look like '3.12', got {python!r}", "python")
     wheel, sha = raw.get("wheel", ""), raw.get("wheel_sha256", "")
     if bool(wheel) != bool(sha):
-        raise err(ctx + "wheel and wheel_sha256 go together", "wheel_sha256" if wheel else "wheel",
+        raise err(ctx + "wheel and wheel_sha256 go together", "wheel" if wheel else "wheel_sha256",
                   hint="a wheel is only trusted with the sha256 of the exact file")
     if sha and not _SHA256.match(sha):
         raise err(ctx + f"wheel_sha256 is not 64 lower-case hex digits: {sha!r}", "wheel_sha256")

@@ -272,6 +272,34 @@ class ProbeSet:
                 st.status = "drift" if imported_or_missing else "not-reached"
             self.rec.emit("target", target=tid, target_kind=st.target.kind, status=st.status, spec=st.spec,
                           required=st.target.required, attempts=st.attempts, title=st.target.title)
+        self.rec.emit("contract", checks=self.check_contract())
+
+    def check_contract(self) -> list[dict]:
+        """Re-verify, on the live objects, what every wrapper promises: same signature, metadata and
+        descriptor kind as the original, installed on the class that defines the attribute."""
+        out = []
+        for patch in self.patches:
+            orig = patch.original.__func__ if isinstance(patch.original, (classmethod, staticmethod)) else patch.original
+            repl = patch.replacement
+            wrapper = repl.__func__ if isinstance(repl, (classmethod, staticmethod)) else repl
+            problems = []
+            if type(repl) is not type(patch.original) and isinstance(patch.original, (classmethod, staticmethod)):
+                problems.append("descriptor kind changed")
+            if getattr(wrapper, "__wrapped__", None) is not orig:
+                problems.append("__wrapped__ is not the original")
+            for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+                if getattr(wrapper, attr, None) != getattr(orig, attr, None):
+                    problems.append(f"{attr} differs")
+            try:
+                if inspect.signature(wrapper) != inspect.signature(orig):
+                    problems.append("signature differs")
+            except (TypeError, ValueError):
+                pass
+            if vars(patch.owner).get(patch.name) is not repl:
+                problems.append("no longer installed")
+            owner = f"{getattr(patch.owner, '__module__', '')}:{getattr(patch.owner, '__qualname__', getattr(patch.owner, '__name__', ''))}"
+            out.append({"target": f"{owner}.{patch.name}", "ok": not problems, "problems": problems})
+        return sorted(out, key=lambda c: c["target"])
 
     def uninstall(self) -> None:
         for patch in reversed(self.patches):

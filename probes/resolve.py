@@ -14,6 +14,8 @@ import re
 
 from . import simulate
 from .install import ProbeSet
+from .patching import PostImportHooks
+from .targets import TARGETS, Target
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -64,9 +66,15 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
         with Stage(rec, "platform"):
             simulate.set_simulated(first_cell["system"], first_cell["layout"]["world_size"])
             simulate.simulate_torch()
-            probes = ProbeSet(rec, vllm_version=_vllm_version()).install()
-            simulate.install_stand_ins(probes.hooks)
-            simulate.install_in_process_registry(probes.hooks)
+            if plan.get("probes", True):
+                targets = TARGETS + tuple(Target(t["id"], t["kind"], tuple(t["specs"]), title=t.get("title", ""))
+                                          for t in plan.get("extra_targets", ()))
+                probes = ProbeSet(rec, targets=targets, vllm_version=_vllm_version()).install()
+                hooks = probes.hooks
+            else:  # a bare run, to compare against: same simulation, no probes
+                probes, hooks = None, PostImportHooks()
+            simulate.install_stand_ins(hooks)
+            simulate.install_in_process_registry(hooks)
             platform = simulate.install_platform()
             simulate.stand_in_cuda_streams()
             base = type(platform).__mro__[1]
@@ -90,6 +98,8 @@ def run_cell(plan: dict, cell: dict, rec, Stage, warm: dict) -> None:
         if probes is not None:
             probes.finalize()
         raise StageFailed("platform")
+    if probes is None:
+        rec.emit("probes", installed=False)
     simulate.set_simulated(system, layout["world_size"])
     try:
         _run_stages(plan, cell, rec, Stage)
@@ -100,7 +110,8 @@ def run_cell(plan: dict, cell: dict, rec, Stage, warm: dict) -> None:
                  device={"name": system["device_name"], "capability": list(system["capability"]),
                          "total_memory_gib": system["total_memory_gib"], "sm_count": system["sm_count"],
                          "device_count": layout["world_size"]})
-        probes.finalize()
+        if probes is not None:
+            probes.finalize()
 
 
 def _run_stages(plan, cell, rec, Stage) -> None:

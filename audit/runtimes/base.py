@@ -31,6 +31,10 @@ class RunRequest:
     run_dir: Path
     parallel: int = 2
     timeout_s: float | None = None
+    #: False runs the same simulation without probes (the baseline that transparency is checked against)
+    probes: bool = True
+    #: extra probe targets as data: [{"id", "kind", "specs": [...], "title"}]
+    extra_targets: list = field(default_factory=list)
 
     @property
     def evidence_dir(self) -> Path:
@@ -92,6 +96,8 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "stub_libcuda": stub_libcuda,
         "out_dir": out_dir,
         "parallel": request.parallel,
+        "probes": request.probes,
+        "extra_targets": list(request.extra_targets),
         "serve_args": ["--load-format", "dummy"],
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),

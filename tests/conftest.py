@@ -1,0 +1,66 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture
+def write(tmp_path):
+    """write(name, text) -> path inside a fresh temporary directory."""
+
+    def _write(name: str, text: str) -> Path:
+        p = tmp_path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text, encoding="utf-8")
+        return p
+
+    return _write
+
+
+# --- the real pinned vLLM -------------------------------------------------------------------------
+VLLM_PIN = "v0.33.0"
+#: small but covering: SM90 and SM100, the single-node lane and the MegaMoE lane
+VLLM_CELLS = (("h100_sxm", "tp8"), ("h100_sxm", "dep8"), ("b200_sxm", "tp8"), ("b200_sxm", "dep8"))
+
+
+@pytest.fixture(scope="session")
+def vllm_env():
+    """The environment holding the wheel pinned in images.lock (built once, cached across runs)."""
+    from audit import lock
+    from audit.runtimes.local import LocalRuntime
+
+    pin = lock.load(ROOT / "images.lock").get(VLLM_PIN)
+    rt = LocalRuntime()
+    env = rt.ensure_env(pin, lambda *a, **k: None)
+    return rt, pin, env
+
+
+def _run(vllm_env, tmp_path_factory, name, **kw):
+    from audit.profiles import KIMI_K3
+    from audit.runtimes import RunRequest
+    from audit.systems import LAYOUTS, SYSTEMS
+
+    rt, pin, _ = vllm_env
+    run_dir = tmp_path_factory.mktemp(name)
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in VLLM_CELLS],
+                     run_dir=run_dir, parallel=2, **kw)
+    result = rt.run(req, lambda *a, **k: None)
+    return req, result
+
+
+@pytest.fixture(scope="session")
+def probed_run(vllm_env, tmp_path_factory):
+    """A resolve run of VLLM_CELLS with the probes installed, plus one drifted target."""
+    drifted = {"id": "test.drifted", "kind": "select", "title": "a selector renamed upstream",
+               "specs": ["vllm.models.kimi_k3.nvidia.kda:resolve_kda_prefill_backend_renamed"]}
+    return _run(vllm_env, tmp_path_factory, "probed", extra_targets=[drifted])
+
+
+@pytest.fixture(scope="session")
+def bare_run(vllm_env, tmp_path_factory):
+    """The same cells and simulation without any probe: the baseline for transparency."""
+    return _run(vllm_env, tmp_path_factory, "bare", probes=False)

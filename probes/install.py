@@ -297,8 +297,11 @@ class ProbeSet:
                 pass
             if vars(patch.owner).get(patch.name) is not repl:
                 problems.append("no longer installed")
-            owner = f"{getattr(patch.owner, '__module__', '')}:{getattr(patch.owner, '__qualname__', getattr(patch.owner, '__name__', ''))}"
-            out.append({"target": f"{owner}.{patch.name}", "ok": not problems, "problems": problems})
+            if isinstance(patch.owner, type):
+                where = f"{patch.owner.__module__}:{patch.owner.__qualname__}.{patch.name}"
+            else:
+                where = f"{patch.owner.__name__}:{patch.name}"
+            out.append({"target": where, "ok": not problems, "problems": problems})
         return sorted(out, key=lambda c: c["target"])
 
     def uninstall(self) -> None:

@@ -36,12 +36,17 @@ def _env() -> jinja2.Environment:
     return env
 
 
-def _lane_summary(groups: list[dict]) -> str:
+def _lane_summary(groups: list[dict], cell: dict) -> str:
+    stopped = cell["status"] == "PARTIAL"
+    failure = cell.get("failure") or {}
     if not groups:
+        if stopped:
+            return f"not built: {failure.get('stage', '?')} raised {short(failure.get('type', ''))}"
         return "—"
-    if len(groups) == 1:
+    if len(groups) == 1 and not stopped:
         return groups[0]["value"]
-    return "; ".join(f"{g['value']} (layers {g['ranges']})" for g in groups)
+    text = "; ".join(f"{g['value']} (layers {g['ranges']})" for g in groups)
+    return f"{text}, then construction stopped" if stopped else text
 
 
 def _uniform(cells: list[dict], getter):
@@ -72,7 +77,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 elif c["status"] == "INCOMPLETE":
                     row.append("INCOMPLETE")
                 else:
-                    row.append(_lane_summary(c["lanes"].get(lane, [])))
+                    row.append(_lane_summary(c["lanes"].get(lane, []), c))
             rows.append(row)
         levels = sorted({by[(s.name, layout.name)]["evidence"] for s in systems if (s.name, layout.name) in by})
         matrices.append({"layout": layout, "rows": rows, "levels": levels})
@@ -132,8 +137,9 @@ def render_ledger(routing: dict, *, profile_title: str, reproduce: str) -> str:
     try:
         template = _env().get_template("ledger.md.j2")
         return template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce))
-    except jinja2.TemplateError as exc:
-        raise RenderError(f"ledger template failed: {exc}") from exc
+    except (jinja2.TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise RenderError(f"the ledger could not be rendered from this routing ({type(exc).__name__}: {exc}); "
+                          "no report file was changed") from exc
 
 
 def routing_json(routing: dict) -> str:

@@ -1,0 +1,108 @@
+"""Ledger rendering: gold files, determinism, atomic writes; routing helpers."""
+import copy
+import json
+import os
+
+import pytest
+
+from audit import render, routing
+from audit.errors import RenderError
+from tests.conftest import ROOT
+from tests.goldtest import compare
+
+FIXTURE = ROOT / "tests" / "data" / "routing-v0.33.0.json"  # routing.json of a real v0.33.0 audit
+
+
+def load():
+    return json.loads(FIXTURE.read_text(encoding="utf-8"))
+
+
+def ledger(r):
+    return render.render_ledger(r, profile_title="Kimi-K3", reproduce="make audit PIN=v0.33.0")
+
+
+def test_ledger_gold():
+    compare("ledger-v0.33.0.md", ledger(load()))
+
+
+def test_incomplete_and_drift_gold():
+    r = load()
+    r["cells"][0] = routing.incomplete_cell(r["cells"][0]["system"], r["cells"][0]["layout"],
+                                            reason="the cell's process ended without writing evidence",
+                                            log_tail="Traceback (most recent call last):\nSegmentation fault")
+    r["cells"][1]["drift"] = [{"target": "kda.prefill", "title": "KDA prefill backend", "required": True,
+                               "attempts": ["vllm.models.kimi_k3.nvidia.kda:resolve_kda_prefill_backend: "
+                                            "module 'vllm.models.kimi_k3.nvidia.kda' has no attribute "
+                                            "'resolve_kda_prefill_backend'"]}]
+    text = ledger(r)
+    assert "**INCOMPLETE:** 1 cell(s) produced no evidence" in text
+    assert "Segmentation fault" in text
+    compare("ledger-v0.33.0-incomplete-drift.md", text)
+
+
+def test_every_row_names_its_evidence_level():
+    text = ledger(load())
+    assert "**Evidence level: resolved — on every row.**" in text
+    for line in text.splitlines():
+        if line.startswith("| ") and line.count("|") == 5 and "layers" not in line and line.split("|")[2].strip()[:1].isdigit():
+            assert line.rstrip().endswith("| resolved |"), line
+    assert "observed" not in text.replace("nothing here is\n> *observed*", "")
+
+
+def test_same_routing_same_bytes():
+    r = load()
+    assert ledger(r) == ledger(copy.deepcopy(r))
+    assert render.routing_json(r) == render.routing_json(json.loads(render.routing_json(r)))
+
+
+def test_failed_render_keeps_previous_report(tmp_path, monkeypatch):
+    r = load()
+    render.write_report(tmp_path, r, profile_title="Kimi-K3", reproduce="x")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    broken = copy.deepcopy(r)
+    broken["cells"][0]["lanes"] = None  # the template cannot render this
+    with pytest.raises(RenderError):
+        render.write_report(tmp_path, broken, profile_title="Kimi-K3", reproduce="x")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_failed_write_keeps_previous_report(tmp_path, monkeypatch):
+    r = load()
+    render.write_report(tmp_path, r, profile_title="Kimi-K3", reproduce="x")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_fsync, calls = os.fsync, []
+
+    def failing_fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:  # the second file fails after the first was staged
+            raise OSError(28, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    changed = copy.deepcopy(r)
+    changed["run"]["date"] = "2099-01-01"
+    with pytest.raises(OSError):
+        render.write_report(tmp_path, changed, profile_title="Kimi-K3", reproduce="x")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp files, nothing replaced
+
+
+@pytest.mark.parametrize("layers, text", [
+    ([1, 2, 3, 5, 7, 8], "1-3,5,7-8"), ([4], "4"), ([], ""), ([3, 1, 2, 2], "1-3"),
+])
+def test_format_ranges(layers, text):
+    assert routing.format_ranges(layers) == text
+
+
+def test_collapse_groups_by_value_in_layer_order():
+    got = routing.collapse({0: "a", 1: "a", 2: "b", 3: "a", 5: "b"})
+    assert [(g["ranges"], g["value"]) for g in got] == [("0-1,3", "a"), ("2,5", "b")]
+
+
+@pytest.mark.parametrize("value, text", [
+    ("Mxfp4MoeBackend.MARLIN", "MARLIN"),
+    ("vllm.model_executor.layers.fused_moe.experts.marlin_moe:MarlinExperts", "MarlinExperts"),
+    ("vllm.v1.attention.backends.mla.flashinfer_mla.FlashInferMLABackend", "FlashInferMLABackend"),
+    ("flashkda", "flashkda"), (None, "none"), (True, "yes"), (["Enum.MEMBER", "x:Y"], "MEMBER / Y"),
+])
+def test_short(value, text):
+    assert routing.short(value) == text

@@ -145,6 +145,8 @@ def _run_stages(plan, cell, rec, Stage) -> None:
                  max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                  speculative=str(getattr(vllm_config.speculative_config, "method", None)))
 
+    if plan.get("stop_after") == "config":  # the benchmark's floor: import vLLM + build one VllmConfig
+        return
     from vllm.config import set_current_vllm_config
 
     with Stage(rec, "distributed"), set_current_vllm_config(vllm_config):

@@ -35,6 +35,8 @@ class RunRequest:
     probes: bool = True
     #: extra probe targets as data: [{"id", "kind", "specs": [...], "title"}]
     extra_targets: list = field(default_factory=list)
+    #: "config" stops every cell after building its VllmConfig (the benchmark's floor)
+    stop_after: str = ""
 
     @property
     def evidence_dir(self) -> Path:
@@ -98,6 +100,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "parallel": request.parallel,
         "probes": request.probes,
         "extra_targets": list(request.extra_targets),
+        "stop_after": request.stop_after,
         "serve_args": ["--load-format", "dummy"],
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),

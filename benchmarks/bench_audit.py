@@ -1,0 +1,66 @@
+"""Benchmark: the cost of a full resolve-mode audit against its floor, measured in one run.
+
+    python benchmarks/bench_audit.py [--pin v0.33.0]
+
+Floor: one process of the pinned environment that loads the stub driver, installs the simulated
+platform, imports vLLM and builds one Kimi-K3 VllmConfig from `vllm serve` arguments (b200_sxm,
+TP8) -- the least any resolve audit must pay per process that imports vLLM. Audit: the full audit of
+the pin (8 systems x 3 layouts), exactly what `make audit` runs, rendered into a scratch directory.
+Both reuse the cached environment (building it is a one-time cost and is not timed here).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from audit import lock  # noqa: E402
+from audit.core import run_audit  # noqa: E402
+from audit.profiles import KIMI_K3  # noqa: E402
+from audit.runtimes import RunRequest  # noqa: E402
+from audit.runtimes.local import LocalRuntime  # noqa: E402
+from audit.systems import LAYOUTS, SYSTEMS  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pin", default="v0.33.0")
+    ap.add_argument("--lock", default="images.lock")
+    ap.add_argument("--parallel", type=int, default=2)
+    args = ap.parse_args()
+    pin = lock.load(args.lock).get(args.pin)
+    rt = LocalRuntime()
+    env = rt.ensure_env(pin, lambda *a, **k: None)
+    rt.ensure_stub(env)
+    with tempfile.TemporaryDirectory() as tmp:
+        req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS["b200_sxm"], LAYOUTS["tp8"])],
+                         run_dir=Path(tmp) / "floor", stop_after="config", parallel=1)
+        req.run_dir.mkdir()
+        t0 = time.perf_counter()
+        rt.run(req, lambda *a, **k: None)
+        floor = time.perf_counter() - t0
+
+        cells = len(SYSTEMS) * len(LAYOUTS)
+        sms = len({s.capability for s in SYSTEMS.values()})
+        t0 = time.perf_counter()
+        outcome = run_audit(args.pin, lock_path=args.lock, reports_dir=Path(tmp) / "reports", parallel=args.parallel)
+        audit = time.perf_counter() - t0
+    cores = os.cpu_count()
+    print(f"pin                         {args.pin}  ({cores} cores, parallel={args.parallel})")
+    print(f"floor: import vLLM + 1 VllmConfig      {floor:7.1f} s  (one process)")
+    print(f"full audit: {cells} cells ({len(SYSTEMS)} systems x {len(LAYOUTS)} layouts)  {audit:7.1f} s"
+          f"  ({outcome.incomplete} incomplete, {outcome.partial} stopped by vLLM)")
+    print(f"processes that import vLLM             {sms}  (one per SM capability; cells fork from them)")
+    print(f"audit / floor                          {audit / floor:7.2f} x")
+    print(f"audit / (floor x processes)            {audit / (floor * sms):7.2f} x   (goal <= 1.5)")
+    print(f"audit under 60 s                       {'yes' if audit <= 60 else 'no'} ({audit:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,6 +36,8 @@ class Lane:
     sources: tuple[Source, ...]
     #: evidence kinds whose records in a layer are this lane's candidates
     candidates_target: str = ""
+    #: (field, why): the phase only happens when this field of the source record is truthy
+    exercised_if: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,12 +54,25 @@ class Profile:
     def config_text(self) -> str:
         return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
 
-    def write_model_dir(self, directory: Path) -> Path:
-        """A model directory holding only config.json (weights are dummy; nothing is downloaded)."""
+    def write_model_dir(self, directory: Path, patch: tuple = ()) -> Path:
+        """A model directory holding only config.json (weights are dummy; nothing is downloaded).
+
+        ``patch`` applies (dotted key, value) changes a layout declares, e.g. an MTP layer count.
+        """
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / "config.json"
         text = self.config_text()
-        json.loads(text)  # fail early on a damaged package
+        data = json.loads(text)  # fail early on a damaged package
+        if patch:
+            for key, value in patch:
+                node = data
+                *parents, leaf = key.split(".")
+                for part in parents:
+                    node = node[part]
+                if leaf not in node:
+                    raise KeyError(f"config patch {key!r}: no such key in {self.config_package_path}")
+                node[leaf] = value
+            text = json.dumps(data, indent=2, sort_keys=False) + "\n"
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(text, encoding="utf-8")
@@ -81,6 +96,7 @@ KIMI_K3 = Profile(
         "MultiHeadLatentAttention": "mla",
         "KimiMoE": "moe",
         "KimiMLP@mlp": "dense",
+        "KimiK3MultiTokenPredictorLayer": "mtp",
     },
     lanes=(
         Lane("moe", "Routed experts", "moe", "all", (
@@ -94,7 +110,7 @@ KIMI_K3 = Profile(
         )),
         Lane("kda.spec_verify", "KDA spec-verify", "kda", "spec-verify", (
             Source("select", "kda.spec_decode", ("result",)),
-        )),
+        ), exercised_if=("args.num_spec", "no speculative decoding in this layout (num_spec=0)")),
         Lane("mla.decode", "MLA attention (decode)", "mla", "decode", (
             Source("construct", "scope.mla", ("attrs.attn_backend", "attrs.impl")),
         )),

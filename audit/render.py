@@ -13,7 +13,7 @@ import jinja2
 from . import __version__
 from .errors import RenderError
 from .fsutil import write_all_atomic
-from .routing import EVIDENCE_LEVELS, STAGE_MEANING, STAGE_ORDER, short
+from .routing import EVIDENCE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
 from .systems import LAYOUTS, SYSTEMS
 
 
@@ -33,6 +33,7 @@ def _env() -> jinja2.Environment:
     )
     env.filters["md"] = _md
     env.filters["short"] = short
+    env.filters["ranges"] = format_ranges
     return env
 
 
@@ -130,6 +131,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "stage_order": STAGE_ORDER,
         "stage_meaning": STAGE_MEANING,
         "reproduce": reproduce,
+        "kind_titles": {"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
+                        "mtp": "MTP draft (separate draft model)"},
     }
 
 

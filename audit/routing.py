@@ -17,13 +17,14 @@ EVIDENCE_LEVELS = {
     "observed": "observed: the kernel entry was hit in the serving process on a real GPU (eager)",
     "observed-in-graph": "observed inside a CUDA graph capture on a real GPU (replays counted separately)",
 }
-STAGE_ORDER = ("platform", "imports", "config", "distributed", "construct", "inspect")
+STAGE_ORDER = ("platform", "imports", "config", "distributed", "construct", "construct-draft", "inspect")
 STAGE_MEANING = {
     "platform": "simulated platform installed",
     "imports": "vLLM imported under the simulated platform",
     "config": "VllmConfig built from the `vllm serve` arguments",
     "distributed": "parallel groups initialised (fake process group, rank 0)",
     "construct": "model constructed on the meta device (every layer's __init__ ran)",
+    "construct-draft": "speculative draft model (MTP) constructed the same way (layouts with speculation only)",
     "inspect": "constructed modules inspected",
 }
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -87,7 +88,8 @@ def _field(record: dict, path: str):
     if path in ("result", "cls"):
         return record.get(path)
     head, _, name = path.partition(".")
-    return (record.get(head) or {}).get(name)
+    value = (record.get(head) or {}).get(name)
+    return value
 
 
 def _layer_kinds(f: EvidenceFile, profile: Profile) -> dict[str, list[int]]:
@@ -128,6 +130,8 @@ def _lane_values(f: EvidenceFile, lane: Lane) -> dict[int, dict]:
                 continue
             raw = [_field(r, p) for p in source.fields]
             text = " / ".join(short(v) for v in raw)
+            if lane.exercised_if and not _field(r, lane.exercised_if[0]):
+                text = f"not exercised: {lane.exercised_if[1]}"
             per_layer[layer] = {"raw": raw, "value": f"{source.label} {text}".strip() if source.label else text}
     return per_layer
 
@@ -224,7 +228,7 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "drift": drift,
         "not_reached": not_reached,
         "config": _one(f, "config"),
-        "argv": (_one(f, "job").get("argv") or [])[:1] + ["serve", "<model-dir>"] + (_one(f, "job").get("argv") or [])[4:],
+        "argv": (_one(f, "job").get("argv") or [])[:1] + ["serve", "<model-dir>"] + (_one(f, "job").get("argv") or [])[3:],
         "simulated": sim.get("items", {}),
         "stand_in_calls": sim.get("stand_in_calls", []),
         "device": sim.get("device", {}),

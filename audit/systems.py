@@ -50,10 +50,18 @@ class Layout:
     serve_args: tuple[str, ...]
     #: world size a single process pretends to be rank 0 of
     world_size: int
+    #: changes to the published model config this layout needs (dotted key -> value); the ledger
+    #: states them. Empty for every layout that serves the published config as is.
+    config_patch: tuple[tuple[str, object], ...] = ()
+    note: str = ""
 
     def as_job(self) -> dict:
         return {"name": self.name, "title": self.title, "serve_args": list(self.serve_args),
-                "world_size": self.world_size}
+                "world_size": self.world_size, "config_patch": [list(kv) for kv in self.config_patch],
+                "note": self.note}
+
+
+MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
 
 
 LAYOUTS: dict[str, Layout] = {l.name: l for l in (
@@ -61,6 +69,11 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
     Layout("tp16", "two-node TP16", ("--tensor-parallel-size", "16"), 16),
     Layout("dep8", "DEP8 MegaMoE (DP8 + EP8, --moe-backend deep_gemm_mega_moe)",
            ("--data-parallel-size", "8", "--enable-expert-parallel", "--moe-backend", "deep_gemm_mega_moe"), 8),
+    Layout("tp8-mtp", "single-node TP8 + MTP speculative decoding",
+           ("--tensor-parallel-size", "8", "--speculative-config", MTP_SPEC), 8,
+           config_patch=(("text_config.num_nextn_predict_layers", 1),),
+           note="The published config has num_nextn_predict_layers = 0, with which vLLM cannot start MTP "
+                "(it divides by it). This layout serves a copy with one MTP layer, the only change."),
 )}
 
 

@@ -43,7 +43,7 @@ def _vllm_version() -> str:
 
 def serve_argv(plan: dict, cell: dict) -> list[str]:
     """The argv ``vllm serve`` would get for this cell (after the ``serve`` word)."""
-    return [plan["model_dir"], *cell["layout"]["serve_args"], *plan.get("serve_args", [])]
+    return [cell.get("model_dir") or plan["model_dir"], *cell["layout"]["serve_args"], *plan.get("serve_args", [])]
 
 
 def prepare_process(plan: dict) -> None:
@@ -157,14 +157,62 @@ def _run_stages(plan, cell, rec, Stage) -> None:
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         loader = get_model_loader(vllm_config.load_config)
+        # the loader's own construction step (weights are never loaded): create_model in 0.30+,
+        # before that the initialize_model call load_model makes first
+        if hasattr(loader, "create_model"):
+            create = lambda: loader.create_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        else:
+            from vllm.model_executor.model_loader.utils import initialize_model
+
+            create = lambda: initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
         with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"), \
                 simulate.meta_device_mode():
-            model = loader.create_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+            model = create()
         rec.emit("model", cls=f"{type(model).__module__}:{type(model).__qualname__}",
                  parameters_meta=all(p.is_meta for p in model.parameters()))
 
+    draft = None
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and getattr(spec, "draft_model_config", None) is not None:
+        with Stage(rec, "construct-draft"):
+            draft = _construct_draft(vllm_config, spec, create_with=get_model_loader, simulate=simulate)
+            rec.emit("model", role="draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}",
+                     parameters_meta=all(p.is_meta for p in draft.parameters()))
+
     with Stage(rec, "inspect"):
         inspect_model(model, rec)
+        if draft is not None:
+            inspect_model(draft, rec)
+
+
+def _construct_draft(vllm_config, spec, *, create_with, simulate):
+    """Build the speculative draft model the way vLLM's drafter loader does (draft overrides, the
+    draft's model config, the "eagle_head" model tag), stopping before weights are loaded."""
+    import torch
+
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    draft_cfg = spec.apply_draft_overrides(vllm_config) if hasattr(spec, "apply_draft_overrides") else vllm_config
+    try:
+        from vllm.compilation.backends import set_model_tag
+    except ImportError:  # older releases
+        set_model_tag = None
+    loader = create_with(draft_cfg.load_config)
+    tag = set_model_tag("eagle_head") if set_model_tag else _nullcontext()
+    with set_current_vllm_config(draft_cfg), tag, set_default_torch_dtype(spec.draft_model_config.dtype), \
+            torch.device("meta"), simulate.meta_device_mode():
+        if hasattr(loader, "create_model"):
+            return loader.create_model(vllm_config=draft_cfg, model_config=spec.draft_model_config)
+        from vllm.model_executor.model_loader.utils import initialize_model
+
+        return initialize_model(vllm_config=draft_cfg, model_config=spec.draft_model_config)
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _init_fake_distributed(vllm_config, rec) -> None:

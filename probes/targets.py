@@ -60,6 +60,8 @@ TARGETS: tuple[Target, ...] = (
            construct=True, title="MLA layer"),
     Target("scope.mlp", "scope", (K3 + "model:KimiMLP.__init__",), args=("prefix",), construct=True,
            title="dense / shared-expert MLP", required=False),
+    Target("scope.mtp_layer", "scope", (K3 + "mtp:KimiK3MultiTokenPredictorLayer.__init__",), args=("prefix",),
+           title="MTP draft layer", required=False),
     # --- routed experts ------------------------------------------------------------------------
     Target("moe.quant_method", "construct",
            (VLLM + "model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__",),
@@ -78,11 +80,11 @@ TARGETS: tuple[Target, ...] = (
            title="DeepGEMM MegaMoE experts"),
     # --- KDA -------------------------------------------------------------------------------------
     Target("kda.prefill", "select", (K3 + "kda:resolve_kda_prefill_backend",), phase="prefill",
-           title="KDA prefill backend"),
+           args=("backend", "num_heads"), title="KDA prefill backend"),
     Target("kda.decode", "select", (K3 + "kda:resolve_kda_decode_backend@0.30<=v",), phase="decode",
-           title="KDA decode backend"),
+           args=("backend", "num_heads"), title="KDA decode backend"),
     Target("kda.spec_decode", "select", (K3 + "kda:resolve_kda_spec_decode_backend@0.32<=v",),
-           phase="spec-verify", title="KDA spec-decode backend"),
+           phase="spec-verify", args=("backend", "num_heads", "num_spec"), title="KDA spec-decode backend"),
     # --- MLA ---------------------------------------------------------------------------------------
     Target("mla.attn_backend", "select", (VLLM + "platforms.cuda:CudaPlatformBase.get_attn_backend_cls",),
            args=("selected_backend",), phase="decode", title="attention backend"),

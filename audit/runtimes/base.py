@@ -90,6 +90,15 @@ def stage_probes(run_dir: Path) -> Path:
     return run_dir
 
 
+def write_model_dirs(request: RunRequest) -> str:
+    """The published config, plus one derived copy per layout that declares a config patch."""
+    base = request.profile.write_model_dir(request.run_dir / "model")
+    for layout in {l.name: l for _, l in request.cells}.values():
+        if layout.config_patch:
+            request.profile.write_model_dir(request.run_dir / f"model-{layout.name}", layout.config_patch)
+    return str(base)
+
+
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str) -> Path:
     plan = {
         "schema": 1,
@@ -104,7 +113,9 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "serve_args": ["--load-format", "dummy"],
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),
-        "cells": [{"system": s.as_job(), "layout": l.as_job()} for s, l in request.cells],
+        "cells": [{"system": s.as_job(), "layout": l.as_job(),
+                   "model_dir": str(request.run_dir / ("model-" + l.name if l.config_patch else "model"))}
+                  for s, l in request.cells],
     }
     path = request.run_dir / "plan.json"
     path.write_text(json.dumps(plan, indent=1, sort_keys=True), encoding="utf-8")

@@ -21,7 +21,7 @@ from .. import cudastub
 from ..errors import EnvironmentBuildError, Interrupted, RuntimeUnsupportedError, WheelHashMismatch
 from ..lock import Pin
 from .base import (Progress, RunRequest, RunResult, cache_root, cell_dir_name, collect_missing, log_tail,
-                   stage_probes, write_plan)
+                   stage_probes, write_model_dirs, write_plan)
 
 ENV_MARKER = ".serving-truth-env.json"
 #: run inside a freshly built env: what it holds (torch must be a CUDA build)
@@ -202,7 +202,7 @@ class LocalRuntime:
         env = self.ensure_env(request.pin, progress)
         progress("stage", text="building the stub libcuda (cached)")
         stub = self.ensure_stub(env)
-        model_dir = request.profile.write_model_dir(request.run_dir / "model")
+        model_dir = write_model_dirs(request)
         stage_probes(request.run_dir)
         request.evidence_dir.mkdir(parents=True, exist_ok=True)
         plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub),

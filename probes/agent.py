@@ -11,7 +11,10 @@ Process layout (import-time state follows the GPU, so the capability never chang
   platform, then imports vLLM (import-time constants and cached selectors see that SM only);
 * that child forks one grandchild per cell, which sets the SKU and world size, builds the config
   from ``vllm serve`` arguments, initialises a fake process group, constructs the model on the meta
-  device, inspects it, and writes ``<out_dir>/<system>--<layout>/evidence-*.jsonl``.
+  device, inspects it, and writes ``<out_dir>/<system>--<layout>/evidence-*.jsonl``;
+* after each cell, the SM process imports the modules that cell imported lazily (and the host passes
+  those learned by earlier runs), so the next cells fork warm: a speed-up, never a change of state
+  a cell could observe, since vLLM's import-time state depends on the platform, not the config.
 
 Each stage is recorded with its outcome, so the ledger can say how deep construction went; a
 failing stage is evidence, not a crash of the harness. A cell whose process dies leaves its
@@ -174,7 +177,39 @@ def run_group(plan: dict, cells: list[dict]) -> int:
         pid = _fork(_run_cell, plan, cell, rec, warm, out)
         if _wait(pid) != 0:
             failed += 1
+        if warm.get("error") is None:
+            warm_up(_read_imported(out))
     return 1 if failed else 0
+
+
+IMPORTED_FILE = "imported-modules.json"
+
+
+def _read_imported(out: str) -> list[str]:
+    try:
+        with open(os.path.join(out, IMPORTED_FILE), encoding="utf-8") as fh:
+            return list(json.load(fh))
+    except (OSError, ValueError):
+        return []
+
+
+def warm_up(modules) -> tuple[int, int]:
+    """Import, in this SM's process, modules a cell imported lazily, so later cells fork with them.
+
+    Safe because import-time state in vLLM depends on the platform (the same SM here) and the
+    environment, not on the VllmConfig (no vLLM module reads the current config at import time).
+    A module that fails here is skipped; the cell that needs it imports it itself.
+    """
+    ok = failed = 0
+    for name in modules:
+        if name in sys.modules or name.startswith(("probes", "__main__", "__mp_main__")):
+            continue
+        try:
+            importlib.import_module(name)
+            ok += 1
+        except Exception:  # an optimisation must never break the run
+            failed += 1
+    return ok, failed
 
 
 def _run_cell(plan, cell, rec, warm, out) -> int:
@@ -183,6 +218,7 @@ def _run_cell(plan, cell, rec, warm, out) -> int:
     os.dup2(log, 2)
     from . import resolve
 
+    before = set(sys.modules)
     rec.retarget(out, cell={"system": cell["system"]["name"], "layout": cell["layout"]["name"]})
     try:
         resolve.run_cell(plan, cell, rec, Stage, warm)
@@ -191,6 +227,9 @@ def _run_cell(plan, cell, rec, warm, out) -> int:
     finally:
         path = rec.flush()
         print(f"evidence: {path}", flush=True)
+        imported = [m for m in list(sys.modules) if m not in before]
+        with open(os.path.join(out, IMPORTED_FILE), "w", encoding="utf-8") as fh:
+            json.dump(imported, fh)
     return 0
 
 
@@ -211,14 +250,21 @@ def main(argv: list[str] | None = None) -> int:
     for cell in plan["cells"]:
         groups.setdefault(tuple(cell["system"]["capability"]), []).append(cell)
     parallel = max(1, int(plan.get("parallel", 1)))
-    running: list[int] = []
+    running: set[int] = set()
     failed = 0
-    for cells in groups.values():
+
+    def reap_one() -> int:
+        pid, status = os.wait()  # whichever SM process finishes first
+        running.discard(pid)
+        return os.waitstatus_to_exitcode(status) != 0
+
+    # larger groups first, so the last one to start is a short one
+    for cells in sorted(groups.values(), key=len, reverse=True):
         while len(running) >= parallel:
-            failed += _wait(running.pop(0)) != 0
-        running.append(_fork(run_group, plan, cells))
-    for pid in running:
-        failed += _wait(pid) != 0
+            failed += reap_one()
+        running.add(_fork(run_group, plan, cells))
+    while running:
+        failed += reap_one()
     return 0 if not failed else 1
 
 

@@ -83,6 +83,11 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
         with Stage(rec, "imports"):
             for name in plan.get("warm_imports", ()):
                 importlib.import_module(name)
+            from .agent import warm_up
+
+            ok, failed = warm_up(plan.get("learned_imports", ()))
+            rec.emit("warm_imports", listed=len(plan.get("warm_imports", ())), learned_ok=ok,
+                     learned_failed=failed)
     except Exception as exc:  # StageFailed: already recorded in the buffer every cell inherits
         warm["error"] = exc
     return warm

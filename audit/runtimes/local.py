@@ -18,10 +18,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import cudastub
-from ..errors import EnvironmentBuildError, Interrupted, RuntimeUnsupportedError, WheelHashMismatch
+from ..errors import EnvironmentBuildError, RuntimeUnsupportedError, WheelHashMismatch
 from ..lock import Pin
 from .base import (Progress, RunRequest, RunResult, cache_root, cell_dir_name, collect_missing, log_tail,
-                   stage_probes, write_model_dirs, write_plan)
+                   learn_imports, learned_imports, stage_probes, write_model_dirs, write_plan)
 
 ENV_MARKER = ".serving-truth-env.json"
 #: run inside a freshly built env: what it holds (torch must be a CUDA build)
@@ -205,8 +205,9 @@ class LocalRuntime:
         model_dir = write_model_dirs(request)
         stage_probes(request.run_dir)
         request.evidence_dir.mkdir(parents=True, exist_ok=True)
+        caches = self.root / "runtime-cache" / env.name
         plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub),
-                          out_dir=str(request.evidence_dir))
+                          out_dir=str(request.evidence_dir), learned=learned_imports(caches))
         log = request.run_dir / "agent.log"
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
@@ -219,6 +220,7 @@ class LocalRuntime:
             except BaseException:
                 _kill(proc)
                 raise
+        learn_imports(caches, request.evidence_dir)
         missing = collect_missing(request, fallback_log=log)
         if len(missing) == len(request.cells):
             from ..errors import ProbeRunError
@@ -270,4 +272,4 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-__all__ = ["LocalRuntime", "find_python", "sha256_file", "Interrupted"]
+__all__ = ["LocalRuntime", "find_python", "sha256_file"]

@@ -112,7 +112,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "routing": routing,
         "pin": routing["pin"],
         "run": {"vllm_commit": "", "runtime": "?", "python": "", "mode": "resolve", "date": "?",
-                **routing.get("run", {})},
+                "cuda_toolkit": "not recorded", **routing.get("run", {})},
         "harness_version": __version__,
         "systems": systems,
         "layouts": known_layouts,

@@ -206,9 +206,16 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     drift = [{"target": t["target"], "title": t.get("title", ""), "required": t.get("required", True),
               "attempts": t.get("attempts", [])} for t in targets if t.get("status") == "drift"]
     not_reached = [t["target"] for t in targets if t.get("status") == "not-reached"]
-    raises = [{"target": r.get("target"), "scope": r.get("scope"), "layer": layer_of(r.get("scope")),
-               "type": (r.get("error") or {}).get("type"), "message": (r.get("error") or {}).get("message")}
-              for r in f.of_kind("raise")]
+    raises: list[dict] = []
+    for r in f.of_kind("raise"):  # one exception propagates through nested probes: keep the innermost
+        err = r.get("error") or {}
+        key = (err.get("type"), err.get("message"))
+        same = next((x for x in raises if (x["type"], x["message"]) == key), None)
+        if same is not None:
+            same["through"].append(r.get("target"))
+            continue
+        raises.append({"target": r.get("target"), "scope": r.get("scope"), "layer": layer_of(r.get("scope")),
+                       "type": err.get("type"), "message": err.get("message"), "through": []})
     complete = bool(stages) and all(s["ok"] for s in stages) and deepest == STAGE_ORDER[-1]
     sim = _one(f, "simulated")
     return {

@@ -49,7 +49,8 @@ FINGERPRINT_MODULES = ("deep_gemm", "flashinfer", "flash_kda", "flashkda", "trit
 FINGERPRINT_TOOLS = ("nvcc", "ninja", "gcc", "c++", "cc")
 FINGERPRINT_ENV_PREFIXES = ("VLLM_", "CUDA_", "TRITON_", "FLASHINFER_", "DG_", "TORCH_CUDA_ARCH", "PYTORCH_")
 #: set by the harness itself; not part of the audited environment
-_HARNESS_ENV = ("TRITON_LIBCUDA_PATH", "VLLM_PLUGINS", "PYTORCH_NVML_BASED_CUDA_CHECK")
+_HARNESS_ENV = ("TRITON_LIBCUDA_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR",
+                "CUDA_HOME")  # CUDA_HOME is chosen by the runtime and stated in the provenance instead
 
 
 class StageFailed(Exception):

@@ -245,8 +245,9 @@ def install_stand_ins(hooks) -> None:
             original = getattr(mod, name, None)
             if isinstance(original, type):
                 setattr(mod, name, _make_stand_in(spec, original))
-                SIMULATED[spec] = "stand-in that records its constructor arguments (no kernel built)"
 
+        # declared up front, so the record does not depend on which process imported the module
+        SIMULATED[spec] = "stand-in that records its constructor arguments, where vLLM builds it (no kernel built)"
         hooks.register(module, swap)
 
 
@@ -260,7 +261,7 @@ def install_in_process_registry(hooks) -> None:
     def patch(mod):
         original = getattr(mod, "_run_in_subprocess", None)
         if original is None:
-            SIMULATED["vllm registry model inspection"] = "not patched: _run_in_subprocess not found"
+            SIMULATED["vllm registry model inspection"] = "NOT redirected: _run_in_subprocess not found"
             return
 
         @functools.wraps(original)
@@ -268,7 +269,7 @@ def install_in_process_registry(hooks) -> None:
             return fn()
 
         mod._run_in_subprocess = in_process
-        SIMULATED["vllm registry model inspection"] = ("run in-process under the simulated platform "
-                                                       "(vLLM uses a subprocess to avoid CUDA init)")
 
+    SIMULATED["vllm registry model inspection"] = ("run in-process under the simulated platform "
+                                                   "(vLLM uses a subprocess to avoid CUDA init)")
     hooks.register("vllm.model_executor.models.registry", patch)

@@ -80,7 +80,10 @@ def test_megamoe_lane(probed_run):
     h100 = routing.build_cell(cells[("h100_sxm", "dep8")], KIMI_K3)
     assert h100["status"] == "PARTIAL" and h100["failure"]["stage"] == "construct"
     assert h100["failure"]["type"] == "builtins:NotImplementedError"
-    assert any(r["target"] == "scope.kimi_moe" and r["layer"] == 1 for r in h100["raises"])
+    # recorded once, where it was raised (the MegaMoE experts), with the probes it passed through
+    assert [(r["target"], r["layer"], r["type"]) for r in h100["raises"]] == [
+        ("moe.mega_moe_experts", 1, "builtins:NotImplementedError")]
+    assert h100["raises"][0]["through"][:2] == ["scope.kimi_moe", "scope.decoder_layer"]
 
 
 def test_probes_are_transparent(probed_run, bare_run):

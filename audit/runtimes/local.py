@@ -80,8 +80,27 @@ def _run(cmd: list[str], *, step: str, env: dict | None = None, timeout: float =
 class LocalRuntime:
     name = "local"
 
-    def __init__(self, root: Path | None = None):
+    def __init__(self, root: Path | None = None, *, with_cuda_toolkit: bool = True):
         self.root = root or cache_root()
+        self.with_cuda_toolkit = with_cuda_toolkit
+
+    @staticmethod
+    def cuda_toolkit(env: Path) -> Path | None:
+        """The CUDA toolkit directory of the nvcc that the environment's NVIDIA wheels ship, if any."""
+        for nvcc in sorted(env.glob("lib/python*/site-packages/nvidia/*/bin/nvcc")):
+            if os.access(nvcc, os.X_OK):
+                return nvcc.parent.parent
+        return None
+
+    def toolkit_note(self, env: Path) -> str:
+        if not self.with_cuda_toolkit:
+            return "none (audited as a host without a CUDA toolkit: CUDA_HOME points at an empty directory)"
+        toolkit = self.cuda_toolkit(env)
+        if toolkit is None:
+            return "none: the environment's wheels ship no nvcc (CUDA_HOME points at an empty directory)"
+        rel = toolkit.relative_to(next(env.glob("lib/python*/site-packages")))
+        return (f"nvcc shipped in the environment ({rel}), via CUDA_HOME, as on a serving host with a CUDA "
+                "toolkit; the host's own toolkit is never used")
 
     # -- pins ----------------------------------------------------------------------------------
     def check(self, pin: Pin) -> None:
@@ -190,6 +209,10 @@ class LocalRuntime:
             "XDG_CACHE_HOME": str(caches / "xdg"),
             "VLLM_PLUGINS": "",
         }
+        # vLLM's "is FlashInfer usable" check looks for nvcc under CUDA_HOME, PATH or /usr/local/cuda:
+        # never let the host's toolkit decide. Either the nvcc the environment's own wheels ship, or none.
+        toolkit = self.cuda_toolkit(env) if self.with_cuda_toolkit else None
+        out["CUDA_HOME"] = str(toolkit) if toolkit else str(self.root / "no-cuda-toolkit")
         if stub is not None:
             out["LD_LIBRARY_PATH"] = str(stub.parent)
         if pythonpath is not None:
@@ -230,7 +253,7 @@ class LocalRuntime:
         py = json.loads((env / ENV_MARKER).read_text())
         return RunResult(evidence_dir=request.evidence_dir, missing=missing, info={
             "runtime": f"local venv ({env.name})", "python": py.get("python"),
-            "mode": "resolve", "date": started.strftime("%Y-%m-%d"),
+            "mode": "resolve", "date": started.strftime("%Y-%m-%d"), "cuda_toolkit": self.toolkit_note(env),
         })
 
     def _wait(self, proc: subprocess.Popen, request: RunRequest, progress: Progress) -> None:

@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--reports", default="reports", help="reports directory")
     a.add_argument("--parallel", type=int, default=2, help="processes resolving at once (default 2)")
     a.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    a.add_argument("--no-cuda-toolkit", dest="cuda_toolkit", action="store_false",
+                   help="audit as a host without a CUDA toolkit (vLLM then disables FlashInfer's JIT kernels)")
 
     r = sub.add_parser("render", help="re-render a ledger from a run directory's evidence")
     r.add_argument("run_dir")
@@ -140,7 +142,7 @@ def _audit(args, out, err) -> int:
 
         outcome = run_audit(args.pin, lock_path=args.lock, runtime=args.runtime, systems=args.systems,
                             layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
-                            timeout_s=args.timeout, progress=progress)
+                            timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit)
     if outcome.incomplete or outcome.partial:
         err.print(f"[yellow]warning:[/yellow] {outcome.incomplete} cell(s) INCOMPLETE, "
                   f"{outcome.partial} stopped early; the ledger says where")

@@ -28,7 +28,14 @@ class AuditOutcome:
     drift: int
 
 
-def reproduce_command(pin: str, systems: list, layouts: list, runtime: str) -> str:
+def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True) -> str:
+    if not cuda_toolkit:
+        cmd = f"serving-truth audit {pin} --runtime {runtime} --no-cuda-toolkit"
+        if len(systems) != len(SYSTEMS):
+            cmd += " --systems " + ",".join(s.name for s in systems)
+        if len(layouts) != len(LAYOUTS):
+            cmd += " --layouts " + ",".join(l.name for l in layouts)
+        return cmd
     cmd = f"make audit PIN={pin}"
     if runtime != "local":
         cmd += f" RUNTIME={runtime}"
@@ -42,11 +49,12 @@ def reproduce_command(pin: str, systems: list, layouts: list, runtime: str) -> s
 def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: str = "local",
               systems: str | list | None = None, layouts: str | list | None = None,
               reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int = 2,
-              timeout_s: float | None = None, progress: Progress = lambda *a, **k: None) -> AuditOutcome:
+              timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
+              cuda_toolkit: bool = True) -> AuditOutcome:
     pin = lockmod.load(lock_path).get(pin_name)
     sys_sel = select("system", systems, SYSTEMS)
     lay_sel = select("layout", layouts, LAYOUTS)
-    rt = get_runtime(runtime)
+    rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit)
     rt.check(pin)
     cells = [(s, l) for s in sys_sel for l in lay_sel]
     run_dir = new_run_dir(pin)
@@ -54,7 +62,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                          timeout_s=timeout_s)
     result = rt.run(request, progress)
     run_info = {**result.info, "vllm_commit": pin.vllm_commit,
-                "reproduce": reproduce_command(pin.name, sys_sel, lay_sel, runtime)}
+                "reproduce": reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit)}
     meta = {"pin": pin.name, "profile": profile.name, "run": run_info,
             "cells": [[s.name, l.name] for s, l in cells],
             "missing": [[k[0], k[1], v] for k, v in sorted(result.missing.items())]}

@@ -273,3 +273,38 @@ def install_in_process_registry(hooks) -> None:
     SIMULATED["vllm registry model inspection"] = ("run in-process under the simulated platform "
                                                    "(vLLM uses a subprocess to avoid CUDA init)")
     hooks.register("vllm.model_executor.models.registry", patch)
+
+
+#: GPUs per node of the simulated systems (every system the audit covers is an 8-GPU node)
+GPUS_PER_NODE = 8
+
+
+def install_node_topology(hooks) -> None:
+    """``in_the_same_node_as`` is a collective over real peers (shared memory); with a fake process
+    group it reads garbage and can try to allocate terabytes. Answer it from the layout instead:
+    rank r lives on node r // GPUS_PER_NODE."""
+    import functools
+
+    def patch(mod):
+        original = getattr(mod, "in_the_same_node_as", None)
+        if original is None:
+            return
+
+        @functools.wraps(original)
+        def in_the_same_node_as(pg, source_rank: int = 0):
+            import torch.distributed as dist
+
+            if not isinstance(pg, dist.ProcessGroup):
+                return original(pg, source_rank)
+            ranks = dist.get_process_group_ranks(pg)
+            node = ranks[source_rank] // GPUS_PER_NODE
+            return [r // GPUS_PER_NODE == node for r in ranks]
+
+        mod.in_the_same_node_as = in_the_same_node_as
+        from .patching import rebind
+
+        rebind(original, in_the_same_node_as, ("vllm",), skip=mod)
+
+    SIMULATED["vllm.distributed.parallel_state:in_the_same_node_as"] = (
+        f"answered from the layout ({GPUS_PER_NODE} GPUs per node), not a shared-memory collective")
+    hooks.register("vllm.distributed.parallel_state", patch)

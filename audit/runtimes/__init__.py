@@ -8,13 +8,13 @@ from __future__ import annotations
 from .base import RunRequest, RunResult, Runtime
 
 
-def get_runtime(name: str) -> Runtime:
+def get_runtime(name: str, *, cuda_toolkit: bool = True) -> Runtime:
     from ..errors import SelectionError
 
     if name == "local":
         from .local import LocalRuntime
 
-        return LocalRuntime()
+        return LocalRuntime(with_cuda_toolkit=cuda_toolkit)
     raise SelectionError("runtime", name, known=["local"])
 
 

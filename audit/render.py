@@ -120,6 +120,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "details": details,
         "drift": sorted(drift.values(), key=lambda d: d["target"]),
         "incomplete": [c for c in cells if c["status"] == "INCOMPLETE"],
+        "not_applicable": sorted({t for c in cells for t in c.get("not_applicable", [])}),
         "partial": [c for c in cells if c["status"] == "PARTIAL"],
         "fingerprint": fingerprint or {},
         "fingerprint_differs": bool(fp_diff),

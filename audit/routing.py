@@ -206,6 +206,7 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     drift = [{"target": t["target"], "title": t.get("title", ""), "required": t.get("required", True),
               "attempts": t.get("attempts", [])} for t in targets if t.get("status") == "drift"]
     not_reached = [t["target"] for t in targets if t.get("status") == "not-reached"]
+    not_applicable = [t["target"] for t in targets if t.get("status") == "not-applicable"]
     raises: list[dict] = []
     for r in f.of_kind("raise"):  # one exception propagates through nested probes: keep the innermost
         err = r.get("error") or {}
@@ -234,6 +235,7 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "probe_errors": [{"where": r.get("where"), "error": r.get("error")} for r in f.of_kind("probe_error")],
         "drift": drift,
         "not_reached": not_reached,
+        "not_applicable": not_applicable,
         "config": _one(f, "config"),
         "argv": (_one(f, "job").get("argv") or [])[:1] + ["serve", "<model-dir>"] + (_one(f, "job").get("argv") or [])[3:],
         "simulated": sim.get("items", {}),
@@ -249,7 +251,8 @@ def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> 
     return {"system": system, "layout": layout, "evidence": "none", "status": "INCOMPLETE", "stages": [],
             "depth": "", "failure": {"stage": "process", "type": "", "message": reason, "where": ""},
             "log_tail": log_tail, "layer_kinds": {}, "lanes": {}, "candidates": {}, "attention_candidates": None,
-            "raises": [], "probe_errors": [], "drift": [], "not_reached": [], "config": {}, "argv": [],
+            "raises": [], "probe_errors": [], "drift": [], "not_reached": [], "not_applicable": [], "config": {},
+            "argv": [],
             "simulated": {}, "stand_in_calls": [], "device": {}, "availability": {}, "fingerprint": {}}
 
 

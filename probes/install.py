@@ -251,6 +251,10 @@ class ProbeSet:
     def finalize(self) -> None:
         """Record each target's fate: patched, drift (missing in this vLLM) or not reached."""
         for tid, st in self.state.items():
+            applicable = [spec for spec in st.target.specs if spec_applies(split_spec(spec)[2], self.version)]
+            if st.status == "pending" and not applicable:
+                st.status = "not-applicable"  # every spec is for other vLLM releases
+                st.attempts.append(f"no spec for vLLM {self.version}: " + "; ".join(st.target.specs))
             if st.status == "pending":
                 missing_modules = []
                 for spec in st.target.specs:

@@ -72,7 +72,7 @@ TARGETS: tuple[Target, ...] = (
            title="MXFP4 MoE oracle (gpt-oss style)", required=False),
     Target("moe.candidates", "candidates", (MOE + "oracle.mxfp4:backend_to_kernel_cls",),
            args=("backend",), title="MoE backend candidates (auto)"),
-    Target("moe.requested", "candidates", (MOE + "oracle.mxfp4:_requested_kernel_cls",),
+    Target("moe.requested", "candidates", (MOE + "oracle.mxfp4:_requested_kernel_cls@0.33<=v",),
            args=("backend",), title="MoE backend candidates (--moe-backend)", required=False),
     Target("moe.mega_moe_experts", "construct",
            (MOE + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.__init__@0.33<=v",

@@ -99,8 +99,8 @@ class LocalRuntime:
         if toolkit is None:
             return "none: the environment's wheels ship no nvcc (CUDA_HOME points at an empty directory)"
         rel = toolkit.relative_to(next(env.glob("lib/python*/site-packages")))
-        return (f"nvcc shipped in the environment ({rel}), via CUDA_HOME, as on a serving host with a CUDA "
-                "toolkit; the host's own toolkit is never used")
+        return (f"nvcc shipped in the environment ({rel}), on PATH and as CUDA_HOME, as on a serving host "
+                "with a CUDA toolkit; the host's own toolkit is never used")
 
     # -- pins ----------------------------------------------------------------------------------
     def check(self, pin: Pin) -> None:
@@ -209,10 +209,13 @@ class LocalRuntime:
             "XDG_CACHE_HOME": str(caches / "xdg"),
             "VLLM_PLUGINS": "",
         }
-        # vLLM's "is FlashInfer usable" check looks for nvcc under CUDA_HOME, PATH or /usr/local/cuda:
-        # never let the host's toolkit decide. Either the nvcc the environment's own wheels ship, or none.
+        # vLLM's "is FlashInfer usable" check looks for nvcc under CUDA_HOME, PATH or /usr/local/cuda
+        # (0.33) or on PATH (older releases): never let the host's toolkit decide. Either the nvcc the
+        # environment's own wheels ship (on PATH and as CUDA_HOME), or none.
         toolkit = self.cuda_toolkit(env) if self.with_cuda_toolkit else None
         out["CUDA_HOME"] = str(toolkit) if toolkit else str(self.root / "no-cuda-toolkit")
+        if toolkit:
+            out["PATH"] = os.pathsep.join([str(env / "bin"), str(toolkit / "bin"), *SYSTEM_PATH])
         if stub is not None:
             out["LD_LIBRARY_PATH"] = str(stub.parent)
         if pythonpath is not None:

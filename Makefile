@@ -7,7 +7,7 @@ SYSTEMS ?= all
 LAYOUTS ?= all
 BIN     := $(VENV)/bin
 
-.PHONY: setup env audit render test bench pins clean
+.PHONY: setup env audit render diff test bench pins clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,10 @@ audit: setup
 # Re-render a ledger from a run directory's evidence: make render RUN=~/.cache/serving-truth/runs/...
 render: setup
 	$(BIN)/serving-truth render $(RUN)
+
+# reports/diffs/<FROM>..<TO>.md from two audited pins: make diff FROM=v0.30.0 TO=v0.33.0
+diff: setup
+	$(BIN)/serving-truth diff $(FROM) $(TO)
 
 pins: setup
 	$(BIN)/serving-truth pins

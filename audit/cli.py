@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--lock", default="images.lock")
     r.add_argument("--reports", default="reports")
 
+    d = sub.add_parser("diff", help="render reports/diffs/<from>..<to>.md from two audited pins")
+    d.add_argument("from_pin")
+    d.add_argument("to_pin")
+    d.add_argument("--reports", default="reports")
+
     sub.add_parser("pins", help="list the pins in images.lock").add_argument("--lock", default="images.lock")
 
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
@@ -65,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pins":
             return _pins(args, out)
+        if args.command == "diff":
+            from .diff import write_diff
+
+            md, _, d = write_diff(args.reports, args.from_pin, args.to_pin)
+            err.print("no change" if d["empty"] else f"{len(d['changes'])} change row(s)")
+            out.print(str(md))
+            return ExitCode.OK
         if args.command == "env":
             return _env(args, out, err)
         if args.command == "render":

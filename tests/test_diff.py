@@ -1,0 +1,44 @@
+"""The routing diff between pins: empty against itself, stable and grouped between real releases."""
+import copy
+import json
+
+from audit.diff import diff_routings, render_diff
+from tests.conftest import ROOT
+from tests.goldtest import compare
+
+DATA = ROOT / "tests" / "data"  # routing.json of real audits
+
+
+def load(pin):
+    return json.loads((DATA / f"routing-{pin}.json").read_text(encoding="utf-8"))
+
+
+def test_pin_against_itself_is_empty():
+    for pin in ("v0.30.0", "v0.33.0"):
+        r = load(pin)
+        d = diff_routings(r, copy.deepcopy(r))
+        assert d["empty"] and d["changes"] == [] and d["unchanged_lanes"] == d["compared_lanes"] > 0
+        assert "**No change.**" in render_diff(d)
+
+
+def test_real_releases_diff_is_stable_and_grouped():
+    old, new = load("v0.30.0"), load("v0.33.0")
+    first = render_diff(diff_routings(old, new))
+    assert first == render_diff(diff_routings(copy.deepcopy(old), copy.deepcopy(new)))
+    d = diff_routings(old, new)
+    keys = [(c["kind"], c["lane"] or c["field"], c["before"], c["after"]) for c in d["changes"]]
+    assert len(keys) == len(set(keys)), "one upstream change must read as one row"
+    compare("diff-v0.30.0..v0.33.0.md", first)
+
+
+def test_a_single_change_is_one_row_naming_all_cells():
+    r = load("v0.33.0")
+    changed = copy.deepcopy(r)
+    for c in changed["cells"]:
+        for g in c["lanes"].get("mla.prefill", []):
+            g["value"] = "SomeNewPrefillBackend"
+    d = diff_routings(r, changed)
+    rows = [c for c in d["changes"] if c["lane"] == "mla.prefill"]
+    assert len(rows) == 1 and rows[0]["after"] == "SomeNewPrefillBackend"
+    built = {(c["system"], c["layout"]) for c in r["cells"] if c["lanes"].get("mla.prefill")}
+    assert {tuple(x) for x in rows[0]["cells"]} == built

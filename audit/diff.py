@@ -46,18 +46,29 @@ def diff_routings(old: dict, new: dict) -> dict:
         row["cells"].add(cell)
         row["layers"].update(layers)
 
+    def state(c: dict) -> str:
+        f = c.get("failure") or {}
+        if c.get("status") == "COMPLETE":
+            return "COMPLETE"
+        return f"{c.get('status')}: {f.get('stage', '?')} raised {str(f.get('type', '')).rsplit(':', 1)[-1]}: {f.get('message', '')}"
+
     for cell in common:
         a, b = old_cells[cell], new_cells[cell]
-        for field in ("status", "evidence", "depth"):
+        if state(a) != state(b):
+            add(cell_changes, ("construction", state(a), state(b)), cell)
+        for field in ("evidence",):
             if a.get(field) != b.get(field):
                 add(cell_changes, (field, str(a.get(field)), str(b.get(field))), cell)
+        # where construction now stops earlier (or later), lanes appearing/disappearing past that
+        # point are consequences of the stop, already stated by the construction row
+        stop_changed = a.get("status") != b.get("status")
         for lane in sorted(set(a["lanes"]) | set(b["lanes"])):
             before, after = _per_layer(a["lanes"].get(lane, [])), _per_layer(b["lanes"].get(lane, []))
             compared += 1
             moved = defaultdict(set)
             for layer in sorted(set(before) | set(after)):
                 va, vb = before.get(layer, "—"), after.get(layer, "—")
-                if va != vb:
+                if va != vb and not (stop_changed and "—" in (va, vb)):
                     moved[(va, vb)].add(layer)
             if not moved:
                 unchanged += 1
@@ -68,8 +79,8 @@ def diff_routings(old: dict, new: dict) -> dict:
             after = {layer: _tried_text(g["value"]) for g in b.get("candidates", {}).get(lane, []) for layer in g["layers"]}
             moved = defaultdict(set)
             for layer in sorted(set(before) | set(after)):
-                va, vb = before.get(layer, "(none)"), after.get(layer, "(none)")
-                if va != vb:
+                va, vb = before.get(layer, "—"), after.get(layer, "—")
+                if va != vb and not (stop_changed and "—" in (va, vb)):
                     moved[(va, vb)].add(layer)
             for (va, vb), layers in moved.items():
                 add(cand_changes, (lane, va, vb), cell, layers)

@@ -76,6 +76,7 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
             simulate.install_stand_ins(hooks)
             simulate.install_in_process_registry(hooks)
             simulate.install_node_topology(hooks)
+            simulate.install_meta_device_args(hooks)
             platform = simulate.install_platform()
             simulate.stand_in_cuda_streams()
             base = type(platform).__mro__[1]

@@ -6,7 +6,6 @@ prints or exits.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 
 class ExitCode(enum.IntEnum):

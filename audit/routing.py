@@ -9,7 +9,7 @@ import re
 from collections import defaultdict
 
 from .evidence import EvidenceFile
-from .profiles import Lane, Profile, Source
+from .profiles import Lane, Profile
 
 ROUTING_SCHEMA = 1
 EVIDENCE_LEVELS = {

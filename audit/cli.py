@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--reports", default="reports", help="reports directory")
     a.add_argument("--parallel", type=int, default=2, help="processes resolving at once (default 2)")
     a.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    a.add_argument("--baseline", default=None, help="an audited pin to show 'changes since' against in the ledger")
     a.add_argument("--no-cuda-toolkit", dest="cuda_toolkit", action="store_false",
                    help="audit as a host without a CUDA toolkit (vLLM then disables FlashInfer's JIT kernels)")
 
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--lock", default="images.lock")
     r.add_argument("--reports", default="reports")
+    r.add_argument("--baseline", default=None, help="an audited pin to show 'changes since' against")
 
     d = sub.add_parser("diff", help="render reports/diffs/<from>..<to>.md from two audited pins")
     d.add_argument("from_pin")
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "render":
             from .core import render_run
 
-            o = render_run(args.run_dir, lock_path=args.lock, reports_dir=args.reports)
+            o = render_run(args.run_dir, lock_path=args.lock, reports_dir=args.reports, baseline=args.baseline)
             out.print(str(o.ledger))
             return ExitCode.OK
         return _audit(args, out, err)
@@ -154,7 +156,8 @@ def _audit(args, out, err) -> int:
 
         outcome = run_audit(args.pin, lock_path=args.lock, runtime=args.runtime, systems=args.systems,
                             layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
-                            timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit)
+                            timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
+                            baseline=args.baseline)
     if outcome.incomplete or outcome.partial:
         err.print(f"[yellow]warning:[/yellow] {outcome.incomplete} cell(s) INCOMPLETE, "
                   f"{outcome.partial} stopped early; the ledger says where")

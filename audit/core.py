@@ -50,8 +50,11 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               systems: str | list | None = None, layouts: str | list | None = None,
               reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int = 2,
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
-              cuda_toolkit: bool = True) -> AuditOutcome:
-    pin = lockmod.load(lock_path).get(pin_name)
+              cuda_toolkit: bool = True, baseline: str | None = None) -> AuditOutcome:
+    lock = lockmod.load(lock_path)
+    pin = lock.get(pin_name)
+    if baseline:
+        lock.get(baseline)  # an unknown baseline is bad input, before any work
     sys_sel = select("system", systems, SYSTEMS)
     lay_sel = select("layout", layouts, LAYOUTS)
     rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit)
@@ -67,13 +70,13 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
             "cells": [[s.name, l.name] for s, l in cells],
             "missing": [[k[0], k[1], v] for k, v in sorted(result.missing.items())]}
     (run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-    outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir)
+    outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline)
     prune_runs(pin)
     return outcome
 
 
 def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
-               reports_dir: str | Path = "reports") -> AuditOutcome:
+               reports_dir: str | Path = "reports", baseline: str | None = None) -> AuditOutcome:
     """(Re)build routing.json and ledger.md from a run directory's evidence; idempotent."""
     run_dir = Path(run_dir)
     try:
@@ -91,7 +94,13 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=expected,
                                        missing=missing, run=meta["run"])
     report_dir = Path(reports_dir) / pin.name
-    write_report(report_dir, routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"])
+    changes = None
+    if baseline:
+        from .diff import diff_routings, load_routing
+
+        changes = diff_routings(load_routing(Path(reports_dir), baseline), routing)
+    write_report(report_dir, routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"],
+                 changes=changes)
     cells = routing["cells"]
     return AuditOutcome(
         pin=pin.name, report_dir=report_dir, ledger=report_dir / "ledger.md",

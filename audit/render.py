@@ -137,10 +137,11 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     }
 
 
-def render_ledger(routing: dict, *, profile_title: str, reproduce: str) -> str:
+def render_ledger(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None) -> str:
     try:
         template = _env().get_template("ledger.md.j2")
-        return template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce))
+        return template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce),
+                               changes=changes)
     except (jinja2.TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise RenderError(f"the ledger could not be rendered from this routing ({type(exc).__name__}: {exc}); "
                           "no report file was changed") from exc
@@ -150,7 +151,8 @@ def routing_json(routing: dict) -> str:
     return json.dumps(routing, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def write_report(report_dir: Path, routing: dict, *, profile_title: str, reproduce: str) -> list[Path]:
+def write_report(report_dir: Path, routing: dict, *, profile_title: str, reproduce: str,
+                 changes: dict | None = None) -> list[Path]:
     """Render first, then replace ``routing.json`` and ``ledger.md`` together (atomic per file)."""
-    ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce)
+    ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
     return write_all_atomic({report_dir / "routing.json": routing_json(routing), report_dir / "ledger.md": ledger})

@@ -42,3 +42,14 @@ def test_a_single_change_is_one_row_naming_all_cells():
     assert len(rows) == 1 and rows[0]["after"] == "SomeNewPrefillBackend"
     built = {(c["system"], c["layout"]) for c in r["cells"] if c["lanes"].get("mla.prefill")}
     assert {tuple(x) for x in rows[0]["cells"]} == built
+
+
+def test_ledger_shows_changes_since_its_baseline():
+    from audit.render import render_ledger
+
+    old, new = load("v0.30.0"), load("v0.33.0")
+    text = render_ledger(new, profile_title="Kimi-K3", reproduce="x", changes=diff_routings(old, new))
+    section = text.split("## Changes since `v0.30.0`", 1)[1].split("\n## ", 1)[0]
+    assert "| Routed experts | MARLIN / MarlinExperts | HUMMING / HummingIndexedExperts |" in section
+    same = render_ledger(new, profile_title="Kimi-K3", reproduce="x", changes=diff_routings(new, new))
+    assert "None: every lane of every cell audited in both pins routes the same way" in same

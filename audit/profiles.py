@@ -106,6 +106,7 @@ KIMI_K3 = Profile(
         Lane("kda.prefill", "KDA prefill", "kda", "prefill", (Source("select", "kda.prefill", ("result",)),)),
         Lane("kda.decode", "KDA decode", "kda", "decode", (
             Source("select", "kda.decode", ("result",)),
+            Source("select", "kda.decode_fused_check", ("result",), label="fused decode kernel supported:"),
             Source("construct", "scope.kda", ("attrs.kda_decode_backend",)),
         )),
         Lane("kda.spec_verify", "KDA spec-verify", "kda", "spec-verify", (

@@ -83,6 +83,9 @@ TARGETS: tuple[Target, ...] = (
            args=("backend", "num_heads"), title="KDA prefill backend"),
     Target("kda.decode", "select", (K3 + "kda:resolve_kda_decode_backend@0.30<=v",), phase="decode",
            args=("backend", "num_heads"), title="KDA decode backend"),
+    # before 0.30 the decode path is a yes/no check: the fused conv+KDA+norm decode kernel or not
+    Target("kda.decode_fused_check", "select", (K3 + "kda:is_fused_kda_decode_supported@v<0.30",),
+           phase="decode", args=("num_heads", "num_spec"), title="fused KDA decode supported (pre-0.30)"),
     Target("kda.spec_decode", "select", (K3 + "kda:resolve_kda_spec_decode_backend@0.32<=v",),
            phase="spec-verify", args=("backend", "num_heads", "num_spec"), title="KDA spec-decode backend"),
     # --- MLA ---------------------------------------------------------------------------------------

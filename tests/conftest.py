@@ -22,8 +22,9 @@ def write(tmp_path):
 
 # --- the real pinned vLLM -------------------------------------------------------------------------
 VLLM_PIN = "v0.33.0"
-#: small but covering: SM90 and SM100, the single-node lane and the MegaMoE lane
-VLLM_CELLS = (("h100_sxm", "tp8"), ("h100_sxm", "dep8"), ("b200_sxm", "tp8"), ("b200_sxm", "dep8"))
+#: small but covering: SM90 and SM100, the single-node lane, the MegaMoE lane, MTP speculation
+VLLM_CELLS = (("h100_sxm", "tp8"), ("h100_sxm", "dep8"), ("b200_sxm", "tp8"), ("b200_sxm", "dep8"),
+              ("b200_sxm", "tp8-mtp"))
 
 
 @pytest.fixture(scope="session")

@@ -185,3 +185,22 @@ def test_routing_is_deterministic(probed_run):
     render = lambda: json.dumps(routing.build_routing(evidence.read_dir(result.evidence_dir), KIMI_K3,
                                                       pin={"name": "p"}, expected=list(VLLM_CELLS)), sort_keys=True)
     assert render() == render()
+
+
+def test_mtp_draft_layer_and_spec_verify(probed_run):
+    """With MTP, vLLM builds a draft model whose layer sits after the target's last layer, and the
+    target's KDA layers resolve their verify path for num_spec > 0 (and decode changes with it)."""
+    cells = cells_of(probed_run)
+    mtp = routing.build_cell(cells[("b200_sxm", "tp8-mtp")], KIMI_K3)
+    plain = routing.build_cell(cells[("b200_sxm", "tp8")], KIMI_K3)
+    last = k3_layers()["moe"][-1]
+    assert mtp["status"] == "COMPLETE"
+    assert [s["stage"] for s in mtp["stages"]][-2:] == ["construct-draft", "inspect"]
+    assert mtp["layer_kinds"]["mtp"] == [last + 1]
+    assert last + 1 in mtp["layer_kinds"]["mla"] and last + 1 in mtp["layer_kinds"]["moe"]
+    covered = lambda cell, lane: sorted(l for g in cell["lanes"][lane] for l in g["layers"])
+    assert covered(mtp, "moe") == k3_layers()["moe"] + [last + 1]
+    spec = [g["value"] for g in mtp["lanes"]["kda.spec_verify"]]
+    assert spec and not any(v.startswith("not exercised") for v in spec)
+    assert all(g["value"].startswith("not exercised") for g in plain["lanes"]["kda.spec_verify"])
+    assert mtp["config"]["speculative"] == "mtp"

@@ -129,6 +129,8 @@ def _lane_values(f: EvidenceFile, lane: Lane) -> dict[int, dict]:
             if layer is None or layer in per_layer:
                 continue
             raw = [_field(r, p) for p in source.fields]
+            if all(v is None for v in raw):
+                continue  # this record does not carry the lane's answer (e.g. an attribute of other releases)
             text = " / ".join(short(v) for v in raw)
             if lane.exercised_if and not _field(r, lane.exercised_if[0]):
                 text = f"not exercised: {lane.exercised_if[1]}"

@@ -102,10 +102,21 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         for d in c["drift"]:
             key = d["target"]
             drift.setdefault(key, {**d, "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
+    probe_errors: dict[tuple, dict] = {}
+    for c in cells:
+        for e in c.get("probe_errors", []):
+            err = e.get("error") or {}
+            key = (e.get("where"), err.get("type"), err.get("message"))
+            probe_errors.setdefault(key, {"where": key[0], "type": key[1] or "", "message": key[2] or "",
+                                          "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
     complete = [c for c in cells if c["status"] != "INCOMPLETE"]
     fingerprint, fp_diff = _uniform(complete, lambda c: c.get("fingerprint", {}))
     availability, av_diff = _uniform(complete, lambda c: c.get("availability", {}))
-    simulated, _ = _uniform(complete, lambda c: c.get("simulated", {}))
+    merged: dict[str, set] = {}
+    for c in complete:  # the union over cells; a value that differs per cell (e.g. world size) lists each
+        for k, v in c.get("simulated", {}).items():
+            merged.setdefault(k, set()).add(str(v))
+    simulated = {k: "; ".join(sorted(v)) for k, v in sorted(merged.items())}
     levels = sorted({c["evidence"] for c in cells})
     return {
         "title": profile_title,
@@ -119,6 +130,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "matrices": matrices,
         "details": details,
         "drift": sorted(drift.values(), key=lambda d: d["target"]),
+        "probe_errors": [probe_errors[k] for k in sorted(probe_errors, key=str)],
         "incomplete": [c for c in cells if c["status"] == "INCOMPLETE"],
         "not_applicable": sorted({t for c in cells for t in c.get("not_applicable", [])}),
         "partial": [c for c in cells if c["status"] == "PARTIAL"],
@@ -126,7 +138,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "fingerprint_differs": bool(fp_diff),
         "availability": availability or {},
         "availability_differs": bool(av_diff),
-        "simulated": simulated or {},
+        "simulated": simulated,
         "levels": levels,
         "level_text": EVIDENCE_LEVELS,
         "stage_order": STAGE_ORDER,

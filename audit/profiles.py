@@ -25,6 +25,8 @@ class Source:
     target: str
     fields: tuple[str, ...]
     label: str = ""
+    #: fields kept in routing.json (``raw``) but not shown, e.g. the quant method class for labels
+    extra: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ KIMI_K3 = Profile(
     },
     lanes=(
         Lane("moe", "Routed experts", "moe", "all", (
-            Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls")),
+            Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls"), extra=("cls",)),
             Source("construct", "moe.mega_moe_experts", ("cls",), label="MegaMoE"),
         ), candidates_target="moe.candidate"),
         Lane("kda.prefill", "KDA prefill", "kda", "prefill", (Source("select", "kda.prefill", ("result",)),)),

@@ -72,8 +72,9 @@ def format_ranges(layers) -> str:
     return ",".join(out)
 
 
-def collapse(per_layer: dict[int, object]) -> list[dict]:
-    """Group layers with the same value; groups ordered by their first layer."""
+def collapse(per_layer: dict[int, object], raw: dict[int, dict] | None = None) -> list[dict]:
+    """Group layers with the same value; groups ordered by their first layer. With ``raw``, each
+    group also keeps the undisplayed evidence of its first layer (what labels are derived from)."""
     groups: dict[str, list[int]] = defaultdict(list)
     values: dict[str, object] = {}
     for layer in sorted(per_layer):
@@ -81,7 +82,13 @@ def collapse(per_layer: dict[int, object]) -> list[dict]:
         groups[key].append(layer)
         values[key] = per_layer[layer]
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
-    return [{"layers": layers, "ranges": format_ranges(layers), "value": values[key]} for key, layers in ordered]
+    out = []
+    for key, layers in ordered:
+        group = {"layers": layers, "ranges": format_ranges(layers), "value": values[key]}
+        if raw is not None:
+            group["raw"] = raw[layers[0]]
+        out.append(group)
+    return out
 
 
 def _field(record: dict, path: str):
@@ -132,9 +139,11 @@ def _lane_values(f: EvidenceFile, lane: Lane) -> dict[int, dict]:
             if all(v is None for v in raw):
                 continue  # this record does not carry the lane's answer (e.g. an attribute of other releases)
             text = " / ".join(short(v) for v in raw)
+            raw = raw + [_field(r, p) for p in source.extra]
             if lane.exercised_if and not _field(r, lane.exercised_if[0]):
                 text = f"not exercised: {lane.exercised_if[1]}"
-            per_layer[layer] = {"raw": raw, "value": f"{source.label} {text}".strip() if source.label else text}
+            per_layer[layer] = {"raw": raw, "source": source.target,
+                                "value": f"{source.label} {text}".strip() if source.label else text}
     return per_layer
 
 
@@ -201,7 +210,9 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     kinds = _layer_kinds(f, profile)
     for lane in profile.lanes:
         per_layer = _lane_values(f, lane)
-        lanes[lane.id] = collapse({k: v["value"] for k, v in per_layer.items()})
+        lanes[lane.id] = collapse({k: v["value"] for k, v in per_layer.items()},
+                                  raw={k: {"source": v.get("source", ""), "fields": v["raw"]}
+                                       for k, v in per_layer.items()})
         if lane.candidates_target:
             candidates[lane.id] = _candidates(f, lane.candidates_target)
     targets = f.of_kind("target")

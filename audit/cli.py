@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--parallel", type=int, default=2, help="processes resolving at once (default 2)")
     a.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     a.add_argument("--baseline", default=None, help="an audited pin to show 'changes since' against in the ledger")
+    a.add_argument("--expectations", default="auto",
+                   help="claims to judge (default: expectations/<model>.toml if present; 'none' for no verdicts)")
+    a.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
     a.add_argument("--no-cuda-toolkit", dest="cuda_toolkit", action="store_false",
                    help="audit as a host without a CUDA toolkit (vLLM then disables FlashInfer's JIT kernels)")
 
@@ -33,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--lock", default="images.lock")
     r.add_argument("--reports", default="reports")
     r.add_argument("--baseline", default=None, help="an audited pin to show 'changes since' against")
+    r.add_argument("--expectations", default="auto", help="claims to judge ('none' for no verdicts)")
+    r.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
 
     d = sub.add_parser("diff", help="render reports/diffs/<from>..<to>.md from two audited pins")
     d.add_argument("from_pin")
@@ -84,9 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "render":
             from .core import render_run
 
-            o = render_run(args.run_dir, lock_path=args.lock, reports_dir=args.reports, baseline=args.baseline)
+            o = render_run(args.run_dir, lock_path=args.lock, reports_dir=args.reports, baseline=args.baseline,
+                           expectations=args.expectations)
             out.print(str(o.ledger))
-            return ExitCode.OK
+            return _findings_exit(o, args.strict, err)
         return _audit(args, out, err)
     except KeyboardInterrupt:
         err.print("[red]interrupted[/red]: no report was written or changed")
@@ -157,7 +163,7 @@ def _audit(args, out, err) -> int:
         outcome = run_audit(args.pin, lock_path=args.lock, runtime=args.runtime, systems=args.systems,
                             layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
                             timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
-                            baseline=args.baseline)
+                            baseline=args.baseline, expectations=args.expectations)
     if outcome.incomplete or outcome.partial:
         err.print(f"[yellow]warning:[/yellow] {outcome.incomplete} cell(s) INCOMPLETE, "
                   f"{outcome.partial} stopped early; the ledger says where")
@@ -165,7 +171,18 @@ def _audit(args, out, err) -> int:
         err.print(f"[yellow]warning:[/yellow] {outcome.drift} probe target(s) drifted; see the ledger's Probe drift")
     err.print(f"evidence: {outcome.run_dir}")
     out.print(str(outcome.ledger))
-    return ExitCode.OK
+    return _findings_exit(outcome, args.strict, err)
+
+
+def _findings_exit(outcome, strict: bool, err) -> int:
+    """FINDINGS (1) when a claim is contradicted (MISMATCH) or its layers crashed (CRASH); with
+    --strict also when a lane is UNVERIFIED. The ledger is written either way."""
+    v = outcome.verdicts
+    if not v:
+        return ExitCode.OK
+    err.print("verdicts: " + ", ".join(f"{k} {n}" for k, n in v.items() if n))
+    failing = v.get("MISMATCH", 0) + v.get("CRASH", 0) + (v.get("UNVERIFIED", 0) if strict else 0)
+    return ExitCode.FINDINGS if failing else ExitCode.OK
 
 
 if __name__ == "__main__":

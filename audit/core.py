@@ -26,6 +26,7 @@ class AuditOutcome:
     incomplete: int
     partial: int
     drift: int
+    verdicts: dict | None = None
 
 
 def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True) -> str:
@@ -50,11 +51,13 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               systems: str | list | None = None, layouts: str | list | None = None,
               reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int = 2,
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
-              cuda_toolkit: bool = True, baseline: str | None = None) -> AuditOutcome:
+              cuda_toolkit: bool = True, baseline: str | None = None,
+              expectations: str | None = "auto") -> AuditOutcome:
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
     if baseline:
         lock.get(baseline)  # an unknown baseline is bad input, before any work
+    load_expectations(expectations, lock_path=lock_path, profile=profile)  # bad expectations fail early too
     sys_sel = select("system", systems, SYSTEMS)
     lay_sel = select("layout", layouts, LAYOUTS)
     rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit)
@@ -70,13 +73,29 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
             "cells": [[s.name, l.name] for s, l in cells],
             "missing": [[k[0], k[1], v] for k, v in sorted(result.missing.items())]}
     (run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-    outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline)
+    outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline,
+                         expectations=expectations)
     prune_runs(pin)
     return outcome
 
 
+def load_expectations(spec: str | None, *, lock_path, profile: Profile):
+    """``auto``: expectations/<model>.toml beside images.lock when it exists; ``none``: no verdicts."""
+    from .expectations import load
+
+    if spec in (None, "none", ""):
+        return None, ""
+    if spec == "auto":
+        path = Path(lock_path).resolve().parent / "expectations" / f"{profile.name}.toml"
+        if not path.exists():
+            return None, ""
+        return load(path), f"expectations/{profile.name}.toml"
+    return load(spec), str(spec)
+
+
 def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
-               reports_dir: str | Path = "reports", baseline: str | None = None) -> AuditOutcome:
+               reports_dir: str | Path = "reports", baseline: str | None = None,
+               expectations: str | None = "auto") -> AuditOutcome:
     """(Re)build routing.json and ledger.md from a run directory's evidence; idempotent."""
     run_dir = Path(run_dir)
     try:
@@ -93,6 +112,11 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}")
     routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=expected,
                                        missing=missing, run=meta["run"])
+    exp, exp_path = load_expectations(expectations, lock_path=lock_path, profile=profile)
+    if exp is not None:
+        from .verdicts import attach
+
+        attach(routing, exp, display_path=exp_path)
     report_dir = Path(reports_dir) / pin.name
     changes = None
     if baseline:
@@ -108,6 +132,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         incomplete=sum(c["status"] == "INCOMPLETE" for c in cells),
         partial=sum(c["status"] == "PARTIAL" for c in cells),
         drift=len({d["target"] for c in cells for d in c["drift"]}),
+        verdicts=(routing.get("verdicts") or {}).get("summary"),
     )
 
 

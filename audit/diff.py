@@ -89,17 +89,30 @@ def diff_routings(old: dict, new: dict) -> dict:
         out = []
         for key, row in bucket.items():
             cells = sorted(row["cells"])
-            out.append({"kind": kind, "lane": key[0] if kind != "cell" else "", "field": key[0] if kind == "cell" else "",
-                        "title": titles.get(key[0], key[0]) if kind != "cell" else key[0],
+            lane_like = kind in ("path", "candidates")
+            out.append({"kind": kind, "lane": key[0] if lane_like else "", "field": "" if lane_like else key[0],
+                        "title": titles.get(key[0], key[0]) if lane_like else key[0],
                         "before": key[1], "after": key[2],
                         "cells": [list(c) for c in cells],
                         "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
                         "layers": _ranges(row["layers"]) if row["layers"] else ""})
         return sorted(out, key=lambda r: (r["lane"] or r["field"], r["before"], r["after"]))
 
+    # verdict changes (when both audits were judged), one row per (claim, lane, before, after)
+    verdict_changes: dict[tuple, dict] = {}
+    va = {(r["claim"], r["system"], r["layout"], r["lane"]): r["verdict"] for r in (old.get("verdicts") or {}).get("rows", [])}
+    vb = {(r["claim"], r["system"], r["layout"], r["lane"]): r["verdict"] for r in (new.get("verdicts") or {}).get("rows", [])}
+    if va and vb:
+        for key in sorted(set(va) | set(vb)):
+            if (key[1], key[2]) not in set(common):
+                continue
+            before, after = va.get(key, "—"), vb.get(key, "—")
+            if before != after:
+                add(verdict_changes, (key[0] or "(no claim)", before, after), (key[1], key[2]))
     only_old = sorted(set(old_cells) - set(new_cells))
     only_new = sorted(set(new_cells) - set(old_cells))
-    changes = rows(path_changes, "path") + rows(cand_changes, "candidates") + rows(cell_changes, "cell")
+    changes = (rows(path_changes, "path") + rows(cand_changes, "candidates") + rows(cell_changes, "cell")
+               + rows(verdict_changes, "verdict"))
     return {
         "schema": DIFF_SCHEMA,
         "from": {"pin": old["pin"].get("name"), "vllm_version": old["pin"].get("vllm_version")},

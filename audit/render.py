@@ -15,6 +15,7 @@ from .errors import RenderError
 from .fsutil import write_all_atomic
 from .routing import EVIDENCE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
 from .systems import LAYOUTS, SYSTEMS
+from .verdicts import grouped
 
 
 def _md(text) -> str:
@@ -144,6 +145,9 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "stage_order": STAGE_ORDER,
         "stage_meaning": STAGE_MEANING,
         "reproduce": reproduce,
+        "verdicts": routing.get("verdicts"),
+        "verdict_groups": grouped(routing["verdicts"]["rows"]) if routing.get("verdicts") else [],
+        "lane_titles": lane_titles,
         "kind_titles": {"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
                         "mtp": "MTP draft (separate draft model)"},
     }

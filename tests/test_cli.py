@@ -67,6 +67,13 @@ def test_audit_end_to_end_and_failures_keep_the_previous_ledger(vllm_env, tmp_pa
     assert r.stdout.strip().endswith(str(ledger.relative_to(ROOT)) if ledger.is_relative_to(ROOT) else str(ledger))
     text = ledger.read_text()
     assert "MegaMoE DeepGemmMegaMoEExperts" in text and "**Evidence level: resolved" in text
+    # the shipped claims hold on B200 DEP8 (exit 0); --strict also fails on lanes no claim covers
+    assert "| MATCH | `moe-dep-megamoe` |" in text and "MISMATCH" not in r.stderr
+    run_dir = [l.split("evidence: ", 1)[1].strip() for l in r.stderr.splitlines() if l.startswith("evidence: ")][0]
+    strict = run("render", run_dir, "--reports", str(tmp_path / "strict"), "--strict")
+    assert strict.returncode == ExitCode.FINDINGS and "UNVERIFIED" in strict.stderr
+    bare = run("render", run_dir, "--reports", str(tmp_path / "bare"), "--strict", "--expectations", "none")
+    assert bare.returncode == 0 and "## Verdicts" not in (tmp_path / "bare" / "v0.33.0" / "ledger.md").read_text()
     before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
 
     # a run that times out: non-zero, named error, previous ledger untouched, no agent left behind

@@ -1,0 +1,200 @@
+"""Expectations: the kernel lanes a perf database claims, checked against what the harness finds.
+
+File format (TOML; ``expectations/kimi-k3.toml`` is the shipped example)::
+
+    schema = 1
+    model = "kimi-k3"                                  # the profile it applies to
+    framework = "vllm"
+    architecture = "KimiK3ForConditionalGeneration"    # claims key on the model, not only the dtype lane
+    label_map = "kernel_source_backends.toml"          # optional: label -> backend family, relative path
+
+    [[claim]]
+    id = "moe-w4a16-marlin"                            # unique
+    lane = "w4a16_mxfp4"                               # perf-db lane, see PERF_LANES
+    layouts = ["tp8", "tp16"]                          # layout names, or ["all"]
+    systems = ["all"]                                  # system names, SM families (sm90, sm100, ...) or all
+    kernel_source = "vllm_..._marlin_marlinexperts"    # optional: the label the perf db carries
+    backend = "marlin"                                 # optional: the backend family (at least one of the two)
+    forbidden = ["cutlass"]                            # optional: families that must not run
+    source = "where the claim comes from"
+
+A label map file holds ``[labels]`` with ``label = "family"`` entries (the same facts as
+aiconfigurator's ``collector/kernel_source_backends.yaml``). Bad input raises ExpectationsError with
+the file and line.
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+from .systems import LAYOUTS, SYSTEMS
+
+SCHEMA = 1
+#: perf-db lane -> (harness lane, layouts it is about when a claim says "all")
+PERF_LANES: dict[str, str] = {
+    "w4a16_mxfp4": "moe",
+    "w4a8_mxfp4_mxfp8": "moe",
+    "kda.context": "kda.prefill",
+    "kda.generation": "kda.decode",
+    "kda.verify": "kda.spec_verify",
+    "mla.decode": "mla.decode",
+    "mla.prefill": "mla.prefill",
+}
+_LABEL = re.compile(r"^[a-z0-9][a-z0-9_]*$")
+_KEYS = {"id", "lane", "layouts", "systems", "kernel_source", "backend", "forbidden", "source"}
+
+
+def sm_family(system) -> str:
+    major, minor = system.capability
+    return f"sm{major}{minor}"
+
+
+class ExpectationsError(UsageError):
+    def __init__(self, message: str, *, path: str, line: int | None = None, hint: str | None = None):
+        self.path = path
+        self.line = line
+        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}", hint=hint)
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    lane: str
+    harness_lane: str
+    layouts: tuple[str, ...]
+    systems: tuple[str, ...]  # concrete system names
+    kernel_source: str = ""
+    backend: str = ""
+    forbidden: tuple[str, ...] = ()
+    source: str = ""
+    line: int = 0
+
+    def covers(self, system: str, layout: str, harness_lane: str) -> bool:
+        return harness_lane == self.harness_lane and system in self.systems and layout in self.layouts
+
+
+@dataclass(frozen=True)
+class Expectations:
+    path: Path
+    model: str
+    framework: str
+    architecture: str
+    claims: tuple[Claim, ...]
+    label_map: dict[str, str] = field(default_factory=dict)
+
+
+def _lines(text: str, header: str) -> list[int]:
+    return [i for i, l in enumerate(text.splitlines(), 1) if l.strip().startswith(header)]
+
+
+def _key_line(text: str, start: int, key: str) -> int | None:
+    """1-based line of ``key = ...`` in the table body that begins at 1-based line ``start``."""
+    lines = text.splitlines()
+    for i in range(max(start - 1, 0), len(lines)):
+        stripped = lines[i].strip()
+        if stripped.startswith("["):
+            break
+        if re.match(rf"^{re.escape(key)}\s*=", stripped):
+            return i + 1
+    return start - 1 if start > 1 else None
+
+
+def _toml(path: Path) -> tuple[str, dict]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ExpectationsError("file not found", path=str(path)) from None
+    try:
+        return text, tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"line (\d+)", str(exc))
+        raise ExpectationsError(f"not valid TOML: {exc}", path=str(path), line=int(m.group(1)) if m else None) from None
+
+
+def load_label_map(path: Path) -> dict[str, str]:
+    text, data = _toml(path)
+    labels = data.get("labels")
+    if data.get("schema") != SCHEMA or not isinstance(labels, dict):
+        raise ExpectationsError(f"a label map needs 'schema = {SCHEMA}' and a [labels] table", path=str(path))
+    out = {}
+    start = (_lines(text, "[labels]") or [0])[0] + 1
+    for label, family in labels.items():
+        if not _LABEL.match(label) or not isinstance(family, str) or not _LABEL.match(family):
+            raise ExpectationsError(f"malformed label entry {label!r} = {family!r}", path=str(path),
+                                    line=_key_line(text, start, label), hint="labels and families are lower_snake_case")
+        out[label] = family
+    return out
+
+
+def load(path: str | Path) -> Expectations:
+    path = Path(path)
+    sp = str(path)
+    text, data = _toml(path)
+    if data.get("schema") != SCHEMA:
+        raise ExpectationsError(f"schema is {data.get('schema')!r}, this harness reads {SCHEMA}", path=sp, line=1)
+    for key in ("model", "framework", "architecture"):
+        if not isinstance(data.get(key), str) or not data.get(key):
+            raise ExpectationsError(f"top-level {key!r} is required", path=sp, line=_key_line(text, 1, key))
+    label_map = {}
+    if data.get("label_map"):
+        label_map = load_label_map(path.parent / data["label_map"])
+    headers = _lines(text, "[[claim]]")
+    claims, seen = [], {}
+    for idx, raw in enumerate(data.get("claim", [])):
+        line = headers[idx] if idx < len(headers) else 0
+
+        def err(msg, key=None, hint=None):
+            return ExpectationsError(msg, path=sp, line=_key_line(text, line + 1, key) if key else line, hint=hint)
+
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise err(f"unknown key {unknown[0]!r} in [[claim]]", unknown[0], hint="known: " + ", ".join(sorted(_KEYS)))
+        cid = raw.get("id")
+        if not isinstance(cid, str) or not cid:
+            raise err("claim without an id")
+        if cid in seen:
+            raise err(f"duplicate claim id {cid!r} (first at line {seen[cid]})", "id")
+        seen[cid] = line
+        lane = raw.get("lane")
+        if lane not in PERF_LANES:
+            raise err(f"claim {cid!r}: unknown lane {lane!r}", "lane", hint="known lanes: " + ", ".join(PERF_LANES))
+        layouts = raw.get("layouts", ["all"])
+        if layouts == ["all"]:
+            layouts = list(LAYOUTS)
+        for name in layouts:
+            if name not in LAYOUTS:
+                raise err(f"claim {cid!r}: unknown layout {name!r}", "layouts", hint="known: " + ", ".join(LAYOUTS))
+        systems = []
+        for name in raw.get("systems", ["all"]):
+            if name == "all":
+                systems += list(SYSTEMS)
+            elif name in SYSTEMS:
+                systems.append(name)
+            elif name in {sm_family(s) for s in SYSTEMS.values()}:
+                systems += [s.name for s in SYSTEMS.values() if sm_family(s) == name]
+            else:
+                raise err(f"claim {cid!r}: unknown system {name!r}", "systems",
+                          hint="system names, SM families (" + ", ".join(sorted({sm_family(s) for s in SYSTEMS.values()}))
+                          + ") or all")
+        ks, backend = raw.get("kernel_source", ""), raw.get("backend", "")
+        if not ks and not backend:
+            raise err(f"claim {cid!r} names neither kernel_source nor backend", hint="a claim must say what runs")
+        if ks and not _LABEL.match(ks):
+            raise err(f"claim {cid!r}: malformed kernel_source label {ks!r}", "kernel_source",
+                      hint="labels are lower_snake_case, e.g. vllm_mxfp4moe_marlin_marlinexperts")
+        for fam in [backend, *raw.get("forbidden", [])]:
+            if fam and not _LABEL.match(fam):
+                raise err(f"claim {cid!r}: malformed backend family {fam!r}", "backend")
+        if ks and not backend and ks not in label_map:
+            raise err(f"claim {cid!r}: label {ks!r} is not in the label map and no backend is given", "kernel_source")
+        claims.append(Claim(id=cid, lane=lane, harness_lane=PERF_LANES[lane], layouts=tuple(layouts),
+                            systems=tuple(dict.fromkeys(systems)), kernel_source=ks,
+                            backend=backend or label_map.get(ks, ""), forbidden=tuple(raw.get("forbidden", [])),
+                            source=raw.get("source", ""), line=line))
+    if not claims:
+        raise ExpectationsError("no [[claim]] tables", path=sp)
+    return Expectations(path=path, model=data["model"], framework=data["framework"],
+                        architecture=data["architecture"], claims=tuple(claims), label_map=label_map)

@@ -1,0 +1,130 @@
+"""Verdicts: every (claim x system x layout x layer group) judged against the routing evidence.
+
+MATCH            the backend family (and label, where both are known) is what the claim says
+MISMATCH         another family runs, or a forbidden one (expected vs actual)
+SILENT_FALLBACK  the claimed backend was tried and rejected by vLLM's oracle, and something else runs;
+                 vLLM logs oracle rejections at DEBUG only, so nothing says so at the default level
+NOT_EXERCISED    the layer/phase does not occur in this cell (e.g. spec-verify without speculation)
+UNVERIFIED       a lane group no claim covers
+RANK_DISAGREE    ranks took different paths (observed mode only; resolve mode sees rank 0)
+CRASH            construction raised before the claimed layers were built
+Every verdict carries the evidence level it rests on.
+"""
+from __future__ import annotations
+
+from .expectations import Expectations
+from .labels import derive
+from .routing import format_ranges, short
+
+VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "CRASH", "RANK_DISAGREE", "NOT_EXERCISED", "UNVERIFIED")
+FAILING = ("MISMATCH", "CRASH")
+#: harness lanes that perf databases label (others are not judged)
+JUDGED_LANES = ("moe", "kda.prefill", "kda.decode", "kda.spec_verify", "mla.decode", "mla.prefill")
+_KIND = {"moe": "moe", "kda.prefill": "kda", "kda.decode": "kda", "kda.spec_verify": "kda",
+         "mla.decode": "mla", "mla.prefill": "mla"}
+
+
+def _candidate_family(t: dict) -> str:
+    from .labels import MOE_FAMILY
+
+    return next((fam for prefix, fam in MOE_FAMILY if str(t.get("backend", "")).startswith(prefix)), "unknown")
+
+
+def judge(routing: dict, exp: Expectations) -> list[dict]:
+    rows = []
+    for cell in routing["cells"]:
+        system, layout = cell["system"], cell["layout"]
+        level = cell.get("evidence", "none")
+        for lane in JUDGED_LANES:
+            groups = cell["lanes"].get(lane, [])
+            claims = [c for c in exp.claims if c.covers(system, layout, lane)]
+            built = {l for g in groups for l in g["layers"]}
+            expected_layers = cell.get("layer_kinds", {}).get(_KIND[lane], [])
+            missing = sorted(set(expected_layers) - built)
+            base = {"system": system, "layout": layout, "lane": lane, "evidence": level}
+            if cell["status"] == "INCOMPLETE":
+                for c in claims:
+                    rows.append({**base, "claim": c.id, "layers": "", "verdict": "NOT_EXERCISED",
+                                 "expected": c.backend, "actual": "", "label": "",
+                                 "why": "no evidence: the cell's process died (INCOMPLETE)"})
+                continue
+            failure = cell.get("failure") or {}
+            if cell["status"] == "PARTIAL":
+                # construction stopped: the claimed layers past that point were never built
+                stop = next((r.get("layer") for r in cell.get("raises", []) if r.get("layer") is not None), None)
+                for c in claims:
+                    rows.append({**base, "claim": c.id,
+                                 "layers": format_ranges(missing) if missing else
+                                 (f"from {stop}" if stop is not None else "all"),
+                                 "verdict": "CRASH", "expected": c.backend, "actual": "", "label": "",
+                                 "why": f"{failure.get('stage')} raised {short(failure.get('type', ''))}: "
+                                        f"{failure.get('message', '')}"})
+            for g in groups:
+                label, family, how = derive(lane, g, exp.label_map)
+                row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"]}
+                if not claims:
+                    exercised = not str(g["value"]).startswith("not exercised")
+                    rows.append({**row, "claim": "", "verdict": "UNVERIFIED" if exercised else "NOT_EXERCISED",
+                                 "expected": "", "why": "no claim covers this lane here" if exercised else g["value"]})
+                    continue
+                for c in claims:
+                    rows.append({**row, "claim": c.id, "expected": c.backend or c.kernel_source,
+                                 **_verdict(c, lane, g, label, family, how, cell)})
+    return sorted(rows, key=lambda r: (r["claim"], r["system"], r["layout"], r["lane"], r["layers"]))
+
+
+def _verdict(c, lane, group, label, family, how, cell) -> dict:
+    if str(group["value"]).startswith("not exercised"):
+        return {"verdict": "NOT_EXERCISED", "why": group["value"]}
+    if family == "unknown":
+        return {"verdict": "UNVERIFIED", "why": f"the harness cannot name the backend family of {group['value']}"}
+    if family in c.forbidden:
+        return {"verdict": "MISMATCH", "why": f"{family} is forbidden by the claim ({label})"}
+    if c.backend and family == c.backend:
+        note = "" if not c.kernel_source or c.kernel_source == label else \
+            f"same family; the perf-db label {c.kernel_source} differs from the derived {label}"
+        return {"verdict": "MATCH", "why": note or f"{label} ({how})"}
+    if not c.backend and c.kernel_source == label:
+        return {"verdict": "MATCH", "why": label}
+    # did vLLM try the claimed backend and reject it?
+    if lane == "moe":
+        tried = next((t["value"] for t in cell.get("candidates", {}).get("moe", [])
+                      if set(t["layers"]) & set(group["layers"])), [])
+        rejected = [t for t in tried if not t["supported"] and _candidate_family(t) == c.backend]
+        if rejected:
+            r = rejected[0]
+            return {"verdict": "SILENT_FALLBACK",
+                    "why": f"vLLM rejected {r['cls']} ({r['backend']}): {r.get('reason')}; runs {label}"}
+    return {"verdict": "MISMATCH", "why": f"expected {c.backend or c.kernel_source}, runs {family} ({label})"}
+
+
+def summary(rows: list[dict]) -> dict[str, int]:
+    counts = {v: 0 for v in VERDICTS}
+    for r in rows:
+        counts[r["verdict"]] += 1
+    return counts
+
+
+def grouped(rows: list[dict]) -> list[dict]:
+    """Rows that differ only by cell, merged: one line per (claim, verdict, lane, expected, actual, why)."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["claim"], r["verdict"], r["lane"], r["expected"], r["actual"], r.get("label", ""), r["why"],
+               r["evidence"])
+        g = out.setdefault(key, {**{k: r[k] for k in ("claim", "verdict", "lane", "expected", "actual", "why",
+                                                      "evidence")},
+                                 "label": r.get("label", ""), "cells": []})
+        g["cells"].append(f"{r['system']}/{r['layout']}")
+    order = {v: i for i, v in enumerate(VERDICTS)}
+    return sorted(out.values(), key=lambda g: (order[g["verdict"]], g["claim"], g["lane"], g["actual"], g["why"]))
+
+
+def attach(routing: dict, exp: Expectations, *, display_path: str) -> dict:
+    """Judge and store the verdicts in the routing model (so ledger and diff see them)."""
+    rows = judge(routing, exp)
+    routing["verdicts"] = {"expectations": display_path, "summary": summary(rows), "rows": rows,
+                           "claims": [{"id": c.id, "lane": c.lane, "layouts": list(c.layouts),
+                                       "systems": list(c.systems), "kernel_source": c.kernel_source,
+                                       "backend": c.backend, "forbidden": list(c.forbidden), "source": c.source}
+                                      for c in exp.claims]}
+    return routing

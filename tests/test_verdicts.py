@@ -1,0 +1,133 @@
+"""Expectations files and verdicts, on the routing of real audits."""
+import copy
+import json
+
+import pytest
+
+from audit import expectations
+from audit.errors import ExitCode
+from audit.expectations import ExpectationsError
+from audit.verdicts import judge, summary
+from tests.conftest import ROOT
+
+DATA = ROOT / "tests" / "data"
+SHIPPED = ROOT / "expectations" / "kimi-k3.toml"
+
+
+def routing(pin="v0.33.0"):
+    r = json.loads((DATA / f"routing-{pin}.json").read_text(encoding="utf-8"))
+    r.pop("verdicts", None)
+    return r
+
+
+def write_claims(tmp_path, claims: str, label_map: bool = True):
+    (tmp_path / "kernel_source_backends.toml").write_text(
+        (ROOT / "expectations" / "kernel_source_backends.toml").read_text())
+    head = 'schema = 1\nmodel = "kimi-k3"\nframework = "vllm"\narchitecture = "KimiK3ForConditionalGeneration"\n'
+    if label_map:
+        head += 'label_map = "kernel_source_backends.toml"\n'
+    path = tmp_path / "claims.toml"
+    path.write_text(head + claims)
+    return path
+
+
+def verdict_of(rows, claim, system, layout, lane):
+    got = {r["verdict"] for r in rows if (r["claim"], r["system"], r["layout"], r["lane"]) == (claim, system, layout, lane)}
+    assert len(got) == 1, got
+    return got.pop()
+
+
+def test_shipped_expectations_load():
+    exp = expectations.load(SHIPPED)
+    assert exp.architecture == "KimiK3ForConditionalGeneration"
+    assert {c.lane for c in exp.claims} >= {"w4a16_mxfp4", "kda.context", "kda.generation", "kda.verify",
+                                            "w4a8_mxfp4_mxfp8"}
+    assert exp.label_map["flashkda_fwd"] == "flashkda"
+
+
+def test_verdicts_on_the_real_v0_33_audit():
+    rows = judge(routing(), expectations.load(SHIPPED))
+    # Marlin claim: true on SM89, false on SM90 (Humming) and SM100 (TRT-LLM) in vLLM 0.33.0
+    assert verdict_of(rows, "moe-w4a16-marlin", "l40s", "tp8", "moe") == "MATCH"
+    assert verdict_of(rows, "moe-w4a16-marlin", "h100_sxm", "tp8", "moe") == "MISMATCH"
+    assert verdict_of(rows, "moe-w4a16-marlin", "b200_sxm", "tp8", "moe") == "MISMATCH"
+    assert verdict_of(rows, "moe-dep-megamoe", "b200_sxm", "dep8", "moe") == "MATCH"
+    # MegaMoE refuses SM90 at construction: the KDA claims on that cell crash past layer 1
+    crash = [r for r in rows if r["verdict"] == "CRASH" and (r["system"], r["layout"]) == ("h100_sxm", "dep8")]
+    assert crash and all("DeepGEMM MegaMoE requires SM100" in r["why"] for r in crash)
+    # spec-verify does not happen without speculation
+    assert {r["verdict"] for r in rows if r["lane"] == "kda.spec_verify" and r["layout"] == "tp8"} == {"NOT_EXERCISED"}
+    assert all(r["evidence"] == "resolved" for r in rows)
+    counts = summary(rows)
+    assert counts["MATCH"] and counts["MISMATCH"] and counts["UNVERIFIED"]
+
+
+def test_silent_fallback_when_the_claimed_backend_was_rejected(tmp_path):
+    path = write_claims(tmp_path, '''
+[[claim]]
+id = "trtllm-on-hopper"
+lane = "w4a16_mxfp4"
+layouts = ["tp8"]
+systems = ["sm90"]
+backend = "flashinfer_trtllm_gen"
+source = "test"
+''')
+    rows = judge(routing(), expectations.load(path))
+    r = [x for x in rows if x["claim"] == "trtllm-on-hopper" and x["system"] == "h100_sxm"][0]
+    assert r["verdict"] == "SILENT_FALLBACK"
+    assert "rejected TrtLlmMxfp4Experts" in r["why"] and "kernel does not support" in r["why"]
+
+
+def test_forbidden_backend_is_a_mismatch(tmp_path):
+    path = write_claims(tmp_path, '''
+[[claim]]
+id = "no-humming"
+lane = "w4a16_mxfp4"
+layouts = ["tp8"]
+systems = ["h100_sxm"]
+backend = "humming"
+forbidden = ["humming"]
+''')
+    rows = judge(routing(), expectations.load(path))
+    assert verdict_of(rows, "no-humming", "h100_sxm", "tp8", "moe") == "MISMATCH"
+
+
+@pytest.mark.parametrize("claim, line, fragment", [
+    ('id = "a"\nlane = "w4a16"\nbackend = "marlin"\n', 9, "unknown lane 'w4a16'"),
+    ('id = "a"\nlane = "kda.context"\nsystems = ["h800"]\nbackend = "flashkda"\n', 10, "unknown system 'h800'"),
+    ('id = "a"\nlane = "kda.context"\nkernel_source = "Flash-KDA fwd"\n', 10, "malformed kernel_source label"),
+    ('id = "a"\nlane = "kda.context"\nlayouts = ["tp4"]\nbackend = "x"\n', 10, "unknown layout 'tp4'"),
+    ('id = "a"\nlane = "kda.context"\n', 7, "names neither kernel_source nor backend"),
+    ('id = "a"\nlane = "kda.context"\nbackend = "flashkda"\ncolour = "red"\n', 11, "unknown key 'colour'"),
+])
+def test_bad_claims_name_file_and_line(tmp_path, claim, line, fragment):
+    path = write_claims(tmp_path, "\n[[claim]]\n" + claim)
+    with pytest.raises(ExpectationsError) as e:
+        expectations.load(path)
+    assert fragment in str(e.value)
+    assert e.value.line == line, str(e.value)
+    assert str(e.value).startswith(f"{path}:{line}:")
+    assert e.value.exit_code == ExitCode.USAGE
+
+
+def test_duplicate_claim_ids(tmp_path):
+    path = write_claims(tmp_path, '\n[[claim]]\nid = "a"\nlane = "mla.decode"\nbackend = "triton"\n'
+                                  '\n[[claim]]\nid = "a"\nlane = "mla.decode"\nbackend = "triton"\n')
+    with pytest.raises(ExpectationsError) as e:
+        expectations.load(path)
+    assert "duplicate claim id 'a' (first at line 7)" in str(e.value) and e.value.line == 13
+
+
+def test_malformed_label_map(tmp_path):
+    (tmp_path / "map.toml").write_text('schema = 1\n[labels]\nGood-Label = "marlin"\n')
+    path = tmp_path / "c.toml"
+    path.write_text('schema = 1\nmodel = "kimi-k3"\nframework = "vllm"\narchitecture = "K"\nlabel_map = "map.toml"\n'
+                    '[[claim]]\nid = "a"\nlane = "mla.decode"\nbackend = "triton"\n')
+    with pytest.raises(ExpectationsError) as e:
+        expectations.load(path)
+    assert "map.toml:3: malformed label entry 'Good-Label'" in str(e.value)
+
+
+def test_verdicts_are_deterministic():
+    exp = expectations.load(SHIPPED)
+    assert judge(routing(), exp) == judge(copy.deepcopy(routing()), exp)

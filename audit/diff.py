@@ -100,15 +100,16 @@ def diff_routings(old: dict, new: dict) -> dict:
 
     # verdict changes (when both audits were judged), one row per (claim, lane, before, after)
     verdict_changes: dict[tuple, dict] = {}
-    va = {(r["claim"], r["system"], r["layout"], r["lane"]): r["verdict"] for r in (old.get("verdicts") or {}).get("rows", [])}
-    vb = {(r["claim"], r["system"], r["layout"], r["lane"]): r["verdict"] for r in (new.get("verdicts") or {}).get("rows", [])}
+    va, vb = _worst_verdicts(old), _worst_verdicts(new)
+    stopped = {cell for cell in common if old_cells[cell].get("status") != new_cells[cell].get("status")}
     if va and vb:
         for key in sorted(set(va) | set(vb)):
-            if (key[1], key[2]) not in set(common):
+            cell = (key[1], key[2])
+            if cell not in set(common):
                 continue
             before, after = va.get(key, "—"), vb.get(key, "—")
-            if before != after:
-                add(verdict_changes, (key[0] or "(no claim)", before, after), (key[1], key[2]))
+            if before != after and not (cell in stopped and "—" in (before, after)):
+                add(verdict_changes, (key[0] or "(no claim)", before, after), cell)
     only_old = sorted(set(old_cells) - set(new_cells))
     only_new = sorted(set(new_cells) - set(old_cells))
     changes = (rows(path_changes, "path") + rows(cand_changes, "candidates") + rows(cell_changes, "cell")
@@ -125,6 +126,19 @@ def diff_routings(old: dict, new: dict) -> dict:
         "only_in_to": [list(c) for c in only_new],
         "empty": not changes and not only_old and not only_new,
     }
+
+
+_SEVERITY = ("CRASH", "MISMATCH", "SILENT_FALLBACK", "RANK_DISAGREE", "MATCH", "NOT_EXERCISED", "UNVERIFIED")
+
+
+def _worst_verdicts(routing: dict) -> dict[tuple, str]:
+    """(claim, system, layout, lane) -> its most severe verdict over the lane's layer groups."""
+    out: dict[tuple, str] = {}
+    for r in (routing.get("verdicts") or {}).get("rows", []):
+        key = (r["claim"], r["system"], r["layout"], r["lane"])
+        if key not in out or _SEVERITY.index(r["verdict"]) < _SEVERITY.index(out[key]):
+            out[key] = r["verdict"]
+    return out
 
 
 def load_routing(reports_dir: Path, pin: str) -> dict:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
-import os
 import re
 
 from . import simulate

@@ -31,6 +31,8 @@ from pathlib import Path
 
 from .errors import UsageError
 from .systems import LAYOUTS, SYSTEMS
+from .tomlpos import header_lines as _lines
+from .tomlpos import key_line as _key_line
 
 SCHEMA = 1
 #: perf-db lane -> (harness lane, layouts it is about when a claim says "all")
@@ -84,22 +86,6 @@ class Expectations:
     architecture: str
     claims: tuple[Claim, ...]
     label_map: dict[str, str] = field(default_factory=dict)
-
-
-def _lines(text: str, header: str) -> list[int]:
-    return [i for i, l in enumerate(text.splitlines(), 1) if l.strip().startswith(header)]
-
-
-def _key_line(text: str, start: int, key: str) -> int | None:
-    """1-based line of ``key = ...`` in the table body that begins at 1-based line ``start``."""
-    lines = text.splitlines()
-    for i in range(max(start - 1, 0), len(lines)):
-        stripped = lines[i].strip()
-        if stripped.startswith("["):
-            break
-        if re.match(rf"^{re.escape(key)}\s*=", stripped):
-            return i + 1
-    return start - 1 if start > 1 else None
 
 
 def _toml(path: Path) -> tuple[str, dict]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import LockError, UnknownPinError
+from .tomlpos import header_lines, key_line
 
 SCHEMA = 1
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -92,24 +93,6 @@ class Lock:
             raise UnknownPinError(name, known=sorted(self.pins), path=str(self.path)) from None
 
 
-def _pin_lines(text: str) -> list[int]:
-    """Line numbers of every ``[[pin]]`` header, in file order (tomllib gives no positions)."""
-    return [i for i, line in enumerate(text.splitlines(), 1) if line.strip().startswith("[[pin]]")]
-
-
-def _key_line(text: str, start: int, key: str) -> int | None:
-    """Line of ``key = ...`` in the table whose header is at 0-based line ``start`` (or the top)."""
-    lines = text.splitlines()
-    first = start + 1 if start < len(lines) and lines[start].lstrip().startswith("[") else start
-    for i in range(first, len(lines)):
-        stripped = lines[i].strip()
-        if stripped.startswith("["):
-            break
-        if re.match(rf"^{re.escape(key)}\s*=", stripped):
-            return i + 1
-    return start + 1 if first != start else None
-
-
 def load(path: str | Path) -> Lock:
     path = Path(path)
     spath = str(path)
@@ -129,17 +112,17 @@ def load(path: str | Path) -> Lock:
     if schema != SCHEMA:
         raise LockError(
             f"schema is {schema!r}, this harness reads schema {SCHEMA}",
-            path=spath, line=_key_line(text, 0, "schema"),
+            path=spath, line=key_line(text, 1, "schema"),
             hint=f"add 'schema = {SCHEMA}' at the top, or upgrade the harness",
         )
     extra_top = sorted(set(data) - {"schema", "pin"})
     if extra_top:
         raise LockError(f"unknown top-level key(s): {', '.join(extra_top)}", path=spath,
-                        line=_key_line(text, 0, extra_top[0]), hint="pins go in [[pin]] tables")
+                        line=key_line(text, 1, extra_top[0]), hint="pins go in [[pin]] tables")
     raw_pins = data.get("pin", [])
     if not isinstance(raw_pins, list) or not raw_pins:
         raise LockError("no [[pin]] tables", path=spath, hint="see the format at the top of audit/lock.py")
-    headers = _pin_lines(text)
+    headers = header_lines(text, "[[pin]]")
     pins: dict[str, Pin] = {}
     for idx, raw in enumerate(raw_pins):
         line = headers[idx] if idx < len(headers) else None
@@ -154,10 +137,8 @@ def load(path: str | Path) -> Lock:
 
 
 def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
-    start = (line or 1) - 1
-
     def err(msg: str, key: str | None = None, hint: str | None = None) -> LockError:
-        return LockError(msg, path=path, line=_key_line(text, start, key) if key else line, hint=hint)
+        return LockError(msg, path=path, line=key_line(text, (line or 0) + 1, key) if key else line, hint=hint)
 
     unknown = sorted(set(raw) - _KNOWN_KEYS)
     if unknown:

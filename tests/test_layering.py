@@ -14,7 +14,8 @@ PROBE_MODULES = ["probes", "probes.recorder", "probes.patching", "probes.targets
                  "probes.agent", "probes.simulate", "probes.resolve"]
 AUDIT_MODULES = ["audit.errors", "audit.lock", "audit.systems", "audit.evidence", "audit.routing",
                  "audit.profiles", "audit.render", "audit.fsutil", "audit.cudastub", "audit.core",
-                 "audit.runtimes", "audit.runtimes.base", "audit.runtimes.local"]
+                 "audit.runtimes", "audit.runtimes.base", "audit.runtimes.local", "audit.tomlpos",
+                 "audit.expectations", "audit.labels", "audit.verdicts", "audit.diff"]
 
 SCRIPT = """
 import json, sys

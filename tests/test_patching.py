@@ -160,6 +160,13 @@ PKG = {
     "tgt/consumer.py": "from tgt.sel import choose\n\ndef build():\n    return choose(1)\n",
 }
 
+def write_pkg(root):
+    """The throwaway package (a selector and a consumer that binds it with from-import) under root."""
+    for rel, text in PKG.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
 ORDER_SCRIPT = textwrap.dedent('''
     import importlib, json, sys
     sys.path[:0] = [sys.argv[1], sys.argv[2]]
@@ -192,9 +199,7 @@ ORDER_SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("order", ["import-then-patch", "patch-then-import", "patch-twice", "patch-unpatch-patch"])
 def test_patch_orders_in_fresh_processes(tmp_path, order):
     """Every order of import and patching gives exactly one wrapper and one record per call."""
-    for rel, text in PKG.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_pkg(tmp_path)
     out = subprocess.run([sys.executable, "-c", ORDER_SCRIPT, str(tmp_path), str(ROOT), order],
                          capture_output=True, text=True, check=True)
     import json
@@ -204,9 +209,7 @@ def test_patch_orders_in_fresh_processes(tmp_path, order):
 
 
 def test_post_import_hook_patches_before_consumers_bind(tmp_path):
-    for rel, text in PKG.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_pkg(tmp_path)
     script = textwrap.dedent('''
         import sys
         sys.path[:0] = [sys.argv[1], sys.argv[2]]
@@ -225,9 +228,7 @@ def test_post_import_hook_patches_before_consumers_bind(tmp_path):
 
 
 def test_missing_target_is_drift_not_crash(tmp_path):
-    for rel, text in PKG.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_pkg(tmp_path)
     script = textwrap.dedent('''
         import json, sys
         sys.path[:0] = [sys.argv[1], sys.argv[2]]

@@ -17,7 +17,10 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="audit one pin and write reports/<pin>/ledger.md")
     a.add_argument("pin", help="a pin name from images.lock, e.g. v0.33.0")
-    a.add_argument("--runtime", default="local", help="where to run the probes (default: local)")
+    a.add_argument("--runtime", default="local", help="where to run the probes: local or docker (default: local)")
+    a.add_argument("--pass-env", default="", metavar="NAME[,NAME]",
+                   help="docker: host variables to pass into the container by name (values are redacted "
+                        "from evidence); nothing else from the host environment enters it")
     a.add_argument("--systems", default="all", help="comma list of systems, or 'all'")
     a.add_argument("--layouts", default="all", help="comma list of layouts (tp8, tp16, dep8), or 'all'")
     a.add_argument("--lock", default="images.lock", help="path to images.lock")
@@ -45,6 +48,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--reports", default="reports")
 
     sub.add_parser("pins", help="list the pins in images.lock").add_argument("--lock", default="images.lock")
+
+    c = sub.add_parser("clean-containers", help="remove containers left by serving-truth runs whose harness died")
+    c.add_argument("--all", action="store_true", help="also those of runs still in progress")
+
+    lk = sub.add_parser("lock", help="maintain images.lock")
+    lsub = lk.add_subparsers(dest="lock_command", required=True)
+    lr = lsub.add_parser("resolve", help="fill in a pin's image digests from its registry")
+    lr.add_argument("pin")
+    lr.add_argument("--lock", default="images.lock")
 
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
     e.add_argument("pin")
@@ -86,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.OK
         if args.command == "env":
             return _env(args, out, err)
+        if args.command == "clean-containers":
+            from .runtimes.docker import sweep
+
+            removed = sweep(everything=args.all)
+            err.print(f"removed {len(removed)} container(s)" + (": " + ", ".join(removed) if removed else ""))
+            return ExitCode.OK
+        if args.command == "lock":
+            return _lock_resolve(args, out, err)
         if args.command == "render":
             from .core import render_run
 
@@ -99,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.INTERRUPTED
     except AuditError as exc:
         err.print("[red]error:[/red] " + _escape(str(exc)))
+        ledger = getattr(exc, "incomplete_ledger", None)
+        if ledger:
+            err.print(f"an INCOMPLETE ledger of what was observed: {ledger}")
+        if getattr(exc, "kind", None) in ("timeout", "exited"):
+            err.print("reports/ was not changed")
         return int(exc.exit_code)
 
 
@@ -147,7 +172,12 @@ def _audit(args, out, err) -> int:
     from .runtimes import get_runtime
 
     _positive(args.parallel, "parallel")
-    get_runtime(args.runtime).check(load(args.lock).get(args.pin))  # bad input fails before any work
+    pass_env = [n.strip() for n in args.pass_env.split(",") if n.strip()]
+    if pass_env and args.runtime != "docker":
+        from .errors import UsageError
+
+        raise UsageError("--pass-env only applies to --runtime docker")
+    get_runtime(args.runtime, pass_env=pass_env).check(load(args.lock).get(args.pin))  # bad input fails early
     n = len(select("system", args.systems, SYSTEMS)) * len(select("layout", args.layouts, LAYOUTS))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:
@@ -163,7 +193,7 @@ def _audit(args, out, err) -> int:
         outcome = run_audit(args.pin, lock_path=args.lock, runtime=args.runtime, systems=args.systems,
                             layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
                             timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
-                            baseline=args.baseline, expectations=args.expectations)
+                            baseline=args.baseline, expectations=args.expectations, pass_env=pass_env)
     if outcome.incomplete or outcome.partial:
         err.print(f"[yellow]warning:[/yellow] {outcome.incomplete} cell(s) INCOMPLETE, "
                   f"{outcome.partial} stopped early; the ledger says where")
@@ -172,6 +202,17 @@ def _audit(args, out, err) -> int:
     err.print(f"evidence: {outcome.run_dir}")
     out.print(str(outcome.ledger))
     return _findings_exit(outcome, args.strict, err)
+
+
+def _lock_resolve(args, out, err) -> int:
+    from .registry import resolve_pin
+
+    changes = resolve_pin(args.lock, args.pin)
+    if not changes:
+        err.print(f"{args.pin}: images.lock already records what the registry serves")
+    for key, value in changes.items():
+        out.print(f"{args.pin}: {key} = {value}")
+    return ExitCode.OK
 
 
 def _findings_exit(outcome, strict: bool, err) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import evidence, lock as lockmod, routing as routingmod
-from .errors import EvidenceError, UsageError
+from .errors import AuditError, EvidenceError, RunAborted, UsageError
 from .profiles import KIMI_K3, Profile
 from .render import write_report
 from .runtimes import RunRequest, get_runtime
@@ -52,7 +52,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int = 2,
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
               cuda_toolkit: bool = True, baseline: str | None = None,
-              expectations: str | None = "auto") -> AuditOutcome:
+              expectations: str | None = "auto", pass_env: list[str] = ()) -> AuditOutcome:
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
     if baseline:
@@ -60,23 +60,57 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     load_expectations(expectations, lock_path=lock_path, profile=profile)  # bad expectations fail early too
     sys_sel = select("system", systems, SYSTEMS)
     lay_sel = select("layout", layouts, LAYOUTS)
-    rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit)
+    rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit, lock_dir=Path(lock_path).resolve().parent,
+                     pass_env=list(pass_env))
     rt.check(pin)
     cells = [(s, l) for s in sys_sel for l in lay_sel]
     run_dir = new_run_dir(pin)
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
                          timeout_s=timeout_s)
-    result = rt.run(request, progress)
-    run_info = {**result.info, "vllm_commit": pin.vllm_commit,
-                "reproduce": reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit)}
-    meta = {"pin": pin.name, "profile": profile.name, "run": run_info,
-            "cells": [[s.name, l.name] for s, l in cells],
-            "missing": [[k[0], k[1], v] for k, v in sorted(result.missing.items())]}
-    (run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+    reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit)
+    try:
+        result = rt.run(request, progress)
+    except RunAborted as exc:
+        # what was observed goes into an INCOMPLETE ledger beside the run; reports/ stays as it was
+        exc.incomplete_ledger = _render_aborted(exc, request, pin=pin, profile=profile, lock_path=lock_path,
+                                                reproduce=reproduce, expectations=expectations)
+        raise
+    run_info = {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": reproduce}
+    _write_run_json(request, profile, run_info, result.missing)
     outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline,
                          expectations=expectations)
     prune_runs(pin)
     return outcome
+
+
+INCOMPLETE_REPORTS = "incomplete-report"
+
+
+def _write_run_json(request: RunRequest, profile: Profile, run_info: dict, missing: dict) -> None:
+    meta = {"pin": request.pin.name, "profile": profile.name, "run": run_info,
+            "cells": [[s.name, l.name] for s, l in request.cells],
+            "missing": [[k[0], k[1], v] for k, v in sorted(missing.items())]}
+    (request.run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+
+
+def _render_aborted(exc: RunAborted, request: RunRequest, *, pin, profile: Profile, lock_path, reproduce: str,
+                    expectations) -> Path | None:
+    """Render the evidence a timed-out or dead run left, marked INCOMPLETE, under the run directory."""
+    partial = exc.partial
+    missing = dict(partial.missing) if partial else {}
+    for (s, l), info in missing.items():
+        info["reason"] = f"{exc.message}; {info.get('reason', '')}".rstrip("; ")
+        info["log_tail"] = info.get("log_tail") or exc.log_tail
+    run_info = {**(partial.info if partial else {}), "vllm_commit": pin.vllm_commit, "reproduce": reproduce,
+                "aborted": {"kind": exc.kind, "message": exc.message, "returncode": exc.returncode,
+                            "log_tail": exc.log_tail}}
+    _write_run_json(request, profile, run_info, missing)
+    try:
+        outcome = render_run(request.run_dir, lock_path=lock_path, reports_dir=request.run_dir / INCOMPLETE_REPORTS,
+                             expectations=expectations)
+    except AuditError:
+        return None
+    return outcome.ledger
 
 
 def load_expectations(spec: str | None, *, lock_path, profile: Profile):
@@ -108,7 +142,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     files = evidence.read_dir(run_dir / "evidence")
     expected = [tuple(c) for c in meta["cells"]]
     missing = {(s, l): info for s, l, info in meta["missing"]}
-    if not files:
+    if not files and not meta["run"].get("aborted"):
         raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}")
     routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=expected,
                                        missing=missing, run=meta["run"])

@@ -142,3 +142,68 @@ class RenderError(AuditError):
 
 class Interrupted(AuditError):
     exit_code = ExitCode.INTERRUPTED
+
+
+class RunAborted(ProbeRunError):
+    """The run stopped before every cell finished: a timeout or the run's process/container exiting.
+
+    Carries what is needed to render an INCOMPLETE ledger of what was observed (beside the run,
+    never over the previous report): ``kind`` ("timeout" | "exited"), the log tail, and the partial
+    result (``partial``) the runtime had collected."""
+
+    kind = "aborted"
+
+    def __init__(self, message: str, *, cell: str = "all", returncode: int | None, log_tail: str):
+        super().__init__(message, cell=cell, returncode=returncode, log_tail=log_tail)
+        self.partial = None          # a RunResult, set by the runtime
+        self.incomplete_ledger = None  # a path, set by the pipeline once rendered
+
+
+class RunTimedOut(RunAborted):
+    kind = "timeout"
+
+    def __init__(self, *, seconds: float, where: str, log_tail: str):
+        self.seconds = seconds
+        super().__init__(f"{where} timed out after {seconds:.0f}s and was stopped", returncode=None,
+                         log_tail=log_tail)
+
+
+class RunExited(RunAborted):
+    kind = "exited"
+
+    def __init__(self, *, where: str, returncode: int | None, reason: str, log_tail: str):
+        self.reason = reason
+        super().__init__(f"{where} exited early: {reason}", returncode=returncode, log_tail=log_tail)
+
+
+class DockerUnavailable(EnvironmentBuildError):
+    def __init__(self, detail: str):
+        self.detail = detail
+        super().__init__(f"cannot reach the Docker engine: {detail}", step="connect to docker",
+                         hint="start dockerd (or set DOCKER_HOST) and check that this user may use its socket")
+
+
+class ImageError(EnvironmentBuildError):
+    """The pinned image cannot be made present: not pullable, tarball missing, wrong architecture."""
+
+    def __init__(self, message: str, *, ref: str, hint: str | None = None, log_tail: str = ""):
+        self.ref = ref
+        super().__init__(message, step=f"image {ref}", hint=hint, log_tail=log_tail)
+
+
+class ImageDigestMismatch(EnvironmentBuildError):
+    """What the engine holds is not what images.lock pins; the audit refuses to run it."""
+
+    def __init__(self, *, ref: str, what: str, expected: str, found: str):
+        self.ref = ref
+        self.what = what
+        self.expected = expected
+        self.found = found
+        super().__init__(f"{what} of {ref} is {found}, images.lock pins {expected}", step="verify image",
+                         hint="the image is not the pinned one; do not edit the lock to match, find out why")
+
+
+class RegistryError(EnvironmentBuildError):
+    def __init__(self, message: str, *, registry: str, hint: str | None = None):
+        self.registry = registry
+        super().__init__(message, step=f"registry {registry}", hint=hint)

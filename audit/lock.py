@@ -10,13 +10,21 @@ Format (TOML, read with :mod:`tomllib`)::
     python = "3.12"                  # interpreter the local runtime builds the env with
     wheel = "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     wheel_sha256 = "..."             # sha256 of that exact file on PyPI
-    image = ""                       # repo@sha256:<index digest>, empty when not known
+    image = ""                       # repo@sha256:<digest> (a manifest list or one manifest)
     platform_digests = {}            # {"linux/amd64" = "sha256:...", "linux/arm64" = "sha256:..."}
+    image_config_digest = ""         # sha256 of the image config = Docker's image ID
+    image_tarball = ""               # `docker save` output, relative to this file; needs the config digest
+    image_tag = ""                   # repo:tag that `serving-truth lock resolve` turns into `image`; never run
     vllm_commit = ""                 # git sha the build reports, empty when not known
     note = ""
 
-A pin with a wheel can be audited by the local runtime (and by docker once an image is known); a
-pin with only an image is docker-only. Unknown facts stay empty strings: nothing is ever invented.
+A pin with a wheel can be audited by the local runtime; a pin with an image by the docker runtime.
+An image is named by a registry digest (``image``, with per-platform manifest digests for multi-arch
+images, so an arm64 system is never checked against the amd64 entry), or by its config digest when it
+travels without a registry (``docker save``/``docker load`` drops the registry digest, the config
+digest survives): ``image_config_digest`` plus, optionally, the ``image_tarball`` to load it from.
+``serving-truth lock resolve PIN`` fills registry digests in from a reachable registry. Unknown facts
+stay empty strings: nothing is ever invented.
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ _PY = re.compile(r"^3\.\d{1,2}$")
 _PLATFORMS = ("linux/amd64", "linux/arm64")
 _KNOWN_KEYS = {
     "name", "vllm_version", "python", "wheel", "wheel_sha256", "image", "platform_digests",
-    "vllm_commit", "note",
+    "vllm_commit", "note", "image_config_digest", "image_tarball", "image_tag",
 }
 
 
@@ -52,6 +60,9 @@ class Pin:
     platform_digests: dict[str, str] = field(default_factory=dict)
     vllm_commit: str = ""
     note: str = ""
+    image_config_digest: str = ""
+    image_tarball: str = ""
+    image_tag: str = ""
     line: int = 0
 
     @property
@@ -59,12 +70,27 @@ class Pin:
         return bool(self.wheel and self.wheel_sha256)
 
     @property
+    def has_image(self) -> bool:
+        return bool(self.image or self.image_config_digest)
+
+    @property
+    def repo(self) -> str:
+        return self.image.split("@", 1)[0] if self.image else ""
+
+    def image_for(self, platform: str) -> str:
+        """The reference to run on *platform*: its own manifest digest when the lock records one."""
+        if not self.image:
+            return self.image_config_digest
+        digest = self.platform_digests.get(platform)
+        return f"{self.repo}@{digest}" if digest else self.image
+
+    @property
     def runtimes(self) -> list[str]:
         """Runtimes that can audit this pin, in order of preference."""
         out = []
         if self.has_wheel:
             out.append("local")
-        if self.image:
+        if self.has_image:
             out.append("docker")
         return out
 
@@ -78,6 +104,8 @@ class Pin:
             "image": self.image,
             "platform_digests": dict(sorted(self.platform_digests.items())),
             "vllm_commit": self.vllm_commit,
+            "image_config_digest": self.image_config_digest,
+            "image_tarball": self.image_tarball,
         }
 
 
@@ -182,10 +210,25 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
                       hint="use " + " or ".join(_PLATFORMS))
         if not _DIGEST.match(dig):
             raise err(ctx + f"platform digest for {plat} is not sha256:<64 hex>", "platform_digests")
-    if not wheel and not image:
-        raise err(ctx + "neither a wheel nor an image: nothing can be audited", "name")
+    config_digest, tarball = raw.get("image_config_digest", ""), raw.get("image_tarball", "")
+    if config_digest and not _DIGEST.match(config_digest):
+        raise err(ctx + f"image_config_digest is not sha256:<64 hex>: {config_digest!r}", "image_config_digest",
+                  hint="`docker image inspect --format '{{.Id}}' IMAGE` prints it")
+    if tarball and not config_digest:
+        raise err(ctx + "image_tarball needs image_config_digest", "image_tarball",
+                  hint="a tarball is only trusted with the config digest recorded when it was saved")
+    if digests and not image:
+        raise err(ctx + "platform_digests need the image they belong to", "platform_digests")
+    tag = raw.get("image_tag", "")
+    if tag and ("@" in tag or not re.match(r"^[a-z0-9][a-z0-9._/:-]*:[A-Za-z0-9_][A-Za-z0-9._-]*$", tag)):
+        raise err(ctx + f"image_tag must look like repo:tag, got {tag!r}", "image_tag",
+                  hint="a digest belongs in image; image_tag is what `serving-truth lock resolve` resolves")
+    if not wheel and not image and not config_digest:
+        hint = f"run `serving-truth lock resolve {name}` to pin {tag} by digest" if tag else None
+        raise err(ctx + "neither a wheel nor an image: nothing can be audited", "name", hint=hint)
     return Pin(
         name=name, vllm_version=raw["vllm_version"], python=python, wheel=wheel, wheel_sha256=sha,
         image=image, platform_digests=dict(digests), vllm_commit=raw.get("vllm_commit", ""),
-        note=raw.get("note", ""), line=line or 0,
+        note=raw.get("note", ""), image_config_digest=config_digest, image_tarball=tarball, image_tag=tag,
+        line=line or 0,
     )

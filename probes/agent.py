@@ -48,10 +48,12 @@ FINGERPRINT_MODULES = ("deep_gemm", "flashinfer", "flash_kda", "flashkda", "trit
                        "cutlass", "tilelang", "vllm.third_party.deep_gemm", "vllm._flashkda_C")
 FINGERPRINT_TOOLS = ("nvcc", "ninja", "gcc", "c++", "cc")
 FINGERPRINT_ENV_PREFIXES = ("VLLM_", "CUDA_", "TRITON_", "FLASHINFER_", "DG_", "TORCH_CUDA_ARCH", "PYTORCH_")
-#: set by the harness itself; not part of the audited environment
+#: set by the harness itself; not part of the audited environment (a plan can add to this list)
 _HARNESS_ENV = ("TRITON_LIBCUDA_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR",
-                "CUDA_HOME")  # CUDA_HOME is chosen by the runtime and stated in the provenance instead
-
+                "VLLM_PLUGINS")
+#: values never written into evidence, whatever the prefix
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL", "AUTH")
+REDACTED = "<redacted>"
 
 class StageFailed(Exception):
     pass
@@ -99,19 +101,31 @@ def _module_present(dotted: str) -> bool:
     return False
 
 
-def fingerprint() -> dict:
+def fingerprint(plan: dict | None = None) -> dict:
+    """What in this process's install and environment can change vLLM's choices.
+
+    Variables the harness set (``plan["harness_env"]``, e.g. CUDA_HOME in the local runtime, where it
+    is stated in the provenance instead) are left out; values of variables the user passed through
+    by name (``plan["redact_env"]``) and of anything that looks like a credential are redacted.
+    """
+    plan = plan or {}
+    harness = set(_HARNESS_ENV) | set(plan.get("harness_env", ()))
+    redact = set(plan.get("redact_env", ()))
     pkgs = {}
     for name in FINGERPRINT_PACKAGES:
         try:
             pkgs[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
+    env = {}
+    for k, v in sorted(os.environ.items()):
+        if k.startswith(FINGERPRINT_ENV_PREFIXES) and k not in harness:
+            env[k] = REDACTED if k in redact or any(w in k.upper() for w in _SECRET_WORDS) else v
     return {
         "packages": pkgs,
         "modules": {mod: _module_present(mod) for mod in FINGERPRINT_MODULES},
         "tools": {t: bool(shutil.which(t)) for t in FINGERPRINT_TOOLS},
-        "env": {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(FINGERPRINT_ENV_PREFIXES) and k not in _HARNESS_ENV},
+        "env": env,
         "python": sys.version.split()[0],
     }
 

@@ -59,7 +59,7 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
     from .agent import fingerprint
 
     warm: dict = {"error": None}
-    rec.emit("fingerprint", **fingerprint())
+    rec.emit("fingerprint", **fingerprint(plan))
     try:
         with Stage(rec, "platform"):
             simulate.set_simulated(first_cell["system"], first_cell["layout"]["world_size"])

@@ -11,11 +11,12 @@ from audit.errors import EvidenceError
 from tests.conftest import ROOT
 
 PROBE_MODULES = ["probes", "probes.recorder", "probes.patching", "probes.targets", "probes.install",
-                 "probes.agent", "probes.simulate", "probes.resolve"]
+                 "probes.agent", "probes.simulate", "probes.resolve", "probes.inventory", "probes.elfscan"]
 AUDIT_MODULES = ["audit.errors", "audit.lock", "audit.systems", "audit.evidence", "audit.routing",
                  "audit.profiles", "audit.render", "audit.fsutil", "audit.cudastub", "audit.core",
                  "audit.runtimes", "audit.runtimes.base", "audit.runtimes.local", "audit.tomlpos",
-                 "audit.expectations", "audit.labels", "audit.verdicts", "audit.diff"]
+                 "audit.expectations", "audit.labels", "audit.verdicts", "audit.diff", "audit.registry",
+                 "audit.runtimes.docker"]
 
 SCRIPT = """
 import json, sys

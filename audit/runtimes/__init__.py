@@ -5,17 +5,27 @@ Every runtime takes a :class:`~audit.runtimes.base.RunRequest` and returns a
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from .base import RunRequest, RunResult, Runtime
 
 
-def get_runtime(name: str, *, cuda_toolkit: bool = True) -> Runtime:
+RUNTIMES = ("local", "docker")
+
+
+def get_runtime(name: str, *, cuda_toolkit: bool = True, lock_dir: Path | None = None,
+                pass_env: list[str] = ()) -> Runtime:
     from ..errors import SelectionError
 
     if name == "local":
         from .local import LocalRuntime
 
         return LocalRuntime(with_cuda_toolkit=cuda_toolkit)
-    raise SelectionError("runtime", name, known=["local"])
+    if name == "docker":
+        from .docker import DockerRuntime
+
+        return DockerRuntime(lock_dir=lock_dir, pass_env=list(pass_env))
+    raise SelectionError("runtime", name, known=list(RUNTIMES))
 
 
 __all__ = ["RunRequest", "RunResult", "Runtime", "get_runtime"]

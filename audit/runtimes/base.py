@@ -125,13 +125,16 @@ def learn_imports(cache_dir: Path, evidence_dir: Path) -> None:
 
 
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str,
-               learned: list[str] = ()) -> Path:
+               learned: list[str] = (), where: Callable[[Path | str], str] = str,
+               harness_env: list[str] = (), redact_env: list[str] = ()) -> Path:
+    """``plan.json`` for ``probes.agent``. *where* maps a host path to the path the agent sees
+    (identity for the local runtime, the mount point inside a container)."""
     plan = {
         "schema": 1,
         "pin": request.pin.name,
-        "model_dir": model_dir,
-        "stub_libcuda": stub_libcuda,
-        "out_dir": out_dir,
+        "model_dir": where(model_dir),
+        "stub_libcuda": where(stub_libcuda),
+        "out_dir": where(out_dir),
         "parallel": request.parallel,
         "probes": request.probes,
         "extra_targets": list(request.extra_targets),
@@ -140,8 +143,10 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),
         "learned_imports": list(learned),
+        "harness_env": sorted(harness_env),
+        "redact_env": sorted(redact_env),
         "cells": [{"system": s.as_job(), "layout": l.as_job(),
-                   "model_dir": str(request.run_dir / ("model-" + l.name if l.config_patch else "model"))}
+                   "model_dir": where(request.run_dir / ("model-" + l.name if l.config_patch else "model"))}
                   for s, l in request.cells],
     }
     path = request.run_dir / "plan.json"

@@ -232,7 +232,8 @@ class LocalRuntime:
         request.evidence_dir.mkdir(parents=True, exist_ok=True)
         caches = self.root / "runtime-cache" / env.name
         plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub),
-                          out_dir=str(request.evidence_dir), learned=learned_imports(caches))
+                          out_dir=str(request.evidence_dir), learned=learned_imports(caches),
+                          harness_env=["CUDA_HOME"])  # chosen by this runtime, stated in the provenance
         log = request.run_dir / "agent.log"
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
@@ -273,10 +274,14 @@ class LocalRuntime:
                 return
             if deadline and time.monotonic() > deadline:
                 _kill(proc)
-                from ..errors import ProbeRunError
+                from ..errors import RunTimedOut
 
-                raise ProbeRunError(f"timed out after {request.timeout_s:.0f}s", cell="all",
-                                    returncode=None, log_tail=log_tail(request.run_dir / "agent.log"))
+                log = request.run_dir / "agent.log"
+                exc = RunTimedOut(seconds=request.timeout_s, where="the probe agent", log_tail=log_tail(log))
+                exc.partial = RunResult(evidence_dir=request.evidence_dir,
+                                        missing=collect_missing(request, fallback_log=log),
+                                        info={"runtime": f"local venv ({request.pin.name})", "mode": "resolve"})
+                raise exc
             time.sleep(0.5)
 
 

@@ -1,0 +1,218 @@
+"""Build a local container image that carries Python and a pinned vLLM wheel, as vLLM's images do.
+
+No registry is reachable on the machines this project is tested on, so the docker runtime's tests
+run against an image built here: a Debian rootfs from ``debootstrap``, the same CPython minor version
+the pin names (copied from this host's build of it), a venv at ``/opt/venv`` holding the pinned wheel
+installed by pip from PyPI (hash-checked first), then ``docker import``. The image is cached: a
+second call with the same pin returns the existing image in a second.
+
+    python tests/images/build_vllm_image.py --pin v0.33.0 [--lock images.lock] [--lock-out FILE]
+
+Prints a JSON object (image id, tag, pin entry). With ``--lock-out`` it also writes a lock file with
+the pin ``<pin>-image`` that names the image by its config digest (``image_config_digest``), which is
+how a locally built or ``docker load``-ed image is pinned. Needs root (debootstrap, chroot).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from audit import lock as lockmod  # noqa: E402
+from audit.runtimes.base import cache_root  # noqa: E402
+from audit.runtimes.local import LocalRuntime, find_python  # noqa: E402
+
+#: bump when the recipe changes: it is part of the cache key
+RECIPE = 3
+SUITE = "bookworm"
+MIRROR = "http://deb.debian.org/debian"
+#: shared libraries a CPython build links against, plus what pip needs to reach PyPI
+DEB_PACKAGES = ("ca-certificates", "libssl3", "libffi8", "libsqlite3-0", "libbz2-1.0", "liblzma5", "zlib1g",
+                "libreadline8", "libncursesw6", "libuuid1", "libgdbm6", "libexpat1")
+LABEL = "serving-truth.test-image"
+
+
+def sh(cmd, **kw):
+    print("+", " ".join(map(str, cmd)) if isinstance(cmd, list) else cmd, file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def image_key(pin: lockmod.Pin, python_version: str) -> str:
+    return hashlib.sha256(f"{RECIPE}:{pin.wheel_sha256}:{python_version}:{SUITE}".encode()).hexdigest()[:12]
+
+
+def find_image(client, tag: str):
+    import docker.errors
+
+    try:
+        return client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        return None
+
+
+def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
+    import docker
+
+    client = docker.from_env()
+    python = find_python(pin.python)
+    prefix = Path(subprocess.run([python, "-c", "import sys; print(sys.base_prefix)"], check=True,
+                                 capture_output=True, text=True).stdout.strip())
+    full_version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                                  check=True, capture_output=True, text=True).stdout.strip()
+    key = image_key(pin, full_version)
+    tag = f"serving-truth-test/vllm:{pin.vllm_version}-{key}"
+    found = find_image(client, tag)
+    if found is not None:
+        return {"image_id": found.id, "tag": tag, "cached": True}
+
+    if os.geteuid() != 0:
+        raise SystemExit("building the test image needs root (debootstrap, chroot)")
+    if not shutil.which("debootstrap"):
+        raise SystemExit("debootstrap is not installed: apt-get install -y debootstrap")
+    wheel = LocalRuntime().wheel_path(pin, lambda *a, **k: None)  # hash-checked against images.lock
+    work = cache_root() / "image-build" / key
+    rootfs = work / "rootfs"
+    log.write(f"building {tag} in {work}\n")
+    if work.exists():
+        _umount_all(rootfs)
+        shutil.rmtree(work)
+    rootfs.mkdir(parents=True)
+    try:
+        base = cache_root() / "image-build" / f"base-{SUITE}-python{full_version}-r{RECIPE}.tar"
+        if base.exists():  # debootstrap + CPython, kept from an earlier build
+            sh(["tar", "-C", str(rootfs), "--numeric-owner", "-xf", str(base)])
+        else:
+            sh(["debootstrap", "--variant=minbase", "--include=" + ",".join(DEB_PACKAGES), SUITE, str(rootfs),
+                MIRROR], stdout=log)
+            # CPython: this host's build of the pinned minor version, installed under /usr/local
+            for part in ("bin", "lib", "include"):
+                sh(["cp", "-a", str(prefix / part), str(rootfs / "usr/local")])
+            shutil.rmtree(rootfs / f"usr/local/lib/python{pin.python}/test", ignore_errors=True)
+            site = rootfs / f"usr/local/lib/python{pin.python}/site-packages"
+            for entry in site.iterdir():
+                if entry.name.startswith(("pip", "setuptools", "README")):
+                    continue
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            sh(["chroot", str(rootfs), "ldconfig"])
+            shutil.rmtree(rootfs / "var/cache/apt", ignore_errors=True)
+            sh(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(base) + ".tmp", "."])
+            os.replace(str(base) + ".tmp", base)
+        shutil.copy("/etc/resolv.conf", rootfs / "etc/resolv.conf")
+        # the build (not the image) trusts what this host trusts, e.g. an intercepting proxy's CA
+        shutil.copy(os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt", rootfs / "build-ca.crt")
+        shutil.copy(wheel, rootfs / "tmp" / wheel.name)
+        pip_cache = cache_root() / "pip-cache"
+        pip_cache.mkdir(parents=True, exist_ok=True)
+        (rootfs / "pip-cache").mkdir()
+        sh(["mount", "-t", "proc", "proc", str(rootfs / "proc")])
+        sh(["mount", "--bind", str(pip_cache), str(rootfs / "pip-cache")])
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/root", "LANG": "C.UTF-8",
+               "PIP_CACHE_DIR": "/pip-cache", "PIP_CERT": "/build-ca.crt", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+        try:
+            sh(["chroot", str(rootfs), f"/usr/local/bin/python{pin.python}", "-c",
+                "import ssl, ctypes, sqlite3, lzma, bz2, uuid; print('python ok')"], env=env, stdout=log)
+            sh(["chroot", str(rootfs), f"/usr/local/bin/python{pin.python}", "-m", "venv", "/opt/venv"], env=env)
+            sh(["chroot", str(rootfs), "/opt/venv/bin/python", "-m", "pip", "install", "--quiet",
+                f"/tmp/{wheel.name}"], env=env, stdout=log)
+            info = subprocess.run(
+                ["chroot", str(rootfs), "/opt/venv/bin/python", "-c",
+                 "import json, torch, importlib.metadata as m; print(json.dumps({'torch': torch.__version__, "
+                 "'cuda': torch.version.cuda, 'vllm': m.version('vllm')}))"],
+                env=env, check=True, capture_output=True, text=True).stdout
+            facts = json.loads(info.strip().splitlines()[-1])
+            if not facts["cuda"] or facts["vllm"] != pin.vllm_version:
+                raise SystemExit(f"the image would hold {facts}: not the pinned vLLM with a CUDA torch")
+        finally:
+            _umount_all(rootfs)
+        (rootfs / "pip-cache").rmdir()
+        (rootfs / "tmp" / wheel.name).unlink()
+        (rootfs / "build-ca.crt").unlink()
+        (rootfs / "etc/resolv.conf").write_text("")
+        shutil.rmtree(rootfs / "var/cache/apt", ignore_errors=True)
+        nvcc = sorted(rootfs.glob(f"opt/venv/lib/python{pin.python}/site-packages/nvidia/*/bin/nvcc"))
+        changes = [
+            "ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "ENV VIRTUAL_ENV=/opt/venv",
+            "ENV LANG=C.UTF-8",
+            f"LABEL {LABEL}={key}",
+            f"LABEL org.opencontainers.image.title=vllm-{pin.vllm_version}-test",
+            'CMD ["python3"]',
+        ]
+        if nvcc:  # a toolkit at CUDA_HOME, as vLLM's images carry one
+            changes.append("ENV CUDA_HOME=/" + str(nvcc[0].parent.parent.relative_to(rootfs)))
+        cmd = ["docker", "import"]
+        for c in changes:
+            cmd += ["--change", c]
+        cmd += ["-", tag]
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", "-", "."], stdout=subprocess.PIPE)
+        sh(cmd, stdin=tar.stdout, stdout=log)
+        tar.stdout.close()
+        if tar.wait() != 0:
+            raise SystemExit("tar of the rootfs failed")
+    finally:
+        _umount_all(rootfs)
+        shutil.rmtree(work, ignore_errors=True)
+    image = client.images.get(tag)
+    return {"image_id": image.id, "tag": tag, "cached": False}
+
+
+def _mounts_under(rootfs: Path) -> list[str]:
+    """Mount points at or below *rootfs* (bind mounts of the same filesystem included)."""
+    prefix = str(rootfs.resolve())
+    with open("/proc/self/mounts", encoding="utf-8") as fh:
+        points = [line.split()[1].replace("\\040", " ") for line in fh]
+    return [p for p in points if p == prefix or p.startswith(prefix + "/")]
+
+
+def _umount_all(rootfs: Path) -> None:
+    if not rootfs.exists():
+        return
+    for point in sorted(_mounts_under(rootfs), reverse=True):
+        subprocess.run(["umount", "-l", point], check=False)
+    left = _mounts_under(rootfs)
+    if left:  # never rmtree through a bind mount into the host
+        raise SystemExit(f"cannot unmount {left}; remove them by hand before rebuilding")
+
+
+def lock_entry(pin: lockmod.Pin, image_id: str, tag: str) -> str:
+    return (
+        "[[pin]]\n"
+        f'name = "{pin.name}-image"\n'
+        f'vllm_version = "{pin.vllm_version}"\n'
+        f'python = "{pin.python}"\n'
+        f'image_config_digest = "{image_id}"\n'
+        f'note = "built on this machine by tests/images/build_vllm_image.py ({tag}) from {pin.wheel}"\n'
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pin", default="v0.33.0")
+    ap.add_argument("--lock", default=str(ROOT / "images.lock"))
+    ap.add_argument("--lock-out", help="write a lock file: the given lock plus the image pin")
+    args = ap.parse_args(argv)
+    lock = lockmod.load(args.lock)
+    pin = lock.get(args.pin)
+    if not pin.has_wheel:
+        raise SystemExit(f"pin {pin.name} has no wheel to install")
+    out = build(pin)
+    out["pin"] = f"{pin.name}-image"
+    if args.lock_out:
+        text = Path(args.lock).read_text(encoding="utf-8").rstrip("\n") + "\n\n" + lock_entry(pin, out["image_id"], out["tag"])
+        tmp = Path(args.lock_out + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(args.lock_out)
+    print(json.dumps(out, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -223,9 +223,8 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
     if tag and ("@" in tag or not re.match(r"^[a-z0-9][a-z0-9._/:-]*:[A-Za-z0-9_][A-Za-z0-9._-]*$", tag)):
         raise err(ctx + f"image_tag must look like repo:tag, got {tag!r}", "image_tag",
                   hint="a digest belongs in image; image_tag is what `serving-truth lock resolve` resolves")
-    if not wheel and not image and not config_digest:
-        hint = f"run `serving-truth lock resolve {name}` to pin {tag} by digest" if tag else None
-        raise err(ctx + "neither a wheel nor an image: nothing can be audited", "name", hint=hint)
+    if not wheel and not image and not config_digest and not tag:
+        raise err(ctx + "neither a wheel nor an image: nothing can be audited", "name")
     return Pin(
         name=name, vllm_version=raw["vllm_version"], python=python, wheel=wheel, wheel_sha256=sha,
         image=image, platform_digests=dict(digests), vllm_commit=raw.get("vllm_commit", ""),

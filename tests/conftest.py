@@ -64,3 +64,36 @@ def probed_run(vllm_env, tmp_path_factory):
 def bare_run(vllm_env, tmp_path_factory):
     """The same cells and simulation without any probe: the baseline for transparency."""
     return _run(vllm_env, tmp_path_factory, "bare", probes=False)
+
+
+# --- the real Docker engine -----------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def docker_client():
+    """The local Docker engine. CI starts one (.ci/run); elsewhere the docker tests skip without it."""
+    import os
+
+    import docker
+
+    try:
+        client = docker.from_env(timeout=300)
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - any failure means "no engine here"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must provide a Docker engine: {exc}")
+        pytest.skip(f"no Docker engine: {exc}")
+    return client
+
+
+@pytest.fixture(scope="session")
+def vllm_image(docker_client, vllm_env, tmp_path_factory):
+    """An image carrying Python and the pinned vLLM wheel (built locally once, then cached by the
+    engine), and a lock file pinning it by config digest as ``<pin>-image``."""
+    from tests.images.build_vllm_image import build, lock_entry
+
+    from audit import lock
+
+    pin = lock.load(ROOT / "images.lock").get(VLLM_PIN)
+    built = build(pin)
+    path = tmp_path_factory.mktemp("lock") / "images.lock"
+    path.write_text((ROOT / "images.lock").read_text() + "\n" + lock_entry(pin, built["image_id"], built["tag"]))
+    return {"lock": path, "pin": f"{VLLM_PIN}-image", "image_id": built["image_id"], "tag": built["tag"]}

@@ -115,6 +115,11 @@ class DockerRuntime:
 
     def check(self, pin: Pin) -> None:
         if not pin.has_image:
+            if pin.image_tag:
+                from ..errors import UsageError
+
+                raise UsageError(f"pin {pin.name!r} names the tag {pin.image_tag} but no digest; tags are never run",
+                                 hint=f"run `serving-truth lock resolve {pin.name}` to pin it by digest")
             raise RuntimeUnsupportedError(
                 pin.name, runtime=self.name, supported=[r for r in pin.runtimes if r != self.name],
                 reason="images.lock pins no image for it (add image = \"repo@sha256:...\" or image_config_digest)")

@@ -5,9 +5,11 @@ PIN     ?= v0.33.0
 RUNTIME ?= local
 SYSTEMS ?= all
 LAYOUTS ?= all
+LOCK    ?= images.lock
+PASS_ENV ?=
 BIN     := $(VENV)/bin
 
-.PHONY: setup env audit render diff test bench pins clean
+.PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve
 
 setup: $(VENV)/.installed
 
@@ -22,7 +24,22 @@ env: setup
 	$(BIN)/serving-truth env $(PIN)
 
 audit: setup
-	$(BIN)/serving-truth audit $(PIN) --runtime $(RUNTIME) --systems $(SYSTEMS) --layouts $(LAYOUTS)
+	$(BIN)/serving-truth audit $(PIN) --runtime $(RUNTIME) --systems $(SYSTEMS) --layouts $(LAYOUTS) \
+		--lock $(LOCK) $(if $(PASS_ENV),--pass-env $(PASS_ENV))
+
+# Remove containers left behind by serving-truth runs whose harness died (docker runtime).
+clean-containers: setup
+	$(BIN)/serving-truth clean-containers
+
+# Fill in a pin's registry digests (image, platform_digests) from its registry: make lock-resolve PIN=...
+lock-resolve: setup
+	$(BIN)/serving-truth lock resolve $(PIN) --lock $(LOCK)
+
+# Build (root; cached) a local image carrying Python and PIN's vLLM wheel, and build/test-images.lock
+# pinning it as <PIN>-image: then `make audit PIN=<PIN>-image RUNTIME=docker LOCK=build/test-images.lock`.
+test-image: setup
+	mkdir -p build
+	$(BIN)/python tests/images/build_vllm_image.py --pin $(PIN) --lock $(LOCK) --lock-out build/test-images.lock
 
 # Re-render a ledger from a run directory's evidence: make render RUN=~/.cache/serving-truth/runs/...
 render: setup

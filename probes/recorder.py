@@ -77,6 +77,14 @@ class Recorder:
             self.path = None
             self._header = {**self._header, **meta, "pid": os.getpid()}
 
+    def forked(self) -> None:
+        """In a forked child: a new file for this process, none of the parent's records."""
+        self._lock = threading.Lock()  # the parent's lock may have been held by another thread
+        self._records = []
+        self._seq = 0
+        self.path = None
+        self._header = {**self._header, "pid": os.getpid(), "parent_pid": self._header.get("pid")}
+
     def emit(self, kind: str, **fields) -> None:
         with self._lock:
             self._seq += 1

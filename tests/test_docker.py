@@ -331,3 +331,59 @@ def test_containers_of_a_dead_harness_are_swept(docker_client, vllm_image):
                 c.remove(force=True)
             except Exception:
                 pass
+
+
+PLUGIN_SCRIPT = r"""
+import multiprocessing as mp, os, sys
+from vllm.plugins import load_general_plugins
+
+def child():
+    load_general_plugins()  # what vLLM does at the start of every process it spawns
+
+if __name__ == "__main__":
+    load_general_plugins()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    p = mp.get_context("spawn").Process(target=child)
+    p.start(); p.join()
+    print("exit", p.exitcode)
+"""
+
+
+def test_vllm_loads_the_probe_plugin_in_every_process_of_the_unchanged_image(docker_client, vllm_image, tmp_path):
+    """The staged entry point reaches the main process, a forked child and a spawned child, through
+    vLLM's own plugin loader inside the image; each writes its own evidence file."""
+    from docker.types import Mount
+
+    from audit.runtimes.base import stage_probes
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    stage_probes(stage)
+    (stage / "script.py").write_text(PLUGIN_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    c = docker_client.containers.create(
+        vllm_image["image_id"], entrypoint=["python3"], command=["/st/script.py"], network_mode="none",
+        cap_drop=["ALL"], read_only=True, tmpfs={"/tmp": ""}, user=f"{os.getuid()}:{os.getgid()}",
+        labels={LABEL_MANAGED: "1", LABEL_RUN: "plugin-test", LABEL_OWNER: f"{os.uname().nodename}:{os.getpid()}"},
+        environment={"PYTHONPATH": "/st", "VLLM_PLUGINS": "serving_truth", "SERVING_TRUTH_OUT": "/out",
+                     "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"},
+        mounts=[Mount("/st", str(stage), type="bind", read_only=True), Mount("/out", str(out), type="bind")])
+    try:
+        c.start()
+        code = c.wait(timeout=600)["StatusCode"]
+        logs = c.logs().decode()
+    finally:
+        c.remove(force=True)
+    assert code == 0 and "exit 0" in logs, logs[-3000:]
+    files = sorted(out.glob("evidence-*.jsonl"))
+    headers = [json.loads(p.read_text().splitlines()[0]) for p in files]
+    events = [[json.loads(l).get("event") for l in p.read_text().splitlines()[1:]] for p in files]
+    assert len(files) == 3, (files, logs[-2000:])
+    assert len({h["pid"] for h in headers}) == 3
+    assert sorted(e[0] for e in events) == ["forked", "loaded", "loaded"]
+    forked = headers[[e[0] for e in events].index("forked")]
+    assert forked["parent_pid"] in {h["pid"] for h in headers}

@@ -87,6 +87,14 @@ def stage_probes(run_dir: Path) -> Path:
     for entry in src.iterdir():
         if entry.name.endswith(".py"):
             (dest / entry.name).write_text(entry.read_text(encoding="utf-8"), encoding="utf-8")
+    # the metadata that makes vLLM load probes.plugin in every process it starts (observe mode)
+    from probes.plugin import dist_info_files
+
+    from .. import __version__
+
+    for rel, text in dist_info_files(__version__).items():
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(text, encoding="utf-8")
     return run_dir
 
 

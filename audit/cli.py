@@ -21,6 +21,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--pass-env", default="", metavar="NAME[,NAME]",
                    help="docker: host variables to pass into the container by name (values are redacted "
                         "from evidence); nothing else from the host environment enters it")
+    a.add_argument("--cluster", default=None, metavar="PROFILE",
+                   help="slurm: cluster profile (default: $SERVING_TRUTH_CLUSTER or clusters/example.toml)")
+    a.add_argument("--no-wait", dest="wait", action="store_false",
+                   help="slurm: submit the jobs and return; render later with `serving-truth render RUN_DIR`")
     a.add_argument("--systems", default="all", help="comma list of systems, or 'all'")
     a.add_argument("--layouts", default="all", help="comma list of layouts (tp8, tp16, dep8), or 'all'")
     a.add_argument("--lock", default="images.lock", help="path to images.lock")
@@ -172,12 +176,17 @@ def _audit(args, out, err) -> int:
     from .runtimes import get_runtime
 
     _positive(args.parallel, "parallel")
+    from .errors import UsageError
+
     pass_env = [n.strip() for n in args.pass_env.split(",") if n.strip()]
     if pass_env and args.runtime != "docker":
-        from .errors import UsageError
-
         raise UsageError("--pass-env only applies to --runtime docker")
-    get_runtime(args.runtime, pass_env=pass_env).check(load(args.lock).get(args.pin))  # bad input fails early
+    if (args.cluster or not args.wait) and args.runtime != "slurm":
+        raise UsageError("--cluster and --no-wait only apply to --runtime slurm")
+    from pathlib import Path
+
+    get_runtime(args.runtime, pass_env=pass_env, cluster=args.cluster, lock_dir=Path(args.lock).resolve().parent
+                ).check(load(args.lock).get(args.pin))  # bad input fails before any work
     n = len(select("system", args.systems, SYSTEMS)) * len(select("layout", args.layouts, LAYOUTS))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:
@@ -193,7 +202,13 @@ def _audit(args, out, err) -> int:
         outcome = run_audit(args.pin, lock_path=args.lock, runtime=args.runtime, systems=args.systems,
                             layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
                             timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
-                            baseline=args.baseline, expectations=args.expectations, pass_env=pass_env)
+                            baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
+                            cluster=args.cluster, wait=args.wait)
+    if outcome.pending:
+        err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
+        err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")
+        out.print(str(outcome.run_dir))
+        return ExitCode.OK
     if outcome.incomplete or outcome.partial:
         err.print(f"[yellow]warning:[/yellow] {outcome.incomplete} cell(s) INCOMPLETE, "
                   f"{outcome.partial} stopped early; the ledger says where")

@@ -9,6 +9,7 @@ from pathlib import Path
 from . import evidence, lock as lockmod, routing as routingmod
 from .errors import AuditError, EvidenceError, RunAborted, UsageError
 from .profiles import KIMI_K3, Profile
+from .fsutil import write_atomic
 from .render import write_report
 from .runtimes import RunRequest, get_runtime
 from .runtimes.base import Progress, new_run_dir, prune_runs
@@ -27,6 +28,8 @@ class AuditOutcome:
     partial: int
     drift: int
     verdicts: dict | None = None
+    #: submitted to a batch system and not rendered yet (slurm --no-wait)
+    pending: bool = False
 
 
 def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True) -> str:
@@ -52,7 +55,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int = 2,
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
               cuda_toolkit: bool = True, baseline: str | None = None,
-              expectations: str | None = "auto", pass_env: list[str] = ()) -> AuditOutcome:
+              expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
+              wait: bool = True) -> AuditOutcome:
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
     if baseline:
@@ -61,10 +65,10 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     sys_sel = select("system", systems, SYSTEMS)
     lay_sel = select("layout", layouts, LAYOUTS)
     rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit, lock_dir=Path(lock_path).resolve().parent,
-                     pass_env=list(pass_env))
+                     pass_env=list(pass_env), cluster=cluster, wait=wait)
     rt.check(pin)
     cells = [(s, l) for s in sys_sel for l in lay_sel]
-    run_dir = new_run_dir(pin)
+    run_dir = new_run_dir(pin, root=getattr(rt, "run_root", None))
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
                          timeout_s=timeout_s)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit)
@@ -77,6 +81,9 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         raise
     run_info = {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": reproduce}
     _write_run_json(request, profile, run_info, result.missing)
+    if run_info.get("slurm", {}).get("pending"):  # --no-wait: submitted; rendered later from run_dir
+        return AuditOutcome(pin=pin.name, report_dir=Path(reports_dir) / pin.name, ledger=None, routing_path=None,
+                            run_dir=run_dir, cells=len(cells), incomplete=0, partial=0, drift=0, pending=True)
     outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline,
                          expectations=expectations)
     prune_runs(pin)
@@ -142,6 +149,13 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     files = evidence.read_dir(run_dir / "evidence")
     expected = [tuple(c) for c in meta["cells"]]
     missing = {(s, l): info for s, l, info in meta["missing"]}
+    if meta["run"].get("slurm") and (run_dir / "jobs.json").exists():
+        from .runtimes.slurm import refresh
+
+        missing = refresh(run_dir)  # JobsPending while any job has not ended
+        meta["run"]["slurm"].pop("pending", None)
+        meta["missing"] = [[k[0], k[1], v] for k, v in sorted(missing.items())]
+        write_atomic(run_dir / "run.json", json.dumps(meta, indent=1, sort_keys=True))
     if not files and not meta["run"].get("aborted"):
         raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}")
     routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=expected,

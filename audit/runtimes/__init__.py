@@ -10,11 +10,11 @@ from pathlib import Path
 from .base import RunRequest, RunResult, Runtime
 
 
-RUNTIMES = ("local", "docker")
+RUNTIMES = ("local", "docker", "slurm")
 
 
 def get_runtime(name: str, *, cuda_toolkit: bool = True, lock_dir: Path | None = None,
-                pass_env: list[str] = ()) -> Runtime:
+                pass_env: list[str] = (), cluster: str | None = None, wait: bool = True) -> Runtime:
     from ..errors import SelectionError
 
     if name == "local":
@@ -25,6 +25,12 @@ def get_runtime(name: str, *, cuda_toolkit: bool = True, lock_dir: Path | None =
         from .docker import DockerRuntime
 
         return DockerRuntime(lock_dir=lock_dir, pass_env=list(pass_env))
+    if name == "slurm":
+        from ..cluster import default_profile_path, load
+        from .slurm import SlurmRuntime
+
+        profile = load(cluster or default_profile_path(lock_dir or Path.cwd()))
+        return SlurmRuntime(profile, wait=wait, with_cuda_toolkit=cuda_toolkit)
     raise SelectionError("runtime", name, known=list(RUNTIMES))
 
 

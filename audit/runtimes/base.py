@@ -37,6 +37,8 @@ class RunRequest:
     extra_targets: list = field(default_factory=list)
     #: "config" stops every cell after building its VllmConfig (the benchmark's floor)
     stop_after: str = ""
+    #: "resolve" (simulated platform, no GPU) or "observe" (real GPUs; decides what a job requests)
+    mode: str = "resolve"
 
     @property
     def evidence_dir(self) -> Path:
@@ -134,7 +136,7 @@ def learn_imports(cache_dir: Path, evidence_dir: Path) -> None:
 
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str,
                learned: list[str] = (), where: Callable[[Path | str], str] = str,
-               harness_env: list[str] = (), redact_env: list[str] = ()) -> Path:
+               harness_env: list[str] = (), redact_env: list[str] = (), name: str = "plan.json") -> Path:
     """``plan.json`` for ``probes.agent``. *where* maps a host path to the path the agent sees
     (identity for the local runtime, the mount point inside a container)."""
     plan = {
@@ -157,7 +159,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
                    "model_dir": where(request.run_dir / ("model-" + l.name if l.config_patch else "model"))}
                   for s, l in request.cells],
     }
-    path = request.run_dir / "plan.json"
+    path = request.run_dir / name
     path.write_text(json.dumps(plan, indent=1, sort_keys=True), encoding="utf-8")
     return path
 

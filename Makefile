@@ -7,6 +7,7 @@ SYSTEMS ?= all
 LAYOUTS ?= all
 LOCK    ?= images.lock
 PASS_ENV ?=
+CLUSTER ?=
 BIN     := $(VENV)/bin
 
 .PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve
@@ -25,7 +26,7 @@ env: setup
 
 audit: setup
 	$(BIN)/serving-truth audit $(PIN) --runtime $(RUNTIME) --systems $(SYSTEMS) --layouts $(LAYOUTS) \
-		--lock $(LOCK) $(if $(PASS_ENV),--pass-env $(PASS_ENV))
+		--lock $(LOCK) $(if $(PASS_ENV),--pass-env $(PASS_ENV)) $(if $(CLUSTER),--cluster $(CLUSTER))
 
 # Remove containers left behind by serving-truth runs whose harness died (docker runtime).
 clean-containers: setup

@@ -151,19 +151,6 @@ def test_registry_errors_are_typed():
 
 
 # --- the audit inside the pinned image ------------------------------------------------------------
-COMPARED = ("lanes", "attention_candidates", "candidates", "config", "depth", "device", "layer_kinds",
-            "not_applicable", "not_reached", "raises", "simulated", "stand_in_calls", "status", "availability",
-            "failure", "evidence")
-
-
-def comparable(cell: dict) -> dict:
-    out = {k: cell.get(k) for k in COMPARED}
-    out["stages"] = [(s.get("stage"), s.get("ok")) for s in cell.get("stages", [])]
-    out["packages"] = cell.get("fingerprint", {}).get("packages")
-    out["modules"] = cell.get("fingerprint", {}).get("modules")
-    return out
-
-
 def managed(client, **labels):
     filters = {"label": [f"{LABEL_MANAGED}=1"] + [f"{k}={v}" for k, v in labels.items()]}
     return client.containers.list(all=True, filters=filters)
@@ -171,8 +158,7 @@ def managed(client, **labels):
 
 def test_docker_audit_matches_the_local_runtime_and_leaks_no_secret(docker_client, vllm_image, probed_run,
                                                                     tmp_path):
-    from audit import evidence, routing
-    from audit.profiles import KIMI_K3
+    from tests.compare import comparable, local_cells
 
     reports = tmp_path / "reports"
     env = {**os.environ, "VLLM_TEST_API_KEY": SECRET_PASSED, "HF_TOKEN": SECRET_HOST}
@@ -183,15 +169,12 @@ def test_docker_audit_matches_the_local_runtime_and_leaks_no_secret(docker_clien
     assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-4000:]
     report = reports / vllm_image["pin"]
     docker_routing = json.loads((report / "routing.json").read_text())
-    req, _ = probed_run
-    local = routing.build_routing(evidence.read_dir(req.evidence_dir), KIMI_K3, pin={}, expected=[
-        (s.name, l.name) for s, l in req.cells])
-    local_cells = {(c["system"], c["layout"]): c for c in local["cells"]}
+    local = local_cells(probed_run)
     compared = 0
     for cell in docker_routing["cells"]:
         key = (cell["system"], cell["layout"])
-        assert cell["status"] == "COMPLETE", (key, cell.get("failure"))
-        assert comparable(cell) == comparable(local_cells[key]), key
+        assert cell["status"] in ("COMPLETE", "PARTIAL"), (key, cell.get("failure"))  # h100 dep8: MegaMoE needs SM100
+        assert comparable(cell) == comparable(local[key]), key
         compared += 1
     assert compared == 4
 

@@ -144,6 +144,11 @@ class SlurmRuntime:
                 p.squashfs for p in self.profile.placements.values() if p.container == "pyxis"):
             raise RuntimeUnsupportedError(pin.name, runtime=self.name, supported=pin.runtimes,
                                           reason="pyxis systems need a registry image or a squashfs")
+        if "pyxis" in modes and not pin.has_wheel:
+            raise RuntimeUnsupportedError(
+                pin.name, runtime=self.name, supported=[r for r in pin.runtimes if r != self.name],
+                reason="a pyxis resolve job needs the stub libcuda, which is built from the pinned wheel's "
+                       "libraries; this pin has no wheel")
 
     # -- jobs ----------------------------------------------------------------------------------
     def sbatch_header(self, request: RunRequest, system, layout, log: Path) -> list[str]:
@@ -211,11 +216,12 @@ class SlurmRuntime:
             raise EnvironmentBuildError("sbatch not found", step="slurm", hint="run on a Slurm submit host")
         self._check_squashfs(request)
         local = LocalRuntime(root=self.profile.env_root, with_cuda_toolkit=self.with_cuda_toolkit)
-        env_dir = stub = None
-        if any(self.profile.placement(s.name).container == "local" for s, _ in request.cells):
-            env_dir = local.ensure_env(request.pin, progress)
-            progress("stage", text="building the stub libcuda (cached)")
-            stub = local.ensure_stub(env_dir)
+        env_dir = local.ensure_env(request.pin, progress)
+        progress("stage", text="building the stub libcuda (cached)")
+        # a copy inside the run directory: every job (and every container) sees the run directory
+        (request.run_dir / "stub").mkdir(exist_ok=True)
+        stub = request.run_dir / "stub" / "libcuda.so.1"
+        shutil.copy2(local.ensure_stub(env_dir), stub)
         model_dir = write_model_dirs(request)
         stage_probes(request.run_dir)
         request.evidence_dir.mkdir(parents=True, exist_ok=True)
@@ -231,11 +237,14 @@ class SlurmRuntime:
                 plan = write_plan(one, model_dir=str(model_dir), stub_libcuda=str(stub or ""),
                                   out_dir=str(request.evidence_dir), name=f"plan-{cell}.json",
                                   harness_env=["CUDA_HOME"])
-                env = local._env(env_dir, stub, request.run_dir, request.run_dir) if env_dir else {}
+                if self.profile.placement(system.name).container == "local":
+                    env = local._env(env_dir, stub, request.run_dir, request.run_dir)
+                else:
+                    env = container_env(request.run_dir, stub)
                 log = jobs_dir / f"{cell}.log"
                 script = jobs_dir / f"{cell}.sbatch"
                 script.write_text(self.job_script(request, system, layout, plan=plan, log=log, env=env,
-                                                  python=str(env_dir / "bin" / "python") if env_dir else "python3"),
+                                                  python=str(env_dir / "bin" / "python")),
                                   encoding="utf-8")
                 r = _slurm(["sbatch", "--parsable", str(script)])
                 entry = {"system": system.name, "layout": layout.name, "script": str(script), "log": str(log)}
@@ -294,6 +303,16 @@ class SlurmRuntime:
                 running = [f"{ids[j]}={s['state']}" for j, s in states.items() if j not in done]
                 progress("stage", text=f"{len(done)}/{len(ids)} job(s) ended; " + ", ".join(running[:3]))
                 time.sleep(POLL_S)
+
+
+def container_env(run_dir: Path, stub: Path) -> dict[str, str]:
+    """The explicit environment of a pyxis job's container (caches on its own /tmp)."""
+    return {
+        "HOME": "/tmp/home", "TZ": "UTC", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPATH": str(run_dir), "LD_LIBRARY_PATH": str(stub.parent), "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_PLUGINS": "",
+        "VLLM_CACHE_ROOT": "/tmp/vllm-cache", "TRITON_CACHE_DIR": "/tmp/triton", "XDG_CACHE_HOME": "/tmp/xdg",
+    }
 
 
 def cancel(jobs: dict) -> list[str]:

@@ -106,10 +106,10 @@ def _render_aborted(exc: RunAborted, request: RunRequest, *, pin, profile: Profi
     partial = exc.partial
     missing = dict(partial.missing) if partial else {}
     for (s, l), info in missing.items():
-        info["reason"] = f"{exc.message}; {info.get('reason', '')}".rstrip("; ")
+        info["reason"] = f"{exc.summary}; {info.get('reason', '')}".rstrip("; ")
         info["log_tail"] = info.get("log_tail") or exc.log_tail
     run_info = {**(partial.info if partial else {}), "vllm_commit": pin.vllm_commit, "reproduce": reproduce,
-                "aborted": {"kind": exc.kind, "message": exc.message, "returncode": exc.returncode,
+                "aborted": {"kind": exc.kind, "message": exc.summary, "returncode": exc.returncode,
                             "log_tail": exc.log_tail}}
     _write_run_json(request, profile, run_info, missing)
     try:

@@ -154,6 +154,7 @@ class RunAborted(ProbeRunError):
     kind = "aborted"
 
     def __init__(self, message: str, *, cell: str = "all", returncode: int | None, log_tail: str):
+        self.summary = message  # without the log tail, for the ledger
         super().__init__(message, cell=cell, returncode=returncode, log_tail=log_tail)
         self.partial = None          # a RunResult, set by the runtime
         self.incomplete_ledger = None  # a path, set by the pipeline once rendered

@@ -43,6 +43,19 @@ class Lane:
 
 
 @dataclass(frozen=True)
+class Slice:
+    """A served subset of the model for observe mode: fewer layers, every kept layer unchanged.
+
+    ``patch`` is applied to the published config like a layout's; ``cut`` is what the ledger says
+    was left out. Per-layer shapes and per-rank head counts are the published ones."""
+    name: str
+    layers: int
+    patch: tuple[tuple[str, object], ...]
+    kept: str
+    cut: str
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     title: str
@@ -52,6 +65,8 @@ class Profile:
     lanes: tuple[Lane, ...]
     #: class qualname suffix -> layer kind, read from scope records (what vLLM actually built)
     layer_classes: dict[str, str] = field(default_factory=dict)
+    #: observe-mode slices by name (the full model needs no slice)
+    slices: dict[str, Slice] = field(default_factory=dict)
 
     def config_text(self) -> str:
         return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
@@ -128,5 +143,17 @@ KIMI_K3 = Profile(
         )),
     ),
 )
+
+_K3_LAYERS = "text_config.num_hidden_layers"
+_K3_KDA = "text_config.linear_attn_config.kda_layers"
+_K3_FULL = "text_config.linear_attn_config.full_attn_layers"
+KIMI_K3.slices.update({
+    "slice4": Slice("slice4", 4, ((_K3_LAYERS, 4), (_K3_KDA, [1, 2, 3]), (_K3_FULL, [4])),
+                    kept="layers 0-3: 0 (KDA, dense MLP), 1-2 (KDA, latent MoE), 3 (MLA, latent MoE)",
+                    cut="layers 4-92 (66 KDA, 23 MLA, 89 MoE layers of the same shapes as the kept ones)"),
+    "slice8": Slice("slice8", 8, ((_K3_LAYERS, 8), (_K3_KDA, [1, 2, 3, 5, 6, 7]), (_K3_FULL, [4, 8])),
+                    kept="layers 0-7: 0 (KDA, dense MLP), 1-2 and 4-6 (KDA, latent MoE), 3 and 7 (MLA, latent MoE)",
+                    cut="layers 8-92 (63 KDA, 22 MLA, 85 MoE layers of the same shapes as the kept ones)"),
+})
 
 PROFILES = {p.name: p for p in (KIMI_K3,)}

@@ -44,6 +44,46 @@ def serve_argv(plan: dict, cell: dict) -> list[str]:
     return [cell.get("model_dir") or plan["model_dir"], *cell["layout"]["serve_args"], *plan.get("serve_args", [])]
 
 
+def engine_args_from_serve_argv(argv: list[str]):
+    """``vllm serve`` arguments (after the word ``serve``) -> AsyncEngineArgs, through vLLM's own
+    server argument parser and validation, exactly as the CLI does it."""
+    parser_cls = _first_attr(["vllm.utils.argparse_utils:FlexibleArgumentParser",
+                              "vllm.utils:FlexibleArgumentParser"])
+    make_arg_parser = _first_attr(["vllm.entrypoints.common.cli_args:make_arg_parser",
+                                   "vllm.entrypoints.launchers.cli_args:make_arg_parser",
+                                   "vllm.entrypoints.openai.cli_args:make_arg_parser"])
+    validate = _first_attr(["vllm.entrypoints.common.cli_args:validate_parsed_serve_args",
+                            "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
+                            "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args"])
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    parser = make_arg_parser(parser_cls(description="vLLM OpenAI-Compatible RESTful API server."))
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    validate(args)
+    return AsyncEngineArgs.from_cli_args(args)
+
+
+def _serving_facts(vllm_config) -> dict:
+    """Config facts observe mode's workload relies on (layer count of a slice, capture sizes, ...)."""
+    out = {}
+    try:
+        text = vllm_config.model_config.hf_text_config
+        out["num_hidden_layers"] = getattr(text, "num_hidden_layers", None)
+    except Exception:
+        pass
+    cc = getattr(vllm_config, "compilation_config", None)
+    sizes = getattr(cc, "cudagraph_capture_sizes", None)
+    if sizes is not None:
+        out["cudagraph_capture_sizes"] = sorted(int(s) for s in sizes)
+    out["cudagraph_mode"] = str(getattr(cc, "cudagraph_mode", ""))
+    sc = vllm_config.scheduler_config
+    out["chunked_prefill"] = bool(getattr(sc, "enable_chunked_prefill", False))
+    out["load_format"] = str(getattr(vllm_config.load_config, "load_format", ""))
+    return out
+
+
 def prepare_process(plan: dict) -> None:
     """The agent's parent: stub driver and platform-independent imports, shared by every fork."""
     simulate.load_stub_libcuda(plan["stub_libcuda"])
@@ -123,23 +163,9 @@ def _run_stages(plan, cell, rec, Stage) -> None:
     import torch
 
     with Stage(rec, "config"):
-        parser_cls = _first_attr(["vllm.utils.argparse_utils:FlexibleArgumentParser",
-                                  "vllm.utils:FlexibleArgumentParser"])
-        make_arg_parser = _first_attr(["vllm.entrypoints.common.cli_args:make_arg_parser",
-                                       "vllm.entrypoints.launchers.cli_args:make_arg_parser",
-                                       "vllm.entrypoints.openai.cli_args:make_arg_parser"])
-        validate = _first_attr(["vllm.entrypoints.common.cli_args:validate_parsed_serve_args",
-                                "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
-                                "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args"])
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
 
-        parser = make_arg_parser(parser_cls(description="vLLM OpenAI-Compatible RESTful API server."))
-        args = parser.parse_args(serve_argv(plan, cell))
-        if getattr(args, "model_tag", None):
-            args.model = args.model_tag
-        validate(args)
-        engine_args = AsyncEngineArgs.from_cli_args(args)
+        engine_args = engine_args_from_serve_argv(serve_argv(plan, cell))
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         rec.emit("config", architecture=list(getattr(mc.hf_config, "architectures", []) or []),
@@ -148,7 +174,8 @@ def _run_stages(plan, cell, rec, Stage) -> None:
                  enable_expert_parallel=bool(pc.enable_expert_parallel),
                  moe_backend=str(getattr(getattr(vllm_config, "kernel_config", None), "moe_backend", "")),
                  max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                 speculative=str(getattr(vllm_config.speculative_config, "method", None)))
+                 speculative=str(getattr(vllm_config.speculative_config, "method", None)),
+                 **_serving_facts(vllm_config))
 
     if plan.get("stop_after") == "config":  # the benchmark's floor: import vLLM + build one VllmConfig
         return

@@ -39,6 +39,10 @@ class RunRequest:
     stop_after: str = ""
     #: "resolve" (simulated platform, no GPU) or "observe" (real GPUs; decides what a job requests)
     mode: str = "resolve"
+    #: ``vllm serve`` arguments added to every cell's layout arguments
+    serve_args: tuple[str, ...] = ("--load-format", "dummy")
+    #: a profile slice (observe mode serves fewer layers); "" serves the published config
+    slice: str = ""
 
     @property
     def evidence_dir(self) -> Path:
@@ -100,12 +104,23 @@ def stage_probes(run_dir: Path) -> Path:
     return run_dir
 
 
+def _model_patch(request: RunRequest, layout: Layout) -> tuple:
+    sl = request.profile.slices[request.slice].patch if request.slice else ()
+    return tuple(sl) + tuple(layout.config_patch)
+
+
+def model_dir_name(request: RunRequest, layout: Layout) -> str:
+    return "model-" + layout.name if _model_patch(request, layout) else "model"
+
+
 def write_model_dirs(request: RunRequest) -> str:
-    """The published config, plus one derived copy per layout that declares a config patch."""
+    """The published config, plus one derived copy per layout that declares a config patch (and, for a
+    sliced run, the slice's patch applied to every copy)."""
     base = request.profile.write_model_dir(request.run_dir / "model")
     for layout in {l.name: l for _, l in request.cells}.values():
-        if layout.config_patch:
-            request.profile.write_model_dir(request.run_dir / f"model-{layout.name}", layout.config_patch)
+        patch = _model_patch(request, layout)
+        if patch:
+            request.profile.write_model_dir(request.run_dir / model_dir_name(request, layout), patch)
     return str(base)
 
 
@@ -149,14 +164,15 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "probes": request.probes,
         "extra_targets": list(request.extra_targets),
         "stop_after": request.stop_after,
-        "serve_args": ["--load-format", "dummy"],
+        "serve_args": list(request.serve_args),
+        "slice": request.slice,
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),
         "learned_imports": list(learned),
         "harness_env": sorted(harness_env),
         "redact_env": sorted(redact_env),
         "cells": [{"system": s.as_job(), "layout": l.as_job(),
-                   "model_dir": where(request.run_dir / ("model-" + l.name if l.config_patch else "model"))}
+                   "model_dir": where(request.run_dir / model_dir_name(request, l))}
                   for s, l in request.cells],
     }
     path = request.run_dir / name

@@ -237,7 +237,8 @@ def _findings_exit(outcome, strict: bool, err) -> int:
     if not v:
         return ExitCode.OK
     err.print("verdicts: " + ", ".join(f"{k} {n}" for k, n in v.items() if n))
-    failing = v.get("MISMATCH", 0) + v.get("CRASH", 0) + (v.get("UNVERIFIED", 0) if strict else 0)
+    failing = v.get("MISMATCH", 0) + v.get("CRASH", 0) + v.get("RANK_DISAGREE", 0) + \
+        (v.get("UNVERIFIED", 0) if strict else 0)
     return ExitCode.FINDINGS if failing else ExitCode.OK
 
 

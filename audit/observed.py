@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .routing import format_ranges
 
 
 def _rank(header: dict) -> str:
@@ -26,11 +25,14 @@ def _rank(header: dict) -> str:
 
 def merge(files) -> dict:
     """``files``: evidence files (``audit.evidence`` objects with ``.header`` and ``.records``) of one cell."""
+    from .routing import format_ranges  # routing imports this module
+
     # (lane, layer, phase) -> rank -> {path: calls}
     eager: dict[tuple, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
     graph_paths: dict[tuple, dict[str, dict]] = defaultdict(dict)  # (lane, layer, phase) -> path -> info
     graphs = []
     ranks = set()
+    backend_of: dict[str, str] = {}
     for f in files:
         if f.header.get("mode") != "observe":
             continue
@@ -38,6 +40,7 @@ def merge(files) -> dict:
         ranks.add(rank)
         for r in f.records:
             if r.get("kind") == "exec":
+                backend_of.setdefault(r["path"], r.get("backend", ""))
                 key = (r["lane"], r.get("layer"), r["phase"])
                 by = eager[key][rank]
                 by[r["path"]] = by.get(r["path"], 0) + int(r["calls"])
@@ -47,6 +50,7 @@ def merge(files) -> dict:
                 if int(r["replays"]) <= 0:
                     continue
                 for p in r["paths"]:
+                    backend_of.setdefault(p["path"], p.get("backend", ""))
                     key = (p["lane"], p.get("layer"), p["phase"])
                     info = graph_paths[key].setdefault(p["path"], {"replays": 0, "graphs": set(), "ranks": set()})
                     info["replays"] += int(r["replays"])
@@ -73,7 +77,8 @@ def merge(files) -> dict:
                 row["layers"].add(layer)
     out_rows = []
     for (lane, phase, path, level), row in sorted(rows.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        out_rows.append({"lane": lane, "phase": phase, "path": path, "evidence": level,
+        out_rows.append({"lane": lane, "phase": phase, "path": path, "backend": backend_of.get(path, ""),
+                         "evidence": level,
                          "layers": sorted(row["layers"]), "ranges": format_ranges(sorted(row["layers"])),
                          "calls": row["calls"], "ranks": sorted(row["ranks"]),
                          **({"graphs": sorted(row["graphs"])} if "graphs" in row else {})})

@@ -9,6 +9,7 @@ import re
 from collections import defaultdict
 
 from .evidence import EvidenceFile
+from .observed import merge as merge_observed
 from .profiles import Lane, Profile
 
 ROUTING_SCHEMA = 1
@@ -259,6 +260,26 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     }
 
 
+def _observed_raw(row: dict) -> dict:
+    """What labels are derived from, in the shape resolve mode's lanes have (see audit.labels)."""
+    if row["lane"] == "moe" and row.get("backend") == "DeepGemmMegaMoEExperts":
+        return {"source": "moe.mega_moe_experts", "fields": [row["backend"]]}
+    return {"source": "observed", "fields": [row["backend"]] if row.get("backend") and row["lane"] != "moe" else []}
+
+
+def observed_cell(system: str, layout: str, observed: dict) -> dict:
+    """A cell known only from observe-mode processes: its lanes are the kernel paths that ran."""
+    cell = incomplete_cell(system, layout, reason="", log_tail="")
+    lanes: dict[str, list] = {}
+    for row in observed["rows"]:
+        lanes.setdefault(row["lane"], []).append({
+            "layers": row["layers"], "ranges": row["ranges"], "value": row["path"], "phase": row["phase"],
+            "evidence": row["evidence"], "raw": _observed_raw(row)})
+    cell.update(status="COMPLETE", evidence="observed", failure=None, lanes=lanes, observed=observed,
+                layer_kinds={})
+    return cell
+
+
 def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> dict:
     """A cell for which no evidence exists (its process died or never ran)."""
     return {"system": system, "layout": layout, "evidence": "none", "status": "INCOMPLETE", "stages": [],
@@ -272,12 +293,22 @@ def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> 
 def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, expected: list[tuple[str, str]],
                   missing: dict[tuple[str, str], dict] | None = None, run: dict | None = None) -> dict:
     """The whole routing model of one audit: provenance plus one entry per expected cell."""
-    by_cell = {f.cell: f for f in files if f.cell}
+    observe_files: dict[tuple, list[EvidenceFile]] = defaultdict(list)
+    for f in files:
+        if f.cell and f.header.get("mode") == "observe":
+            observe_files[f.cell].append(f)
+    by_cell = {f.cell: f for f in files if f.cell and f.header.get("mode") != "observe"}
     cells = []
     for system, layout in expected:
         f = by_cell.get((system, layout))
+        seen = observe_files.get((system, layout))
         if f is not None:
-            cells.append(build_cell(f, profile))
+            cell = build_cell(f, profile)
+            if seen:
+                cell["observed"] = merge_observed(seen)
+            cells.append(cell)
+        elif seen:
+            cells.append(observed_cell(system, layout, merge_observed(seen)))
         else:
             info = (missing or {}).get((system, layout), {})
             cells.append(incomplete_cell(system, layout, reason=info.get("reason", "no evidence was written"),

@@ -17,7 +17,7 @@ from .labels import derive
 from .routing import format_ranges, short
 
 VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "CRASH", "RANK_DISAGREE", "NOT_EXERCISED", "UNVERIFIED")
-FAILING = ("MISMATCH", "CRASH")
+FAILING = ("MISMATCH", "CRASH", "RANK_DISAGREE")
 #: harness lanes that perf databases label (others are not judged)
 JUDGED_LANES = ("moe", "kda.prefill", "kda.decode", "kda.spec_verify", "mla.decode", "mla.prefill")
 _KIND = {"moe": "moe", "kda.prefill": "kda", "kda.decode": "kda", "kda.spec_verify": "kda",
@@ -61,7 +61,8 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                                         f"{failure.get('message', '')}"})
             for g in groups:
                 label, family, how = derive(lane, g, exp.label_map)
-                row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"]}
+                row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"],
+                       "evidence": g.get("evidence", level)}
                 if not claims:
                     exercised = not str(g["value"]).startswith("not exercised")
                     rows.append({**row, "claim": "", "verdict": "UNVERIFIED" if exercised else "NOT_EXERCISED",
@@ -70,7 +71,24 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                 for c in claims:
                     rows.append({**row, "claim": c.id, "expected": c.backend or c.kernel_source,
                                  **_verdict(c, lane, g, label, family, how, cell)})
+        rows += _rank_disagreements(cell, exp)
     return sorted(rows, key=lambda r: (r["claim"], r["system"], r["layout"], r["lane"], r["layers"]))
+
+
+def _rank_disagreements(cell: dict, exp: Expectations) -> list[dict]:
+    """Observed mode: a (lane, layer, phase) where ranks ran different kernel paths."""
+    rows = []
+    for d in (cell.get("observed") or {}).get("rank_disagree", []):
+        system, layout, lane = cell["system"], cell["layout"], d["lane"]
+        why = f"{d['phase']}: " + "; ".join(f"rank {r} ran {', '.join(paths) or 'nothing'}"
+                                            for r, paths in d["by_rank"].items())
+        claims = [c for c in exp.claims if c.covers(system, layout, lane)] or [None]
+        for c in claims:
+            rows.append({"system": system, "layout": layout, "lane": lane, "evidence": "observed",
+                         "claim": c.id if c else "", "layers": "" if d["layer"] is None else str(d["layer"]),
+                         "verdict": "RANK_DISAGREE", "expected": (c.backend or c.kernel_source) if c else "",
+                         "actual": "", "label": "", "why": why})
+    return rows
 
 
 def _verdict(c, lane, group, label, family, how, cell) -> dict:

@@ -52,6 +52,13 @@ class Counters:
             self.counts.frombytes(bytes(self.counts.itemsize * self.stride))
             return (len(self.paths) - 1) * self.stride
 
+    def reset(self) -> None:
+        """Zero every count and forget graphs (e.g. in a forked child)."""
+        for i in range(len(self.counts)):
+            self.counts[i] = 0
+        self.graphs.clear()
+        self.state[1] = 0
+
     def layer_slot(self, layer: int | None) -> int:
         if layer is None or layer < 0 or layer >= self.max_layers:
             return self.max_layers

@@ -23,7 +23,7 @@ ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "serving_truth"
 DIST_NAME = "serving_truth_probes"
 
-_state: dict = {"pid": None, "rec": None, "probes": None}
+_state: dict = {"pid": None, "rec": None, "probes": None, "observe": None}
 
 
 def dist_info_files(version: str) -> dict[str, str]:
@@ -46,6 +46,10 @@ def _after_fork_in_child() -> None:
     if rec is not None:
         rec.forked()
         _state["pid"] = os.getpid()
+        session = _state.get("observe")
+        if session is not None:  # counts restart in the child; its timer thread did not survive the fork
+            session.counters.reset()
+            session.start_timer(float(os.environ.get("SERVING_TRUTH_FLUSH_S", "30")))
         rec.emit("plugin", event="forked")
         rec.flush()
 
@@ -69,6 +73,15 @@ def register() -> None:
         except Exception:
             vllm_version = ""
         _state["probes"] = ProbeSet(rec, vllm_version=vllm_version).install()
+        if os.environ.get(ENV_MODE) == "observe":  # count kernel entries, graphs, phases
+            import atexit
+
+            from .observe import ObserveSession
+
+            session = ObserveSession(rec).install()
+            _state["observe"] = session
+            session.start_timer(float(os.environ.get("SERVING_TRUTH_FLUSH_S", "30")))
+            atexit.register(session.flush)
         os.register_at_fork(after_in_child=_after_fork_in_child)
         rec.emit("plugin", event="loaded", via=ENTRY_POINT_GROUP, vllm=vllm_version)
         rec.flush()

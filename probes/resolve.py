@@ -216,6 +216,34 @@ def _run_stages(plan, cell, rec, Stage) -> None:
         if draft is not None:
             inspect_model(draft, rec)
 
+    if plan.get("observe_install"):
+        check_observe_targets(rec)
+
+
+def check_observe_targets(rec) -> None:
+    """Install observe mode's counting wrappers, scopes and graph hooks into this process (which has
+    built the model), importing every module they name, and record what each target became:
+    ``patched``, ``missing: ...`` (drift), or the import error of its module."""
+
+    from .observe import GRAPH_HOOKS, KERNELS, SCOPES, ObserveSession
+
+    session = ObserveSession(rec).install()
+    imports = {}
+    for spec in [k.spec for k in KERNELS] + [s.spec for s in SCOPES] + list(GRAPH_HOOKS):
+        module = spec.split(":", 1)[0]
+        if module in imports:
+            continue
+        try:
+            importlib.import_module(module)
+            imports[module] = "ok"
+        except Exception as exc:
+            imports[module] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    status = {}
+    for spec, st in session.status.items():
+        module = spec.split(":", 1)[0]
+        status[spec] = st if imports.get(module) == "ok" else f"import failed: {imports.get(module)}"
+    rec.emit("observe-status", targets=dict(sorted(status.items())))
+
 
 def _construct_draft(vllm_config, spec, *, create_with, simulate):
     """Build the speculative draft model the way vLLM's drafter loader does (draft overrides, the

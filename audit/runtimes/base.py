@@ -43,6 +43,8 @@ class RunRequest:
     serve_args: tuple[str, ...] = ("--load-format", "dummy")
     #: a profile slice (observe mode serves fewer layers); "" serves the published config
     slice: str = ""
+    #: after construction, install observe mode's targets and record their status (a test of drift)
+    observe_install: bool = False
 
     @property
     def evidence_dir(self) -> Path:
@@ -166,6 +168,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "stop_after": request.stop_after,
         "serve_args": list(request.serve_args),
         "slice": request.slice,
+        "observe_install": request.observe_install,
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),
         "learned_imports": list(learned),

@@ -1,0 +1,388 @@
+"""Observe mode inside a serving process: count which kernel entry points run, per layer and phase,
+and which run inside captured CUDA graphs.
+
+What is wrapped (targets as data, researched for vLLM 0.33 in docs/notes/observe-0.33.md):
+
+* **kernel entries** (:data:`KERNELS`): one wrapper per implementation of a lane, e.g. the KDA decode
+  kernels ``vllm._custom_ops.fused_kda_decode`` / FlashInfer / Triton, each MLA impl's
+  ``forward_mqa``, each MoE experts class's ``apply``. A wrapper only counts (probes.counting).
+* **layer scopes** (:data:`SCOPES`): the per-layer functions that call them (KDA ``_forward``, MLA
+  ``_attention``, ``MoERunner._forward_impl``) set the current layer; the KDA scope also sets the
+  step's phase from its attention metadata (prefills / plain decodes / speculative decodes). K3's KDA
+  and MLA scopes are *eager breaks* of vLLM's breakable CUDA graphs: the undecorated function runs
+  again at every replay, so the scope is installed *inside* the decorator and fires on replays too.
+* **graphs**: ``torch.cuda.CUDAGraph.capture_begin/capture_end`` mark calls as captured (membership
+  of that graph, not executions), ``replay`` counts replays per graph; ``BreakableCUDAGraphCapture.
+  add_eager`` runs its eager segment for real during capture, so calls there are executions; the V2
+  graph manager's ``run_fullgraph(desc)`` and the breakable wrapper name graphs by their batch
+  descriptor.
+
+Standard library only until installed into a process that imports vLLM.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+from .counting import Counters
+from .patching import PostImportHooks, SENTINEL, resolve
+
+K3 = "vllm.models.kimi_k3.nvidia."
+MLA_BK = "vllm.v1.attention.backends.mla."
+EXPERTS = "vllm.model_executor.layers.fused_moe."
+
+
+@dataclass(frozen=True)
+class Kernel:
+    lane: str
+    path: str
+    spec: str
+    #: attribute of the bound object naming its layer (for entries that know it), else the scope's
+    layer_attr: str = ""
+    #: the value resolve mode reports for this choice (KDA backend string, attention backend class),
+    #: so observed paths get the same perf-database labels
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class Scope:
+    spec: str
+    layer_attr: str
+    #: "kda": derive the step's phase from attn_metadata[self.prefix]
+    phase_from: str = ""
+    #: the function is decorated with vLLM's eager_break_during_capture: wrap inside the decorator
+    eager_break: bool = False
+
+
+KERNELS: tuple[Kernel, ...] = (
+    # KDA prefill
+    Kernel("kda.prefill", "flashkda", K3 + "kda:_flashkda_prefill", backend="flashkda"),
+    Kernel("kda.prefill", "flashinfer", K3 + "kda:_flashinfer_kda_prefill", backend="flashinfer"),
+    Kernel("kda.prefill", "triton chunk_kda", K3 + "ops.third_party.kda:chunk_kda_with_fused_gate",
+           backend="triton"),
+    # KDA decode
+    Kernel("kda.decode", "fused_kda_decode (native)", "vllm._custom_ops:fused_kda_decode", backend="native"),
+    Kernel("kda.decode", "flashinfer fused decode", K3 + "kda:flashinfer_fused_kda_decode",
+           backend="flashinfer"),
+    Kernel("kda.decode", "triton packed decode", K3 + "ops.third_party.kda:fused_recurrent_kda_packed_decode",
+           backend="triton"),
+    # KDA speculative verify
+    Kernel("kda.spec_verify", "flashinfer packed fused decode", K3 + "kda:flashinfer_packed_fused_kda_decode",
+           backend="flashinfer"),
+    Kernel("kda.spec_verify", "triton fused_recurrent_kda", K3 + "ops.third_party.kda:fused_recurrent_kda",
+           backend="native"),
+    Kernel("kda.spec_verify", "RecoverSSM verify", K3 + "kda:KimiK3DeltaAttention._recoverssm_verify",
+           layer_attr="layer_idx"),
+    # MLA decode (and verify): the impl's forward_mqa
+    *(Kernel("mla.decode", name, MLA_BK + spec, backend=backend) for name, spec, backend in (
+        ("FlashMLA", "flashmla:FlashMLAImpl.forward_mqa", "FlashMLABackend"),
+        ("FlashInfer MLA", "flashinfer_mla:FlashInferMLAImpl.forward_mqa", "FlashInferMLABackend"),
+        ("CUTLASS MLA", "cutlass_mla:CutlassMLAImpl.forward_mqa", "CutlassMLABackend"),
+        ("Triton MLA", "triton_mla:TritonMLAImpl.forward_mqa", "TritonMLABackend"),
+        ("FlashAttn MLA", "flashattn_mla:FlashAttnMLAImpl.forward_mqa", "FlashAttnMLABackend"),
+        ("Tokenspeed MLA", "tokenspeed_mla:TokenspeedMLAImpl.forward_mqa", "TokenspeedMLABackend"),
+    )),
+    # MLA prefill: the prefill backend's new-token kernel
+    *(Kernel("mla.prefill", name, MLA_BK + "prefill." + spec, backend=spec.split(":")[1].split(".")[0])
+      for name, spec in (
+        ("FlashAttn prefill", "flash_attn:FlashAttnPrefillBackend.run_prefill_new_tokens"),
+        ("FlashInfer prefill", "flashinfer:FlashInferPrefillBackend.run_prefill_new_tokens"),
+        ("TRT-LLM ragged prefill", "trtllm_ragged:TrtllmRaggedPrefillBackend.run_prefill_new_tokens"),
+        ("Tokenspeed prefill", "tokenspeed:TokenspeedMLAPrefillBackend.run_prefill_new_tokens"),
+    )),
+    # MoE experts
+    *(Kernel("moe", name, EXPERTS + spec) for name, spec in (
+        ("Marlin", "experts.marlin_moe:MarlinExperts.apply"),
+        ("TRT-LLM MXFP4 (monolithic)", "experts.trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsMonolithic.apply"),
+        ("TRT-LLM MXFP4 (modular)", "experts.trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsModular.apply"),
+        ("FlashInfer CUTLASS", "flashinfer_cutlass_moe:FlashInferExperts.apply"),
+        ("FlashInfer CuTe DSL", "flashinfer_cutedsl_moe:FlashInferCuteDSLExperts.apply"),
+        ("Triton", "triton_moe:TritonExperts.apply"),
+    )),
+    Kernel("moe", "DeepGEMM MegaMoE", EXPERTS + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.forward",
+           layer_attr="layer_id", backend="DeepGemmMegaMoEExperts"),
+)
+
+SCOPES: tuple[Scope, ...] = (
+    Scope(K3 + "kda:KimiK3DeltaAttention._forward", "layer_idx", phase_from="kda", eager_break=True),
+    Scope(K3 + "mla:MultiHeadLatentAttention._attention", "layer_name", eager_break=True),
+    Scope(EXPERTS + "runner.moe_runner:MoERunner._forward_impl", "layer_id"),
+)
+
+GRAPH_HOOKS = (
+    "torch.cuda.graphs:CUDAGraph.capture_begin",
+    "torch.cuda.graphs:CUDAGraph.capture_end",
+    "torch.cuda.graphs:CUDAGraph.replay",
+    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphCapture.add_eager",
+    "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphWrapper._capture",
+    "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.run_fullgraph",
+)
+
+
+def layer_index(value) -> int | None:
+    """An int layer index, or the index in a ``...layers.N...`` name."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        parts = value.split(".")
+        for a, b in zip(parts, parts[1:]):
+            if a == "layers" and b.isdigit():
+                return int(b)
+    return None
+
+
+def kda_phase(metadata) -> str | None:
+    """The step's phase from KDA attention metadata (prefill wins in a mixed batch)."""
+    if metadata is None:
+        return None
+    if getattr(metadata, "num_prefills", 0):
+        return "mixed" if (getattr(metadata, "num_decodes", 0) or getattr(metadata, "num_spec_decodes", 0)) \
+            else "prefill"
+    if getattr(metadata, "num_spec_decodes", 0):
+        return "spec-verify"
+    if getattr(metadata, "num_decodes", 0):
+        return "decode"
+    return None
+
+
+class ObserveSession:
+    """Counting wrappers, layer/phase scopes and graph hooks of one process."""
+
+    def __init__(self, rec, *, counters: Counters | None = None, kernels=KERNELS, scopes=SCOPES):
+        self.rec = rec
+        self.counters = counters or Counters()
+        self.kernels = kernels
+        self.scopes = scopes
+        self.hooks = PostImportHooks()
+        self.status: dict[str, str] = {}
+        self._graph_of: dict[int, int] = {}   # id(torch CUDAGraph) -> graph id
+        self._key_hint = threading.local()
+        self._lane_of = {k.path: k.lane for k in kernels}
+        self._backend_of = {k.path: k.backend for k in kernels}
+
+    # -- installation --------------------------------------------------------------------------
+    def install(self) -> "ObserveSession":
+        for k in self.kernels:
+            self._on(k.spec, lambda mod, k=k: self._wrap_kernel(mod, k))
+        for s in self.scopes:
+            self._on(s.spec, lambda mod, s=s: self._wrap_scope(mod, s))
+        for spec in GRAPH_HOOKS:
+            self._on(spec, lambda mod, spec=spec: self._wrap_graph(mod, spec))
+        self.hooks.install()
+        return self
+
+    def _on(self, spec: str, fn) -> None:
+        module = spec.split(":", 1)[0]
+        self.status.setdefault(spec, "not reached")
+        self.hooks.register(module, fn)
+
+    def _patch(self, spec: str, mod, make):
+        qual = spec.split(":", 1)[1]
+        try:
+            owner, name, raw = resolve(mod, qual)
+        except AttributeError as exc:
+            self.status[spec] = f"missing: {exc}"
+            return
+        fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+        if hasattr(fn, SENTINEL):
+            return
+        try:
+            new = make(fn)
+        except Exception as exc:  # never break the import we ride on
+            self.status[spec] = f"error: {type(exc).__name__}: {exc}"
+            return
+        if isinstance(raw, staticmethod):
+            new = staticmethod(new)
+        elif isinstance(raw, classmethod):
+            new = classmethod(new)
+        setattr(owner, name, new)
+        self.status[spec] = "patched"
+        # module globals bound with `from x import f` elsewhere keep the original: rebind in vLLM
+        if owner is mod:
+            for m in list(sys.modules.values()):
+                if getattr(m, "__name__", "").startswith("vllm.") and m is not mod and \
+                        getattr(m, name, None) is fn:
+                    setattr(m, name, new)
+
+    def _wrap_kernel(self, mod, k: Kernel) -> None:
+        layer_of = None
+        if k.layer_attr:
+            attr = k.layer_attr
+            layer_of = lambda args: layer_index(getattr(args[0], attr, None))  # noqa: E731
+        self._patch(k.spec, mod, lambda fn: self.counters.counting_wrapper(fn, k.path, layer_of=layer_of))
+
+    def _wrap_scope(self, mod, s: Scope) -> None:
+        counters, attr = self.counters, s.layer_attr
+
+        def make(fn):
+            inner = getattr(fn, "__wrapped__", None) if s.eager_break else None
+            target = inner or fn
+
+            @functools.wraps(target)
+            def scope(*args, **kwargs):
+                try:
+                    me = args[0]
+                    counters.set_layer(layer_index(getattr(me, attr, None)))
+                    if s.phase_from == "kda":
+                        phase = self._kda_phase(me)
+                        if phase:
+                            counters.set_phase(phase)
+                except Exception:
+                    pass
+                return target(*args, **kwargs)
+
+            setattr(scope, SENTINEL, "scope:" + s.spec)
+            if inner is not None:  # re-apply vLLM's decorator around the scope, so replays run it
+                from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+                wrapped = eager_break_during_capture(scope)
+                setattr(wrapped, SENTINEL, "scope:" + s.spec)
+                return wrapped
+            return scope
+
+        self._patch(s.spec, mod, make)
+
+    @staticmethod
+    def _kda_phase(layer) -> str | None:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if not is_forward_context_available():
+            return None
+        md = get_forward_context().attn_metadata
+        if isinstance(md, list):
+            md = md[0] if md else None
+        if isinstance(md, dict):
+            md = md.get(getattr(layer, "prefix", ""))
+        return kda_phase(md)
+
+    def _wrap_graph(self, mod, spec: str) -> None:
+        c = self.counters
+        name = spec.rsplit(".", 1)[1]
+
+        def make(fn):
+            if name == "capture_begin":
+                def w(graph, *a, **kw):
+                    hint = getattr(self._key_hint, "key", None) or "graph"
+                    self._graph_of[id(graph)] = c.begin_capture(hint)
+                    return fn(graph, *a, **kw)
+            elif name == "capture_end":
+                def w(graph, *a, **kw):
+                    try:
+                        return fn(graph, *a, **kw)
+                    finally:
+                        c.end_capture()
+            elif name == "replay":
+                def w(graph, *a, **kw):
+                    gid = self._graph_of.get(id(graph))
+                    if gid:
+                        c.replayed(gid)
+                    return fn(graph, *a, **kw)
+            elif name == "add_eager":
+                def w(capture, eager_fn, *a, **kw):
+                    # the eager segment runs for real during capture: its calls are executions
+                    saved = c.state[1]
+
+                    def run_eager():
+                        c.state[1] = 0
+                        try:
+                            return eager_fn()
+                        finally:
+                            c.state[1] = saved
+                    return fn(capture, run_eager, *a, **kw)
+            elif name == "_capture":
+                def w(wrapper, *a, **kw):
+                    self._key_hint.key = "piecewise " + _descriptor()
+                    try:
+                        return fn(wrapper, *a, **kw)
+                    finally:
+                        self._key_hint.key = None
+            else:  # run_fullgraph(desc): name the FULL graph by its descriptor (cold after the first)
+                def w(manager, desc, *a, **kw):
+                    graph = getattr(manager, "graphs", {}).get(desc)
+                    gid = self._graph_of.get(id(graph)) if graph is not None else None
+                    if gid and c.graphs[gid]["key"] == "graph":
+                        c.graphs[gid]["key"] = "full " + _short(desc)
+                    return fn(manager, desc, *a, **kw)
+            functools.update_wrapper(w, fn)
+            setattr(w, SENTINEL, "graph:" + name)
+            return w
+
+        self._patch(spec, mod, make)
+
+    # -- evidence ------------------------------------------------------------------------------
+    def flush(self) -> None:
+        snap = self.counters.snapshot()
+        rec = self.rec
+        with rec._lock:  # replace the previous snapshot's records: a flush is the state so far
+            rec._records = [r for r in rec._records if r.get("kind") not in ("exec", "graph", "observe-status")]
+        rank = _rank()
+        if rank:
+            rec._header.update(rank)
+        rec.emit("observe-status", targets=dict(sorted(self.status.items())))
+        for row in snap["eager"]:
+            rec.emit("exec", lane=self._lane_of.get(row["path"], "?"), backend=self._backend_of.get(row["path"], ""),
+                     **row)
+        for g in snap["graphs"]:
+            rec.emit("graph", key=g["key"], replays=g["replays"], gid=g["id"],
+                     paths=[{**p, "lane": self._lane_of.get(p["path"], "?"),
+                             "backend": self._backend_of.get(p["path"], "")} for p in g["paths"]])
+        rec.flush()
+
+    def start_timer(self, seconds: float = 30.0) -> None:
+        def tick():
+            try:
+                self.flush()
+            finally:
+                t = threading.Timer(seconds, tick)
+                t.daemon = True
+                t.start()
+        t = threading.Timer(seconds, tick)
+        t.daemon = True
+        t.start()
+
+
+def _descriptor() -> str:
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        if is_forward_context_available():
+            return _short(get_forward_context().batch_descriptor)
+    except Exception:
+        pass
+    return "?"
+
+
+def _short(desc) -> str:
+    fields = ("num_tokens", "num_reqs", "uniform", "cg_mode", "uniform_token_count")
+    parts = [f"{f}={getattr(desc, f)}" for f in fields if getattr(desc, f, None) is not None]
+    return ", ".join(parts) or type(desc).__name__
+
+
+def _rank() -> dict:
+    out = {}
+    for env, key in (("RANK", "rank"), ("LOCAL_RANK", "local_rank"), ("VLLM_DP_RANK", "dp_rank")):
+        if os.environ.get(env, "").isdigit():
+            out[key] = int(os.environ[env])
+    try:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_initialized():
+            out["rank"] = dist.get_rank()
+            out["world_size"] = dist.get_world_size()
+    except Exception:
+        pass
+    return out
+
+
+def importable(spec: str) -> bool:
+    try:
+        importlib.import_module(spec.split(":", 1)[0])
+        return True
+    except Exception:
+        return False
+
+
+__all__ = ["GRAPH_HOOKS", "KERNELS", "SCOPES", "Kernel", "ObserveSession", "Scope", "kda_phase", "layer_index"]

@@ -1,0 +1,94 @@
+"""Observe mode without a GPU, against the real pinned vLLM wheel.
+
+The workload's engine arguments for every lane go through vLLM's own server parser and config (the
+resolve agent builds the sliced model from them), and observe mode's counting wrappers, layer scopes
+and graph hooks are installed into processes that built the model: every target must exist in the
+wheel (no drift), and the kernels of the backends each cell chose must be wrapped."""
+import pytest
+
+
+pytestmark = pytest.mark.vllm
+CELLS = (("b200_sxm", "tp8"), ("b200_sxm", "dep8"), ("b200_sxm", "tp8-mtp"), ("h100_sxm", "tp8"))
+
+
+@pytest.fixture(scope="module")
+def dry_request(vllm_env, tmp_path_factory):
+    """Resolve the sliced model for each lane with observe mode's arguments, then install its targets."""
+    from audit.profiles import KIMI_K3
+    from audit.runtimes import RunRequest
+    from audit.systems import LAYOUTS, SYSTEMS
+    from probes.workload import serve_argv
+
+    rt, pin, _ = vllm_env
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in CELLS],
+                     run_dir=tmp_path_factory.mktemp("observe-dry"), parallel=2,
+                     serve_args=tuple(serve_argv("MODEL", [])[1:]), slice="slice4", observe_install=True)
+    rt.run(req, lambda *a, **k: None)
+    return req
+
+
+@pytest.fixture(scope="module")
+def dry_run(dry_request):
+    from audit import evidence
+
+    out = {}
+    for f in evidence.read_dir(dry_request.evidence_dir):
+        cell = f.header.get("cell") or {}
+        key = (cell.get("system"), cell.get("layout"))
+        for r in f.records:
+            out.setdefault(key, {}).setdefault(r["kind"], []).append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dry_run_routing(dry_request):
+    from audit import evidence, routing
+    from audit.profiles import KIMI_K3
+
+    built = routing.build_routing(evidence.read_dir(dry_request.evidence_dir), KIMI_K3, pin={},
+                                  expected=list(CELLS))
+    return {(c["system"], c["layout"]): c for c in built["cells"]}
+
+
+def test_workload_arguments_parse_through_vllm_for_every_lane(dry_run):
+    for key in CELLS:
+        (config,) = dry_run[key]["config"]
+        assert config["cudagraph_capture_sizes"] == [1, 2, 4, 8, 16], key
+        assert config["chunked_prefill"] is True and config["max_num_batched_tokens"] == 2048
+        assert config["load_format"] == "dummy" and config["num_hidden_layers"] == 4
+    assert dry_run[("b200_sxm", "tp8")]["config"][0]["tensor_parallel_size"] == 8
+    dep = dry_run[("b200_sxm", "dep8")]["config"][0]
+    assert dep["data_parallel_size"] == 8 and dep["enable_expert_parallel"] is True
+    assert "deep_gemm_mega_moe" in dep["moe_backend"].lower()
+    assert dry_run[("b200_sxm", "tp8-mtp")]["config"][0]["speculative"] == "mtp"
+
+
+def test_the_slice_keeps_every_layer_kind(dry_run_routing):
+    for key in CELLS:
+        kinds = dry_run_routing[key]["layer_kinds"]
+        assert kinds.get("kda") == [0, 1, 2] and kinds.get("mla") == [3], (key, kinds)
+        assert kinds.get("moe") == [1, 2, 3] and kinds.get("dense") == [0], (key, kinds)
+    assert dry_run_routing[("b200_sxm", "tp8-mtp")]["layer_kinds"].get("mtp"), "the MTP draft layer was built"
+
+
+def test_observe_targets_exist_in_the_wheel_and_wrap_the_chosen_kernels(dry_run):
+    from probes.observe import GRAPH_HOOKS, KERNELS, SCOPES
+
+    for key in CELLS:
+        (status,) = dry_run[key]["observe-status"]
+        targets = status["targets"]
+        drift = {s: v for s, v in targets.items() if v.startswith("missing")}
+        assert drift == {}, (key, drift)
+        for spec in list(GRAPH_HOOKS) + [s.spec for s in SCOPES]:
+            assert targets[spec] == "patched", (key, spec, targets[spec])
+        assert targets["vllm._custom_ops:fused_kda_decode"] == "patched"
+        patched = [k for k in KERNELS if targets[k.spec] == "patched"]
+        assert {k.lane for k in patched} >= {"kda.prefill", "kda.decode", "kda.spec_verify", "mla.decode",
+                                           "mla.prefill", "moe"}, key
+        # every experts class vLLM accepted for this cell's MoE layers has its entry point wrapped
+        accepted = {r["cls"].rsplit(":", 1)[1] for r in dry_run[key].get("candidate", []) if r.get("supported")}
+        by_class = {k.spec.rsplit(":", 1)[1].split(".")[0]: k for k in KERNELS if k.lane == "moe"}
+        wrapped = [c for c in accepted if c in by_class]
+        assert wrapped or key == ("b200_sxm", "dep8"), (key, accepted)
+        assert all(targets[by_class[c].spec] == "patched" for c in wrapped), key
+    assert targets[next(k.spec for k in KERNELS if k.path == "DeepGEMM MegaMoE")] == "patched"

@@ -8,9 +8,11 @@ LAYOUTS ?= all
 LOCK    ?= images.lock
 PASS_ENV ?=
 CLUSTER ?=
+MODE    ?= resolve
+SLICE   ?=
 BIN     := $(VENV)/bin
 
-.PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve
+.PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve selftest-gpu
 
 setup: $(VENV)/.installed
 
@@ -26,7 +28,12 @@ env: setup
 
 audit: setup
 	$(BIN)/serving-truth audit $(PIN) --runtime $(RUNTIME) --systems $(SYSTEMS) --layouts $(LAYOUTS) \
-		--lock $(LOCK) $(if $(PASS_ENV),--pass-env $(PASS_ENV)) $(if $(CLUSTER),--cluster $(CLUSTER))
+		--lock $(LOCK) --mode $(MODE) $(if $(SLICE),--slice $(SLICE)) \
+		$(if $(PASS_ENV),--pass-env $(PASS_ENV)) $(if $(CLUSTER),--cluster $(CLUSTER))
+
+# On a host with one NVIDIA GPU: serve the smallest K3 slice and check that every lane's probes fired.
+selftest-gpu: setup
+	$(BIN)/serving-truth selftest-gpu --pin $(PIN)
 
 # Remove containers left behind by serving-truth runs whose harness died (docker runtime).
 clean-containers: setup

@@ -25,6 +25,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="slurm: cluster profile (default: $SERVING_TRUTH_CLUSTER or clusters/example.toml)")
     a.add_argument("--no-wait", dest="wait", action="store_false",
                    help="slurm: submit the jobs and return; render later with `serving-truth render RUN_DIR`")
+    a.add_argument("--mode", default="resolve", choices=("resolve", "observe"),
+                   help="resolve: vLLM's selection code under a simulated platform (no GPU); observe: serve on "
+                        "this host's GPUs and count the kernel entries that ran")
+    a.add_argument("--slice", dest="slice_name", default="",
+                   help="observe: serve a model slice (e.g. slice4, slice8) instead of every layer")
     a.add_argument("--systems", default="all", help="comma list of systems, or 'all'")
     a.add_argument("--layouts", default="all", help="comma list of layouts (tp8, tp16, dep8), or 'all'")
     a.add_argument("--lock", default="images.lock", help="path to images.lock")
@@ -55,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("clean-containers", help="remove containers left by serving-truth runs whose harness died")
     c.add_argument("--all", action="store_true", help="also those of runs still in progress")
+
+    st = sub.add_parser("selftest-gpu", help="on one NVIDIA GPU: serve the smallest slice, check every lane's "
+                                              "probes fired")
+    st.add_argument("--pin", default="v0.33.0")
+    st.add_argument("--lock", default="images.lock")
 
     lk = sub.add_parser("lock", help="maintain images.lock")
     lsub = lk.add_subparsers(dest="lock_command", required=True)
@@ -110,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.OK
         if args.command == "lock":
             return _lock_resolve(args, out, err)
+        if args.command == "selftest-gpu":
+            from .selftest import run_selftest
+
+            res = run_selftest(args.pin, lock_path=args.lock)
+            for lane, paths in res["fired"].items():
+                out.print(f"{lane}: {', '.join(paths)}")
+            err.print(f"selftest-gpu passed on {res['system']}; evidence: {res['run_dir']}")
+            return ExitCode.OK
         if args.command == "render":
             from .core import render_run
 
@@ -203,7 +221,7 @@ def _audit(args, out, err) -> int:
                             layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
                             timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
                             baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
-                            cluster=args.cluster, wait=args.wait)
+                            cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
         err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")

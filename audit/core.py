@@ -56,7 +56,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
               cuda_toolkit: bool = True, baseline: str | None = None,
               expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
-              wait: bool = True) -> AuditOutcome:
+              wait: bool = True, mode: str = "resolve", slice_name: str = "") -> AuditOutcome:
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
     if baseline:
@@ -69,9 +69,16 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     rt.check(pin)
     cells = [(s, l) for s in sys_sel for l in lay_sel]
     run_dir = new_run_dir(pin, root=getattr(rt, "run_root", None))
+    if mode not in ("resolve", "observe"):
+        raise UsageError(f"unknown mode {mode!r}", hint="resolve (no GPU) or observe (serves on real GPUs)")
+    if slice_name and slice_name not in profile.slices:
+        raise UsageError(f"unknown slice {slice_name!r} for {profile.title}",
+                         hint="known slices: " + ", ".join(profile.slices))
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, mode=mode, slice=slice_name)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit)
+    if mode == "observe":
+        reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "")
     try:
         result = rt.run(request, progress)
     except RunAborted as exc:
@@ -80,6 +87,9 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                                                 reproduce=reproduce, expectations=expectations)
         raise
     run_info = {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": reproduce}
+    if slice_name:
+        s = profile.slices[slice_name]
+        run_info["slice"] = {"name": s.name, "layers": s.layers, "kept": s.kept, "cut": s.cut}
     _write_run_json(request, profile, run_info, result.missing)
     if run_info.get("slurm", {}).get("pending"):  # --no-wait: submitted; rendered later from run_dir
         return AuditOutcome(pin=pin.name, report_dir=Path(reports_dir) / pin.name, ledger=None, routing_path=None,

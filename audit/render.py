@@ -125,7 +125,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "pin": {"image_config_digest": "", "image_tarball": "", **routing["pin"]},
         "run": {"vllm_commit": "", "runtime": "?", "python": "", "mode": "resolve", "date": "?",
                 "cuda_toolkit": "not recorded", "aborted": None, "image": None, "architecture_note": "",
-                "inventory": None, **routing.get("run", {})},
+                "inventory": None, "slice": None, **routing.get("run", {})},
         "harness_version": __version__,
         "systems": systems,
         "layouts": known_layouts,

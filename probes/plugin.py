@@ -61,8 +61,11 @@ def register() -> None:
         return
     _state["pid"] = os.getpid()
     try:
-        rec = Recorder(out, role=_role(), meta={"mode": os.environ.get(ENV_MODE, "observe"),
-                                                "argv": [os.path.basename(a) for a in sys.argv[:6]]})
+        meta = {"mode": os.environ.get(ENV_MODE, "observe"), "argv": [os.path.basename(a) for a in sys.argv[:6]]}
+        system, _, layout = os.environ.get("SERVING_TRUTH_CELL", "").partition("--")
+        if system and layout:
+            meta["cell"] = {"system": system, "layout": layout}
+        rec = Recorder(out, role=_role(), meta=meta)
         _state["rec"] = rec
         from .install import ProbeSet
 

@@ -16,6 +16,7 @@ clean-containers`` does it on demand).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -300,6 +301,8 @@ class DockerRuntime:
         stage_probes(request.run_dir)
         progress("stage", text="inventory of the image")
         inv = self._inventory(request, image, ref)
+        if request.mode == "observe":
+            return self._run_observe(request, progress, image, ref, image_facts, inv)
         if inv.get("gpu", {}).get("gpus"):
             raise ImageError("the container sees a GPU: resolve mode refuses to stand in for a real driver",
                              ref=ref)
@@ -359,6 +362,51 @@ class DockerRuntime:
             raise ProbeRunError("the agent produced no evidence for any cell", cell="all", returncode=code,
                                 log_tail=log_tail(log))
         return result
+
+    def _run_observe(self, request: RunRequest, progress: Progress, image, ref: str, image_facts: dict,
+                     inv: dict) -> RunResult:
+        """Serve each cell in the image on this host's GPUs (device requests), one container per cell."""
+        from docker.types import DeviceRequest, Mount
+
+        write_model_dirs(request)
+        request.evidence_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = request.run_dir
+
+        def where(path) -> str:
+            return f"{RUN_MOUNT}/{Path(path).relative_to(run_dir)}"
+
+        plan = write_plan(request, model_dir=str(run_dir / "model"), stub_libcuda="", out_dir=str(request.evidence_dir),
+                          where=where, redact_env=self.pass_env)
+        started = datetime.now(timezone.utc)
+        for i, (system, layout) in enumerate(request.cells):
+            cell = cell_dir_name(system.name, layout.name)
+            (request.evidence_dir / cell).mkdir(parents=True, exist_ok=True)
+            mounts = [Mount(RUN_MOUNT, str(run_dir), type="bind", read_only=True),
+                      Mount(f"{RUN_MOUNT}/evidence", str(request.evidence_dir), type="bind", read_only=False)]
+            kw = self._container_kwargs(request, image, ref, role="observe", mounts=mounts, with_stub=False)
+            kw["environment"].update({"SERVING_TRUTH_OUT": f"{RUN_MOUNT}/evidence/{cell}",
+                                      "SERVING_TRUTH_MODE": "observe", "SERVING_TRUTH_CELL": cell,
+                                      "VLLM_PLUGINS": "serving_truth"})
+            kw.update(device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])], shm_size="16g",
+                      ipc_mode="host")
+            kw["tmpfs"] = {"/tmp": "rw,nosuid,nodev,size=64g,mode=1777"}
+            progress("stage", text=f"serving {system.name}/{layout.name} inside {ref[:60]}")
+            container = self.client.containers.create(command=["-m", "probes.observe_agent", where(plan), str(i)], **kw)
+            log = request.evidence_dir / cell / "agent.log"
+            try:
+                container.start()
+                one = dataclasses.replace(request, cells=[(system, layout)])
+                self._wait(container, one, progress, log)
+            finally:
+                self._save_logs(container, log)
+                try:
+                    container.remove(force=True)
+                except Exception:
+                    pass
+        return RunResult(evidence_dir=request.evidence_dir, missing=collect_missing(request), info={
+            "runtime": f"docker ({ref}) on this host's GPUs", "python": inv.get("python", {}).get("version"),
+            "mode": "observe", "date": started.strftime("%Y-%m-%d"), "image": image_facts,
+            "inventory": _inventory_summary(inv), "cuda_toolkit": _toolkit_note(inv)})
 
     def _save_logs(self, container, log: Path) -> None:
         try:

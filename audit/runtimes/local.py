@@ -224,6 +224,8 @@ class LocalRuntime:
     # -- run -----------------------------------------------------------------------------------
     def run(self, request: RunRequest, progress: Progress) -> RunResult:
         self.check(request.pin)
+        if request.mode == "observe":
+            return self._run_observe(request, progress)
         env = self.ensure_env(request.pin, progress)
         progress("stage", text="building the stub libcuda (cached)")
         stub = self.ensure_stub(env)
@@ -258,6 +260,51 @@ class LocalRuntime:
             "runtime": f"local venv ({env.name})", "python": py.get("python"),
             "mode": "resolve", "date": started.strftime("%Y-%m-%d"), "cuda_toolkit": self.toolkit_note(env),
         })
+
+    def _run_observe(self, request: RunRequest, progress: Progress) -> RunResult:
+        """Serve each cell's slice with vLLM's real engine on this host's GPUs (one cell at a time)."""
+        if not cudastub.real_driver_present():
+            raise EnvironmentBuildError("observe mode needs NVIDIA GPUs and their driver; none found here",
+                                        step="observe", hint="resolve mode (the default) needs no GPU")
+        env = self.ensure_env(request.pin, progress)
+        write_model_dirs(request)
+        stage_probes(request.run_dir)
+        request.evidence_dir.mkdir(parents=True, exist_ok=True)
+        plan = write_plan(request, model_dir=str(request.run_dir / "model"), stub_libcuda="",
+                          out_dir=str(request.evidence_dir), harness_env=["CUDA_HOME"])
+        started = datetime.now(timezone.utc)
+        for i, (system, layout) in enumerate(request.cells):
+            cell = cell_dir_name(system.name, layout.name)
+            out = request.evidence_dir / cell
+            out.mkdir(parents=True, exist_ok=True)
+            run_env = {**self._env(env, None, request.run_dir, request.run_dir), "SERVING_TRUTH_OUT": str(out),
+                       "SERVING_TRUTH_MODE": "observe", "SERVING_TRUTH_CELL": cell, "VLLM_PLUGINS": "serving_truth"}
+            if os.environ.get("CUDA_VISIBLE_DEVICES"):
+                run_env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+            progress("stage", text=f"serving {system.name}/{layout.name} on this host's GPUs")
+            with open(out / "agent.log", "wb") as fh:
+                proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.observe_agent", str(plan), str(i)],
+                                        stdout=fh, stderr=subprocess.STDOUT, env=run_env, cwd=str(request.run_dir),
+                                        start_new_session=True)
+                try:
+                    proc.wait(timeout=request.timeout_s)
+                except subprocess.TimeoutExpired:
+                    _kill(proc)
+                    from ..errors import RunTimedOut
+
+                    exc = RunTimedOut(seconds=request.timeout_s, where=f"observe {cell}", log_tail=log_tail(out / "agent.log"))
+                    exc.partial = RunResult(evidence_dir=request.evidence_dir,
+                                            missing=collect_missing(request), info={"runtime": "local", "mode": "observe"})
+                    raise exc
+                except BaseException:
+                    _kill(proc)
+                    raise
+            progress("cell-done", system=system.name, layout=layout.name)
+        py = json.loads((env / ENV_MARKER).read_text())
+        return RunResult(evidence_dir=request.evidence_dir, missing=collect_missing(request), info={
+            "runtime": f"local venv ({env.name}) on this host's GPUs", "python": py.get("python"), "mode": "observe",
+            "date": started.strftime("%Y-%m-%d"), "cuda_toolkit": self.toolkit_note(env),
+            "slice": request.slice})
 
     def _wait(self, proc: subprocess.Popen, request: RunRequest, progress: Progress) -> None:
         deadline = time.monotonic() + request.timeout_s if request.timeout_s else None

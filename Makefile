@@ -64,6 +64,7 @@ test: setup
 	$(BIN)/python -m pytest
 
 bench: setup
+	$(BIN)/python benchmarks/bench_counting.py
 	$(BIN)/python benchmarks/bench_audit.py --pin $(PIN)
 
 clean:

@@ -92,15 +92,20 @@ KERNELS: tuple[Kernel, ...] = (
         ("FlashAttn prefill", "flash_attn:FlashAttnPrefillBackend.run_prefill_new_tokens"),
         ("FlashInfer prefill", "flashinfer:FlashInferPrefillBackend.run_prefill_new_tokens"),
         ("TRT-LLM ragged prefill", "trtllm_ragged:TrtllmRaggedPrefillBackend.run_prefill_new_tokens"),
-        ("Tokenspeed prefill", "tokenspeed:TokenspeedMLAPrefillBackend.run_prefill_new_tokens"),
+        ("Tokenspeed prefill", "tokenspeed_mla:TokenspeedMLAPrefillBackend.run_prefill_new_tokens"),
     )),
     # MoE experts
-    *(Kernel("moe", name, EXPERTS + spec) for name, spec in (
-        ("Marlin", "experts.marlin_moe:MarlinExperts.apply"),
-        ("TRT-LLM MXFP4 (monolithic)", "experts.trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsMonolithic.apply"),
-        ("TRT-LLM MXFP4 (modular)", "experts.trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsModular.apply"),
+    *(Kernel("moe", name, EXPERTS + "experts." + spec) for name, spec in (
+        ("Marlin", "marlin_moe:MarlinExperts.apply"),
+        ("Marlin (batched)", "marlin_moe:BatchedMarlinExperts.apply"),
+        ("Humming (indexed)", "fused_humming_moe:HummingIndexedExperts.apply"),
+        ("Humming (grouped)", "fused_humming_moe:HummingGroupedExperts.apply"),
+        ("Humming (batched grouped)", "fused_humming_moe:BatchedHummingGroupedExperts.apply"),
+        ("TRT-LLM MXFP4 (monolithic)", "trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsMonolithic.apply"),
+        ("TRT-LLM MXFP4 (modular)", "trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsModular.apply"),
         ("FlashInfer CUTLASS", "flashinfer_cutlass_moe:FlashInferExperts.apply"),
-        ("FlashInfer CuTe DSL", "flashinfer_cutedsl_moe:FlashInferCuteDSLExperts.apply"),
+        ("DeepGEMM (batched)", "batched_deep_gemm_moe:BatchedDeepGemmExperts.apply"),
+        ("Triton or DeepGEMM / CUTLASS fallback", "fallback:FallbackExperts.apply"),
         ("Triton", "triton_moe:TritonExperts.apply"),
     )),
     Kernel("moe", "DeepGEMM MegaMoE", EXPERTS + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.forward",
@@ -172,7 +177,6 @@ class ObserveSession:
             self._on(s.spec, lambda mod, s=s: self._wrap_scope(mod, s))
         for spec in GRAPH_HOOKS:
             self._on(spec, lambda mod, spec=spec: self._wrap_graph(mod, spec))
-        self.hooks.install()
         return self
 
     def _on(self, spec: str, fn) -> None:

@@ -217,7 +217,10 @@ def _run_stages(plan, cell, rec, Stage) -> None:
             inspect_model(draft, rec)
 
     if plan.get("observe_install"):
-        check_observe_targets(rec)
+        try:
+            check_observe_targets(rec)
+        except Exception as exc:  # a check, not a stage: recorded, never fatal to the cell
+            rec.emit("observe-status", targets={}, error=f"{type(exc).__name__}: {exc}")
 
 
 def check_observe_targets(rec) -> None:

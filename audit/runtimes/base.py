@@ -80,7 +80,12 @@ def new_run_dir(pin: Pin, *, root: Path | None = None) -> Path:
 
 
 def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
-    runs = sorted((root or cache_root()).joinpath("runs").glob(f"{pin.name}-*"))
+    """Keep the newest *keep* run directories of this pin (and never another pin's: "v0.33.0" must not
+    match "v0.33.0-image-...")."""
+    import re
+
+    own = re.compile(re.escape(pin.name) + r"-\d{8}T\d{6}Z-\d+$")
+    runs = sorted(p for p in (root or cache_root()).joinpath("runs").glob(f"{pin.name}-*") if own.match(p.name))
     for old in runs[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -329,15 +329,7 @@ class DockerRuntime:
         progress("stage", text=f"resolving {len(request.cells)} cells inside {ref[:60]}")
         container = self.client.containers.create(command=["-m", "probes.agent", where(plan)], **kw)
         log = run_dir / "agent.log"
-        try:
-            container.start()
-            code = self._wait(container, request, progress, log)
-        finally:
-            self._save_logs(container, log)
-            try:
-                container.remove(force=True)
-            except Exception:
-                pass
+        code = self._run_container(container, request, progress, log)
         missing = collect_missing(request, fallback_log=log)
         info = {
             "runtime": f"docker ({ref})", "python": inv.get("python", {}).get("version"), "mode": "resolve",
@@ -393,20 +385,23 @@ class DockerRuntime:
             progress("stage", text=f"serving {system.name}/{layout.name} inside {ref[:60]}")
             container = self.client.containers.create(command=["-m", "probes.observe_agent", where(plan), str(i)], **kw)
             log = request.evidence_dir / cell / "agent.log"
-            try:
-                container.start()
-                one = dataclasses.replace(request, cells=[(system, layout)])
-                self._wait(container, one, progress, log)
-            finally:
-                self._save_logs(container, log)
-                try:
-                    container.remove(force=True)
-                except Exception:
-                    pass
+            self._run_container(container, dataclasses.replace(request, cells=[(system, layout)]), progress, log)
         return RunResult(evidence_dir=request.evidence_dir, missing=collect_missing(request), info={
             "runtime": f"docker ({ref}) on this host's GPUs", "python": inv.get("python", {}).get("version"),
             "mode": "observe", "date": started.strftime("%Y-%m-%d"), "image": image_facts,
             "inventory": _inventory_summary(inv), "cuda_toolkit": _toolkit_note(inv)})
+
+    def _run_container(self, container, request: RunRequest, progress: Progress, log: Path) -> int:
+        """Start, wait (progress, timeout), keep the log, and always remove the container."""
+        try:
+            container.start()
+            return self._wait(container, request, progress, log)
+        finally:
+            self._save_logs(container, log)
+            try:
+                container.remove(force=True)
+            except Exception:  # already gone
+                pass
 
     def _save_logs(self, container, log: Path) -> None:
         try:

@@ -234,3 +234,30 @@ def test_bad_cluster_profiles_fail_with_file_and_line(tmp_path, body, fragment):
                        capture_output=True, text=True)
     assert r.returncode == ExitCode.USAGE, r.stderr
     assert fragment in r.stderr and f"{path}:" in r.stderr
+
+
+def test_observe_job_scripts_ask_for_gpus_and_run_the_observe_agent(tmp_path):
+    from audit import lock
+    from audit.cluster import load
+    from audit.profiles import KIMI_K3
+    from audit.runtimes.base import RunRequest
+    from audit.runtimes.slurm import SlurmRuntime
+    from audit.systems import LAYOUTS, SYSTEMS
+
+    path = tmp_path / "c.toml"
+    path.write_text('schema = 1\nshared_dir = "/shared"\n[defaults]\ncontainer = "local"\n'
+                    '[systems.b200_sxm]\npartition = "b200"\ngpus = 8\n')
+    rt = SlurmRuntime(load(path))
+    pin = lock.load(ROOT / "images.lock").get("v0.33.0")
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[], run_dir=Path("/shared/runs/r1"), mode="observe")
+    env = {"SERVING_TRUTH_MODE": "observe", "SERVING_TRUTH_OUT": "/shared/runs/r1/evidence/b200_sxm--dep8"}
+    script = rt.job_script(req, SYSTEMS["b200_sxm"], LAYOUTS["dep8"], plan=Path("/shared/runs/r1/p.json"),
+                           log=Path("/shared/runs/r1/jobs/x.log"), env=env, python="/env/bin/python")
+    assert "#SBATCH --partition=b200" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --nodes=1" in script
+    assert script.rstrip().endswith("/env/bin/python -m probes.observe_agent /shared/runs/r1/p.json 0")
+    assert "SERVING_TRUTH_MODE=observe" in script
+    req.mode = "resolve"
+    resolve = rt.job_script(req, SYSTEMS["b200_sxm"], LAYOUTS["dep8"], plan=Path("/p.json"), log=Path("/x.log"),
+                            env={}, python="/env/bin/python")
+    assert "gpus" not in resolve and resolve.rstrip().endswith("-m probes.agent /p.json")

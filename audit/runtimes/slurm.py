@@ -98,7 +98,17 @@ def enroot_uri(image_ref: str) -> str:
     return f"{registry}#{name}:{reference}"
 
 
-def pyxis_srun_args(*, pin: Pin, placement: Placement, run_dir: Path, plan: str, env: dict[str, str]) -> list[str]:
+def agent_command_args(observe: bool, plan) -> list[str]:
+    """The agent a job runs: the resolve agent, or the observe agent serving the job's one cell."""
+    return ["-m", "probes.observe_agent", str(plan), "0"] if observe else ["-m", "probes.agent", str(plan)]
+
+
+def agent_command(request: RunRequest, plan) -> list[str]:
+    return agent_command_args(request.mode == "observe", plan)
+
+
+def pyxis_srun_args(*, pin: Pin, placement: Placement, run_dir: Path, plan: str, env: dict[str, str],
+                    observe: bool = False) -> list[str]:
     """The exact srun command a pyxis job runs for one cell (data; checked by the tests)."""
     if placement.squashfs:
         image = placement.squashfs
@@ -117,7 +127,7 @@ def pyxis_srun_args(*, pin: Pin, placement: Placement, run_dir: Path, plan: str,
         "--no-container-mount-home", "--no-container-remap-root", "--no-container-entrypoint",
         "--container-workdir=/tmp",
         f"--export={exports}",
-        "python3", "-m", "probes.agent", plan,
+        "python3", *agent_command_args(observe, plan),
     ]
 
 
@@ -182,12 +192,14 @@ class SlurmRuntime:
         head = "\n".join(f"#SBATCH {a}" for a in self.sbatch_header(request, system, layout, log))
         if p.container == "pyxis":
             exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-            cmd = " ".join(shlex.quote(a) for a in pyxis_srun_args(pin=request.pin, placement=p,
-                                                                     run_dir=request.run_dir, plan=str(plan), env=env))
+            cmd = " ".join(shlex.quote(a) for a in pyxis_srun_args(
+                pin=request.pin, placement=p, run_dir=request.run_dir, plan=str(plan), env=env,
+                observe=request.mode == "observe"))
             body = f"{exports}\nexec {cmd}"
         else:
             assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-            body = f"cd {shlex.quote(str(request.run_dir))}\nexec env -i {assigns} {shlex.quote(python)} -m probes.agent {shlex.quote(str(plan))}"
+            body = (f"cd {shlex.quote(str(request.run_dir))}\nexec env -i {assigns} {shlex.quote(python)} "
+                    + " ".join(shlex.quote(a) for a in agent_command(request, plan)))
         return f"#!/bin/bash\n{head}\n# serving-truth cell {system.name}/{layout.name}, run {request.run_dir.name}\n{body}\n"
 
     def _check_squashfs(self, request: RunRequest) -> None:
@@ -217,11 +229,14 @@ class SlurmRuntime:
         self._check_squashfs(request)
         local = LocalRuntime(root=self.profile.env_root, with_cuda_toolkit=self.with_cuda_toolkit)
         env_dir = local.ensure_env(request.pin, progress)
-        progress("stage", text="building the stub libcuda (cached)")
-        # a copy inside the run directory: every job (and every container) sees the run directory
-        (request.run_dir / "stub").mkdir(exist_ok=True)
-        stub = request.run_dir / "stub" / "libcuda.so.1"
-        shutil.copy2(local.ensure_stub(env_dir), stub)
+        observe = request.mode == "observe"
+        stub = None
+        if not observe:  # observe jobs run on GPU nodes with the real driver
+            progress("stage", text="building the stub libcuda (cached)")
+            # a copy inside the run directory: every job (and every container) sees the run directory
+            (request.run_dir / "stub").mkdir(exist_ok=True)
+            stub = request.run_dir / "stub" / "libcuda.so.1"
+            shutil.copy2(local.ensure_stub(env_dir), stub)
         model_dir = write_model_dirs(request)
         stage_probes(request.run_dir)
         request.evidence_dir.mkdir(parents=True, exist_ok=True)
@@ -234,6 +249,7 @@ class SlurmRuntime:
             for system, layout in request.cells:
                 cell = cell_dir_name(system.name, layout.name)
                 one = dataclasses.replace(request, cells=[(system, layout)])
+                (request.evidence_dir / cell).mkdir(parents=True, exist_ok=True)
                 plan = write_plan(one, model_dir=str(model_dir), stub_libcuda=str(stub or ""),
                                   out_dir=str(request.evidence_dir), name=f"plan-{cell}.json",
                                   harness_env=["CUDA_HOME"])
@@ -241,6 +257,9 @@ class SlurmRuntime:
                     env = local._env(env_dir, stub, request.run_dir, request.run_dir)
                 else:
                     env = container_env(request.run_dir, stub)
+                if observe:  # the plugin in every process vLLM starts; evidence per cell
+                    env.update(SERVING_TRUTH_OUT=str(request.evidence_dir / cell), SERVING_TRUTH_MODE="observe",
+                               SERVING_TRUTH_CELL=cell, VLLM_PLUGINS="serving_truth")
                 log = jobs_dir / f"{cell}.log"
                 script = jobs_dir / f"{cell}.sbatch"
                 script.write_text(self.job_script(request, system, layout, plan=plan, log=log, env=env,

@@ -114,7 +114,9 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
         (rootfs / "pip-cache").mkdir()
         sh(["mount", "-t", "proc", "proc", str(rootfs / "proc")])
         sh(["mount", "--bind", str(pip_cache), str(rootfs / "pip-cache")])
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/root", "LANG": "C.UTF-8",
+        proxies = {k: v for k, v in os.environ.items()
+                   if k.lower() in ("http_proxy", "https_proxy", "no_proxy", "pip_index_url", "pip_extra_index_url")}
+        env = {**proxies, "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/root", "LANG": "C.UTF-8",
                "PIP_CACHE_DIR": "/pip-cache", "PIP_CERT": "/build-ca.crt", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
         try:
             sh(["chroot", str(rootfs), f"/usr/local/bin/python{pin.python}", "-c",

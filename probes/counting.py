@@ -1,9 +1,10 @@
 """Observe mode's hot path: count kernel-entry calls per (path, layer, phase) without touching vLLM.
 
-A counting wrapper does one thing per call: add 1 to a slot of a preallocated ``array('Q')`` chosen
-by the path it wraps, the current layer and the current phase, then call the original. No
-container grows, nothing is logged, formatted or synchronised with a device; the layer and phase
-are read from a small list the scope wrappers keep current (``Counters.state``).
+A counting wrapper does one thing per call: add 1 to a slot of a preallocated list chosen by the
+path it wraps, the current layer and the current phase, then call the original. No container
+grows, nothing is logged, formatted or synchronised with a device (CPython does allocate a new int
+object once a count passes 256: measured, a list slot is still cheaper than an ``array`` slot); the
+layer and phase are read from a small list the scope wrappers keep current (``Counters.state``).
 
 CUDA graphs: while a graph is being captured (``state[GRAPH]`` is non-zero, set by the graph-manager
 probe around capture), a call is *not* an execution: it is recorded as "path P (layer, phase) is
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from array import array
 
 from .patching import SENTINEL
 
@@ -34,7 +34,7 @@ class Counters:
         self.n_layer_slots = max_layers + 1  # the last slot: a call outside any known layer
         self.stride = self.n_layer_slots * len(PHASES)
         self.paths: list[str] = []
-        self.counts = array("Q")
+        self.counts: list[int] = []
         #: [offset, graph id (0: not capturing), layer slot, phase index]
         self.state = [0, 0, max_layers, PHASE_INDEX["unknown"]]
         self._update()
@@ -49,7 +49,7 @@ class Counters:
             if path in self.paths:
                 return self.paths.index(path) * self.stride
             self.paths.append(path)
-            self.counts.frombytes(bytes(self.counts.itemsize * self.stride))
+            self.counts.extend([0] * self.stride)
             return (len(self.paths) - 1) * self.stride
 
     def reset(self) -> None:
@@ -104,7 +104,7 @@ class Counters:
         (e.g. from the module instance a method is bound to); otherwise the current layer scope is used."""
         base = self.register(path)
         counts, state, captured = self.counts, self.state, self._captured
-        set_layer = self.set_layer
+        max_layers, n_phases = self.max_layers, len(PHASES)
 
         if layer_of is None:
             @functools.wraps(fn)
@@ -118,7 +118,11 @@ class Counters:
             @functools.wraps(fn)
             def wrapper(*args, **kwargs):
                 try:
-                    set_layer(layer_of(args))
+                    layer = layer_of(args)
+                    if layer is None or layer < 0 or layer >= max_layers:
+                        layer = max_layers
+                    state[2] = layer
+                    state[0] = layer * n_phases + state[3]
                 except Exception:  # attribution must never break the call
                     pass
                 if state[1]:

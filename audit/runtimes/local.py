@@ -184,7 +184,7 @@ class LocalRuntime:
         if cudastub.real_driver_present():
             raise EnvironmentBuildError(
                 "a real NVIDIA driver is present: resolve mode refuses to stand in for it",
-                step="stub libcuda", hint="observe mode (a later capability) is the way to audit on a GPU host")
+                step="stub libcuda", hint="on a GPU host, audit with --mode observe")
         return cudastub.build_stub([self.site_packages(env)], self.root / "stubs")
 
     def _env(self, env: Path, stub: Path | None, pythonpath: Path | None = None,

@@ -218,9 +218,40 @@ def _run_stages(plan, cell, rec, Stage) -> None:
 
     if plan.get("observe_install"):
         try:
-            check_observe_targets(rec)
+            session = check_observe_targets(rec)
         except Exception as exc:  # a check, not a stage: recorded, never fatal to the cell
             rec.emit("observe-status", targets={}, error=f"{type(exc).__name__}: {exc}")
+        else:
+            check_phase_attribution(rec, session, model, vllm_config)
+
+
+def check_phase_attribution(rec, session, model, vllm_config) -> None:
+    """Observe mode's phase attribution against vLLM's real KDA metadata class and forward context:
+    for a built KDA layer, what phase the scope reads for a prefill, decode, spec-verify and mixed batch."""
+    import dataclasses
+
+    out: dict = {}
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.forward_context import set_forward_context
+        from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
+        from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata
+
+        layer = next(m for m in model.modules() if isinstance(m, KimiK3DeltaAttention))
+        cases = {"prefill": (2, 0, 0), "decode": (0, 4, 0), "spec-verify": (0, 0, 4), "mixed": (1, 3, 0)}
+        for name, (p, d, s) in cases.items():
+            # the counts a batch of this kind has; every other required field is left empty
+            kw = {f.name: None for f in dataclasses.fields(KimiK3KDAMetadata)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+            kw.update(num_prefills=p, num_prefill_tokens=p * 64, num_decodes=d, num_decode_tokens=d,
+                      num_spec_decodes=s, num_spec_decode_tokens=s * 4, num_actual_tokens=p * 64 + d + s * 4)
+            md = KimiK3KDAMetadata(**kw)
+            with set_current_vllm_config(vllm_config), set_forward_context({layer.prefix: md}, vllm_config):
+                out[name] = session._kda_phase(layer)
+        out["layer"] = layer.prefix
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    rec.emit("observe-phase-check", **out)
 
 
 def check_observe_targets(rec) -> None:
@@ -246,6 +277,7 @@ def check_observe_targets(rec) -> None:
         module = spec.split(":", 1)[0]
         status[spec] = st if imports.get(module) == "ok" else f"import failed: {imports.get(module)}"
     rec.emit("observe-status", targets=dict(sorted(status.items())))
+    return session
 
 
 def _construct_draft(vllm_config, spec, *, create_with, simulate):

@@ -94,3 +94,12 @@ def test_observe_targets_exist_in_the_wheel_and_wrap_the_chosen_kernels(dry_run)
         assert wrapped or key == ("b200_sxm", "dep8"), (key, accepted)
         assert all(targets[by_class[c].spec] == "patched" for c in wrapped), key
     assert targets[next(k.spec for k in KERNELS if k.path == "DeepGEMM MegaMoE")] == "patched"
+
+
+def test_phase_attribution_reads_vllms_real_kda_metadata(dry_run):
+    """The KDA scope's phase, from vLLM's own KimiK3KDAMetadata set through its forward context."""
+    for key in (("b200_sxm", "tp8"), ("h100_sxm", "tp8")):
+        (check,) = dry_run[key]["observe-phase-check"]
+        assert "error" not in check, check
+        assert {k: check[k] for k in ("prefill", "decode", "spec-verify", "mixed")} == {
+            "prefill": "prefill", "decode": "decode", "spec-verify": "spec-verify", "mixed": "mixed"}

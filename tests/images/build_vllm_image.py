@@ -75,6 +75,9 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
 
     if os.geteuid() != 0:
         raise SystemExit("building the test image needs root (debootstrap, chroot)")
+    for sbin in ("/usr/sbin", "/sbin"):  # debootstrap, chroot, mount live there; root's PATH may lack them
+        if sbin not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + sbin
     if not shutil.which("debootstrap"):
         raise SystemExit("debootstrap is not installed: apt-get install -y debootstrap")
     wheel = LocalRuntime().wheel_path(pin, lambda *a, **k: None)  # hash-checked against images.lock

@@ -27,6 +27,13 @@ def run(*args, cwd=ROOT, **kw):
     (["audit", "k3-preview"], "cannot be audited by the local runtime"),
     (["audit"], "the following arguments are required: pin"),
     (["render", "/nonexistent/run"], "is not a finished run directory"),
+    (["audit", "k3-preview", "--runtime", "docker", "--pass-env", "ST_TEST_UNSET_VARIABLE"],
+     "--pass-env names variables that are not set: ST_TEST_UNSET_VARIABLE"),
+    (["audit", "v0.33.0", "--pass-env", "HOME"], "--pass-env only applies to --runtime docker"),
+    (["audit", "v0.33.0", "--no-wait"], "--cluster and --no-wait only apply to --runtime slurm"),
+    (["audit", "v0.33.0", "--mode", "replay"], "invalid choice: 'replay'"),
+    (["audit", "v0.33.0", "--slice", "slice3"], "unknown slice 'slice3'"),
+    (["lock", "resolve", "v0.33.0"], "names no registry image (image or image_tag) to resolve"),
 ])
 def test_bad_input_exits_2(args, fragment):
     r = run(*args)

@@ -37,7 +37,8 @@ def merge(files) -> dict:
         if f.header.get("mode") != "observe":
             continue
         rank = _rank(f.header)
-        ranks.add(rank)
+        if any(r.get("kind") in ("exec", "graph") for r in f.records):
+            ranks.add(rank)  # processes that ran no model (API server, engine core) are not ranks
         for r in f.records:
             if r.get("kind") == "exec":
                 backend_of.setdefault(r["path"], r.get("backend", ""))

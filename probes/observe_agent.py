@@ -1,12 +1,12 @@
-"""Observe-mode agent: serve one cell's model slice with vLLM's real engine on real GPUs.
+"""Observe-mode agent: serve one cell's model slice with ``vllm serve`` on real GPUs.
 
     python -m probes.observe_agent PLAN.json CELL_INDEX
 
 Runs inside the pinned environment or image, with the probes' plugin visible to vLLM
 (``VLLM_PLUGINS=serving_truth``, the staged dist-info on ``PYTHONPATH``) and ``SERVING_TRUTH_OUT``
-naming this cell's evidence directory, so every process vLLM starts (engine core, each worker)
-records its own counts. This process registers the plugin for itself first, then runs
-:mod:`probes.workload` and records what each phase did.
+naming this cell's evidence directory, so every process vLLM starts (API server, engine core, each
+worker) records its own counts. This process starts the server through :mod:`probes.workload`, sends
+the phases' requests and records what each did (its own evidence file has no counts).
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
              slice=plan.get("slice", ""))
     code = 0
     try:
-        outcome = workload.run(args, on_phase=lambda name: rec.emit("phase-start", phase=name))
+        outcome = workload.run(args, on_phase=lambda name: rec.emit("phase-start", phase=name),
+                               log_path=os.path.join(os.environ.get("SERVING_TRUTH_OUT", "."), "vllm-serve.log"))
         rec.emit("workload", ok=True, phases=outcome)
     except Exception as exc:
         code = 1

@@ -1,20 +1,30 @@
-"""Observe mode's workload: serve a model slice through vLLM's real engine and exercise every phase.
+"""Observe mode's workload: serve a model slice with ``vllm serve`` and exercise every phase.
 
-The engine is configured from ``vllm serve`` arguments for the lane under audit (the layout's own
-flags, dummy weights, the slice's model directory) parsed by vLLM's own server parser
-(:func:`probes.resolve.engine_args_from_serve_argv`), so what is served is what a user's command
-would serve. The requests then cover, in order:
+The server is started with the ``vllm serve`` arguments of the lane under audit (the layout's own
+flags, dummy weights, the slice's model directory): the same command a user runs, so the API
+server, the engine core and every worker are real (and each loads the probes' plugin). vLLM's
+offline ``LLM`` class is not used: it refuses ``data_parallel_size > 1``, which the DEP8 lane needs.
+The requests (OpenAI completions API on 127.0.0.1, token-id prompts) then cover, in order:
 
 * short prefill and long prefill longer than ``--max-num-batched-tokens`` (so it is chunked);
 * plain decode at batch sizes inside the CUDA-graph capture sizes and beyond the largest one;
 * speculative verify, which every decode step of a layout with ``--speculative-config`` is.
 
 Prompts are token ids (``--skip-tokenizer-init``): no tokenizer or weights are downloaded.
-Standard library only until :func:`run` imports vLLM; running needs GPUs.
+Standard library only; running needs GPUs.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
 #: CUDA-graph capture sizes the workload serves with; decode batches are chosen around them
@@ -65,24 +75,71 @@ def token_prompts(phase: Phase, vocab: int = 32000) -> list[dict]:
             for i in range(phase.prompts)]
 
 
-def run(argv: list[str], *, on_phase=lambda name: None) -> dict:
-    """Serve *argv* with vLLM's offline engine and run every phase; returns per-phase outcomes."""
-    import dataclasses
-
-    from vllm import LLM, SamplingParams
-
-    from .resolve import engine_args_from_serve_argv
-
-    engine_args = engine_args_from_serve_argv(argv)
-    llm = LLM(**{f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)})
-    out = {}
-    for phase in PHASES:
-        on_phase(phase.name)
-        params = SamplingParams(max_tokens=phase.max_tokens, ignore_eos=True, temperature=0.0)
-        results = llm.generate(token_prompts(phase), params, use_tqdm=False)
-        out[phase.name] = {"requests": len(results),
-                           "generated": sum(len(r.outputs[0].token_ids) for r in results)}
-    return out
+def vllm_command() -> list[str]:
+    """``vllm`` of the environment this runs in (next to its Python, else on PATH)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "vllm")
+    if os.access(beside, os.X_OK):
+        return [beside]
+    found = shutil.which("vllm")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "import sys; from vllm.entrypoints.cli.main import main; sys.exit(main())"]
 
 
-__all__ = ["CAPTURE_SIZES", "PHASES", "Phase", "run", "serve_argv", "token_prompts"]
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def run(argv: list[str], *, on_phase=lambda name: None, log_path: str | None = None,
+        ready_timeout_s: float = 3600, request_timeout_s: float = 1800) -> dict:
+    """Start ``vllm serve *argv`` on 127.0.0.1, run every phase, stop the server; per-phase outcomes."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(log_path or os.devnull, "ab")
+    server = subprocess.Popen([*vllm_command(), "serve", *argv, "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {server.returncode} before it was ready (log: {log_path})")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve was not ready after {ready_timeout_s:.0f}s")
+            time.sleep(2)
+        out = {}
+        for phase in PHASES:
+            on_phase(phase.name)
+            body = {"model": argv[0], "prompt": [p["prompt_token_ids"] for p in token_prompts(phase)],
+                    "max_tokens": phase.max_tokens, "temperature": 0.0, "ignore_eos": True}
+            answer = _post(base + "/v1/completions", body, request_timeout_s)
+            usage = answer.get("usage") or {}
+            out[phase.name] = {"requests": phase.prompts, "choices": len(answer.get("choices") or []),
+                               "completion_tokens": usage.get("completion_tokens")}
+        return out
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)  # vLLM shuts its engine and workers down on SIGINT
+            try:
+                server.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+        log.close()
+
+
+__all__ = ["CAPTURE_SIZES", "PHASES", "Phase", "run", "serve_argv", "token_prompts", "vllm_command"]

@@ -103,3 +103,36 @@ def test_phase_attribution_reads_vllms_real_kda_metadata(dry_run):
         assert "error" not in check, check
         assert {k: check[k] for k in ("prefill", "decode", "spec-verify", "mixed")} == {
             "prefill": "prefill", "decode": "decode", "spec-verify": "spec-verify", "mixed": "mixed"}
+
+
+def test_vllm_serve_loads_the_probe_plugin(vllm_env, tmp_path):
+    """The exact command observe mode runs (`vllm serve` + the workload's arguments) loads the staged
+    plugin through vLLM's own CLI before it needs a GPU: the API server process writes its evidence file
+    (then, here, the server fails for want of a GPU, which is expected)."""
+    import json
+    import subprocess
+
+    from audit.profiles import KIMI_K3
+    from audit.runtimes.base import stage_probes
+    from probes.workload import serve_argv
+
+    rt, pin, env = vllm_env
+    stub = rt.ensure_stub(env)
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    stage_probes(stage)
+    out = tmp_path / "out"
+    out.mkdir()
+    model = KIMI_K3.write_model_dir(tmp_path / "model", KIMI_K3.slices["slice4"].patch)
+    run_env = {**rt._env(env, stub, stage, tmp_path), "SERVING_TRUTH_OUT": str(out), "SERVING_TRUTH_MODE": "observe",
+               "SERVING_TRUTH_CELL": "b200_sxm--tp8", "VLLM_PLUGINS": "serving_truth"}
+    argv = serve_argv(str(model), ["--tensor-parallel-size", "1"])
+    r = subprocess.run([str(env / "bin" / "vllm"), "serve", *argv, "--host", "127.0.0.1", "--port", "1"],
+                       env=run_env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0  # no GPU here
+    files = sorted(out.glob("evidence-*.jsonl"))
+    assert files, r.stderr[-3000:]
+    header = json.loads(files[0].read_text().splitlines()[0])
+    assert header["mode"] == "observe" and header["cell"] == {"system": "b200_sxm", "layout": "tp8"}
+    events = [json.loads(line).get("event") for f in files for line in f.read_text().splitlines()[1:]]
+    assert "loaded" in events

@@ -38,6 +38,18 @@ def _env() -> jinja2.Environment:
     return env
 
 
+def _shown(group: dict) -> str:
+    """A lane group's value; observed groups carry their own level and phase, so no row passes an
+    observation off as a resolution or a capture as an eager execution."""
+    if "evidence" not in group:
+        return group["value"]
+    return f"{group['value']} [{group['evidence']}, {group.get('phase', '?')}]"
+
+
+def _levels(cell: dict) -> set[str]:
+    return {g["evidence"] for gs in cell["lanes"].values() for g in gs if "evidence" in g} or {cell["evidence"]}
+
+
 def _lane_summary(groups: list[dict], cell: dict) -> str:
     stopped = cell["status"] == "PARTIAL"
     failure = cell.get("failure") or {}
@@ -46,8 +58,8 @@ def _lane_summary(groups: list[dict], cell: dict) -> str:
             return f"not built: {failure.get('stage', '?')} raised {short(failure.get('type', ''))}"
         return "—"
     if len(groups) == 1 and not stopped:
-        return groups[0]["value"]
-    text = "; ".join(f"{g['value']} (layers {g['ranges']})" for g in groups)
+        return _shown(groups[0])
+    text = "; ".join(f"{_shown(g)} (layers {g['ranges']})" for g in groups)
     return f"{text}, then construction stopped" if stopped else text
 
 
@@ -81,7 +93,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 else:
                     row.append(_lane_summary(c["lanes"].get(lane, []), c))
             rows.append(row)
-        levels = sorted({by[(s.name, layout.name)]["evidence"] for s in systems if (s.name, layout.name) in by})
+        levels = sorted(set().union(*[_levels(by[(s.name, layout.name)]) for s in systems
+                                      if (s.name, layout.name) in by]))
         matrices.append({"layout": layout, "rows": rows, "levels": levels})
 
     details = []
@@ -94,7 +107,9 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
             lanes = []
             for lane in lane_ids:
                 for g in c["lanes"].get(lane, []):
-                    lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"]})
+                    lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"],
+                                  "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g
+                                  else c["evidence"]})
             entries.append({"layout": layout, "cell": c, "lanes": lanes})
         details.append({"system": s, "entries": entries})
 
@@ -118,7 +133,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         for k, v in c.get("simulated", {}).items():
             merged.setdefault(k, set()).add(str(v))
     simulated = {k: "; ".join(sorted(v)) for k, v in sorted(merged.items())}
-    levels = sorted({c["evidence"] for c in cells})
+    levels = sorted(set().union(*[_levels(c) for c in cells]))
     return {
         "title": profile_title,
         "routing": routing,

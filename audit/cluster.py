@@ -31,13 +31,12 @@ Systems without a table use ``[defaults]`` (same keys) and then the built-in def
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import InputFileError
 from .systems import SYSTEMS
-from .tomlpos import key_line
+from .tomlpos import key_line, read_toml
 
 SCHEMA = 1
 CONTAINERS = ("local", "pyxis")
@@ -49,11 +48,8 @@ _RESOLVE_KEYS = {"partition", "cpus", "mem"}
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$|^\d+$")
 
 
-class ClusterProfileError(UsageError):
-    def __init__(self, message: str, *, path: str, line: int | None = None, hint: str | None = None):
-        self.path = path
-        self.line = line
-        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}", hint=hint)
+class ClusterProfileError(InputFileError):
+    """A problem in a cluster profile."""
 
 
 @dataclass(frozen=True)
@@ -88,16 +84,7 @@ class ClusterProfile:
 
 def load(path: str | Path) -> ClusterProfile:
     spath = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ClusterProfileError(f"cannot read: {exc.strerror or exc}", path=spath,
-                                  hint="pass --cluster PATH (see clusters/example.toml)") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        m = re.search(r"line (\d+)", str(exc))
-        raise ClusterProfileError(f"not valid TOML: {exc}", path=spath, line=int(m.group(1)) if m else None) from None
+    text, data = read_toml(path, ClusterProfileError, hint="pass --cluster PATH (see clusters/example.toml)")
 
     def err(msg, key=None, start=1, hint=None):
         return ClusterProfileError(msg, path=spath, line=key_line(text, start, key) if key else None, hint=hint)

@@ -40,14 +40,18 @@ class UsageError(AuditError):
     exit_code = ExitCode.USAGE
 
 
-class LockError(UsageError):
-    """A problem in images.lock, with the file and (when known) the line."""
+class InputFileError(UsageError):
+    """A problem in one of the harness's input files, with the file and (when known) the line."""
 
     def __init__(self, message: str, *, path: str, line: int | None = None, hint: str | None = None):
         self.path = path
         self.line = line
         where = f"{path}:{line}" if line else path
         super().__init__(f"{where}: {message}", hint=hint)
+
+
+class LockError(InputFileError):
+    """A problem in images.lock."""
 
 
 class UnknownPinError(UsageError):

@@ -25,14 +25,14 @@ the file and line.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import InputFileError
 from .systems import LAYOUTS, SYSTEMS
 from .tomlpos import header_lines as _lines
 from .tomlpos import key_line as _key_line
+from .tomlpos import read_toml
 
 SCHEMA = 1
 #: perf-db lane -> (harness lane, layouts it is about when a claim says "all")
@@ -54,11 +54,8 @@ def sm_family(system) -> str:
     return f"sm{major}{minor}"
 
 
-class ExpectationsError(UsageError):
-    def __init__(self, message: str, *, path: str, line: int | None = None, hint: str | None = None):
-        self.path = path
-        self.line = line
-        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}", hint=hint)
+class ExpectationsError(InputFileError):
+    """A problem in an expectations (claims) or label-map file."""
 
 
 @dataclass(frozen=True)
@@ -89,15 +86,7 @@ class Expectations:
 
 
 def _toml(path: Path) -> tuple[str, dict]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ExpectationsError("file not found", path=str(path)) from None
-    try:
-        return text, tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        m = re.search(r"line (\d+)", str(exc))
-        raise ExpectationsError(f"not valid TOML: {exc}", path=str(path), line=int(m.group(1)) if m else None) from None
+    return read_toml(path, ExpectationsError)
 
 
 def load_label_map(path: Path) -> dict[str, str]:

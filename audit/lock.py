@@ -29,12 +29,11 @@ stay empty strings: nothing is ever invented.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import LockError, UnknownPinError
-from .tomlpos import header_lines, key_line
+from .tomlpos import header_lines, key_line, read_toml
 
 SCHEMA = 1
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -124,17 +123,7 @@ class Lock:
 def load(path: str | Path) -> Lock:
     path = Path(path)
     spath = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LockError("file not found", path=spath, hint="run from the project root or pass --lock PATH") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LockError(f"cannot read: {exc}", path=spath) from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        m = re.search(r"line (\d+)", str(exc))
-        raise LockError(f"not valid TOML: {exc}", path=spath, line=int(m.group(1)) if m else None) from None
+    text, data = read_toml(path, LockError, hint="run from the project root or pass --lock PATH")
 
     schema = data.get("schema")
     if schema != SCHEMA:

@@ -1,7 +1,27 @@
-"""Line numbers for TOML errors (tomllib reports positions only for syntax errors)."""
+"""Reading the harness's TOML inputs, and line numbers for their errors (tomllib reports positions
+only for syntax errors)."""
 from __future__ import annotations
 
 import re
+import tomllib
+from pathlib import Path
+
+
+def read_toml(path: str | Path, error: type, *, hint: str | None = None) -> tuple[str, dict]:
+    """(text, data) of a TOML file; unreadable or malformed files raise ``error`` (an InputFileError
+    subclass) with the path and, for syntax errors, the line."""
+    spath = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error("file not found", path=spath, hint=hint) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"cannot read: {getattr(exc, 'strerror', None) or exc}", path=spath, hint=hint) from None
+    try:
+        return text, tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"line (\d+)", str(exc))
+        raise error(f"not valid TOML: {exc}", path=spath, line=int(m.group(1)) if m else None) from None
 
 
 def header_lines(text: str, header: str) -> list[int]:

@@ -248,15 +248,23 @@ def _run_cell(plan, cell, rec, warm, out) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m probes.agent PLAN.json", file=sys.stderr)
-        return 2
+def read_plan(argv: list[str], usage: str, *, nargs: int) -> dict | None:
+    """The plan named by ``argv[0]`` (the harness's plan.json), or None after saying what is wrong."""
+    if len(argv) != nargs:
+        print(f"usage: {usage}", file=sys.stderr)
+        return None
     with open(argv[0], encoding="utf-8") as fh:
         plan = json.load(fh)
     if plan.get("schema") != PLAN_SCHEMA:
         print(f"plan schema {plan.get('schema')!r}, this agent reads {PLAN_SCHEMA}", file=sys.stderr)
+        return None
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    plan = read_plan(argv, "python -m probes.agent PLAN.json", nargs=1)
+    if plan is None:
         return 2
     from . import resolve
 

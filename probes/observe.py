@@ -22,14 +22,13 @@ Standard library only until installed into a process that imports vLLM.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import sys
 import threading
 from dataclasses import dataclass
 
 from .counting import Counters
-from .patching import PostImportHooks, SENTINEL, resolve
+from .patching import SENTINEL, PostImportHooks, rebind, resolve
 
 K3 = "vllm.models.kimi_k3.nvidia."
 MLA_BK = "vllm.v1.attention.backends.mla."
@@ -205,12 +204,8 @@ class ObserveSession:
             new = classmethod(new)
         setattr(owner, name, new)
         self.status[spec] = "patched"
-        # module globals bound with `from x import f` elsewhere keep the original: rebind in vLLM
-        if owner is mod:
-            for m in list(sys.modules.values()):
-                if getattr(m, "__name__", "").startswith("vllm.") and m is not mod and \
-                        getattr(m, name, None) is fn:
-                    setattr(m, name, new)
+        if owner is mod:  # `from x import f` copies elsewhere in vLLM keep the original: point them here
+            rebind(fn, new, ("vllm.",), skip=mod)
 
     def _wrap_kernel(self, mod, k: Kernel) -> None:
         layer_of = None
@@ -321,11 +316,8 @@ class ObserveSession:
     def flush(self) -> None:
         snap = self.counters.snapshot()
         rec = self.rec
-        with rec._lock:  # replace the previous snapshot's records: a flush is the state so far
-            rec._records = [r for r in rec._records if r.get("kind") not in ("exec", "graph", "observe-status")]
-        rank = _rank()
-        if rank:
-            rec._header.update(rank)
+        rec.drop("exec", "graph", "observe-status")  # a flush is the state so far, not an increment
+        rec.update_header(**_rank())
         rec.emit("observe-status", targets=dict(sorted(self.status.items())))
         for row in snap["eager"]:
             rec.emit("exec", lane=self._lane_of.get(row["path"], "?"), backend=self._backend_of.get(row["path"], ""),
@@ -379,14 +371,6 @@ def _rank() -> dict:
     except Exception:
         pass
     return out
-
-
-def importable(spec: str) -> bool:
-    try:
-        importlib.import_module(spec.split(":", 1)[0])
-        return True
-    except Exception:
-        return False
 
 
 __all__ = ["GRAPH_HOOKS", "KERNELS", "SCOPES", "Kernel", "ObserveSession", "Scope", "kda_phase", "layer_index"]

@@ -10,19 +10,18 @@ the phases' requests and records what each did (its own evidence file has no cou
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .agent import read_plan
+
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print("usage: python -m probes.observe_agent PLAN.json CELL_INDEX", file=sys.stderr)
+    plan = read_plan(argv, "python -m probes.observe_agent PLAN.json CELL_INDEX", nargs=2)
+    if plan is None:
         return 2
-    with open(argv[0], encoding="utf-8") as fh:
-        plan = json.load(fh)
     cell = plan["cells"][int(argv[1])]
     os.environ["SERVING_TRUTH_MODE"] = "observe"
     os.environ["SERVING_TRUTH_CELL"] = f"{cell['system']['name']}--{cell['layout']['name']}"
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import plugin, workload
 
     plugin.register()
-    rec = plugin._state["rec"]
+    rec = plugin.recorder()
     args = workload.serve_argv(cell["model_dir"], cell["layout"]["serve_args"])
     rec.emit("job", system=cell["system"], layout=cell["layout"], argv=["vllm", "serve", *args],
              slice=plan.get("slice", ""))
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "message": str(exc)[:4000],
                                               "traceback": traceback.format_exc()[-4000:]})
     finally:
-        session = plugin._state.get("observe")
+        session = plugin.observe_session()
         if session is not None:
             session.flush()
         rec.flush()

@@ -26,6 +26,16 @@ DIST_NAME = "serving_truth_probes"
 _state: dict = {"pid": None, "rec": None, "probes": None, "observe": None}
 
 
+def recorder():
+    """This process's recorder once :func:`register` ran (else None)."""
+    return _state["rec"]
+
+
+def observe_session():
+    """This process's observe session in observe mode (else None)."""
+    return _state.get("observe")
+
+
 def dist_info_files(version: str) -> dict[str, str]:
     """Relative path -> text of the metadata that makes ``register`` an entry point."""
     d = f"{DIST_NAME}-{version}.dist-info"

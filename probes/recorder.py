@@ -85,6 +85,15 @@ class Recorder:
         self.path = None
         self._header = {**self._header, "pid": os.getpid(), "parent_pid": self._header.get("pid")}
 
+    def drop(self, *kinds: str) -> None:
+        """Forget the records of these kinds (a snapshot about to be re-emitted replaces them)."""
+        with self._lock:
+            self._records = [r for r in self._records if r.get("kind") not in kinds]
+
+    def update_header(self, **fields) -> None:
+        with self._lock:
+            self._header.update(fields)
+
     def emit(self, kind: str, **fields) -> None:
         with self._lock:
             self._seq += 1

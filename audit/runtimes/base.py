@@ -131,6 +131,37 @@ def write_model_dirs(request: RunRequest) -> str:
     return str(base)
 
 
+def agent_env(*, home: str, vllm_cache: str, triton_cache: str, xdg_cache: str) -> dict[str, str]:
+    """What every runtime sets for the agent, whatever else it adds: offline, no telemetry, no user
+    site-packages, no bytecode written, caches where the runtime says, and no vLLM plugin of the image
+    (observe mode names its own)."""
+    return {
+        "HOME": home,
+        "TZ": "UTC",
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CACHE_ROOT": vllm_cache,
+        "TRITON_CACHE_DIR": triton_cache,
+        "XDG_CACHE_HOME": xdg_cache,
+        "VLLM_PLUGINS": "",
+    }
+
+
+#: caches inside a container: its own tmpfs
+CONTAINER_CACHES = {"home": "/tmp/home", "vllm_cache": "/tmp/vllm-cache", "triton_cache": "/tmp/triton",
+                    "xdg_cache": "/tmp/xdg"}
+
+
+def observe_env(out_dir: str, cell: str) -> dict[str, str]:
+    """Observe mode: the probes' plugin in every vLLM process, writing into this cell's evidence directory."""
+    return {"SERVING_TRUTH_OUT": out_dir, "SERVING_TRUTH_MODE": "observe", "SERVING_TRUTH_CELL": cell,
+            "VLLM_PLUGINS": "serving_truth"}
+
+
 LEARNED_IMPORTS = "learned-imports.json"
 
 
@@ -190,6 +221,25 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
 
 def cell_dir_name(system: str, layout: str) -> str:
     return f"{system}--{layout}"
+
+
+def timed_out(request: RunRequest, *, where: str, log_tail_text: str, missing: dict, runtime: str):
+    """The RunTimedOut a runtime raises, carrying what the run had collected (for the INCOMPLETE ledger)."""
+    from ..errors import RunTimedOut
+
+    exc = RunTimedOut(seconds=request.timeout_s, where=where, log_tail=log_tail_text)
+    exc.partial = RunResult(evidence_dir=request.evidence_dir, missing=missing,
+                            info={"runtime": runtime, "mode": request.mode})
+    return exc
+
+
+def report_finished(request: RunRequest, reported: set, progress: Progress) -> None:
+    """Progress: a "cell-done" event for each cell whose evidence file has appeared since last time."""
+    for system, layout in request.cells:
+        key = (system.name, layout.name)
+        if key not in reported and any((request.evidence_dir / cell_dir_name(*key)).glob("evidence-*.jsonl")):
+            reported.add(key)
+            progress("cell-done", system=key[0], layout=key[1])
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

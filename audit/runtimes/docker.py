@@ -26,10 +26,11 @@ from pathlib import Path
 
 from .. import cudastub
 from ..errors import (DockerUnavailable, ImageDigestMismatch, ImageError, ProbeRunError, RunExited,
-                      RunTimedOut, RuntimeUnsupportedError)
+                      RuntimeUnsupportedError)
 from ..lock import Pin
-from .base import (Progress, RunRequest, RunResult, cache_root, cell_dir_name, collect_missing, log_tail,
-                   stage_probes, write_model_dirs, write_plan)
+from .base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, agent_env, cache_root, cell_dir_name,
+                   collect_missing, log_tail, observe_env, report_finished, stage_probes, timed_out, write_model_dirs,
+                   write_plan)
 
 LABEL_MANAGED = "serving-truth.managed"
 LABEL_RUN = "serving-truth.run"
@@ -210,21 +211,8 @@ class DockerRuntime:
 
     def _environment(self, image, *, with_stub: bool) -> dict:
         image_env = dict(e.split("=", 1) for e in (image.attrs.get("Config") or {}).get("Env") or [] if "=" in e)
-        env = {
-            "HOME": "/tmp/home",
-            "TZ": "UTC",
-            "PYTHONNOUSERSITE": "1",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONPATH": ":".join(p for p in (RUN_MOUNT, image_env.get("PYTHONPATH", "")) if p),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "VLLM_CACHE_ROOT": "/tmp/vllm-cache",
-            "TRITON_CACHE_DIR": "/tmp/triton",
-            "XDG_CACHE_HOME": "/tmp/xdg",
-            "VLLM_PLUGINS": "",
-        }
+        env = {**agent_env(**CONTAINER_CACHES),
+               "PYTHONPATH": ":".join(p for p in (RUN_MOUNT, image_env.get("PYTHONPATH", "")) if p)}
         if with_stub:
             env["LD_LIBRARY_PATH"] = ":".join(p for p in (STUB_MOUNT, image_env.get("LD_LIBRARY_PATH", "")) if p)
         for name in self.pass_env:
@@ -376,9 +364,7 @@ class DockerRuntime:
             mounts = [Mount(RUN_MOUNT, str(run_dir), type="bind", read_only=True),
                       Mount(f"{RUN_MOUNT}/evidence", str(request.evidence_dir), type="bind", read_only=False)]
             kw = self._container_kwargs(request, image, ref, role="observe", mounts=mounts, with_stub=False)
-            kw["environment"].update({"SERVING_TRUTH_OUT": f"{RUN_MOUNT}/evidence/{cell}",
-                                      "SERVING_TRUTH_MODE": "observe", "SERVING_TRUTH_CELL": cell,
-                                      "VLLM_PLUGINS": "serving_truth"})
+            kw["environment"].update(observe_env(f"{RUN_MOUNT}/evidence/{cell}", cell))
             kw.update(device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])], shm_size="16g",
                       ipc_mode="host")
             kw["tmpfs"] = {"/tmp": "rw,nosuid,nodev,size=64g,mode=1777"}
@@ -420,21 +406,14 @@ class DockerRuntime:
                 container.reload()
             except docker.errors.NotFound:  # removed from under us (docker rm -f)
                 return -1
-            for system, layout in request.cells:
-                key = (system.name, layout.name)
-                if key not in reported and any((request.evidence_dir / cell_dir_name(*key)).glob("evidence-*.jsonl")):
-                    reported.add(key)
-                    progress("cell-done", system=key[0], layout=key[1])
+            report_finished(request, reported, progress)
             if container.status in ("exited", "dead"):
                 return int(container.attrs.get("State", {}).get("ExitCode", -1))
             if deadline and time.monotonic() > deadline:
                 self._save_logs(container, log)
-                exc = RunTimedOut(seconds=request.timeout_s, where=f"container {container.name}",
-                                  log_tail=log_tail(log))
-                exc.partial = RunResult(evidence_dir=request.evidence_dir,
-                                        missing=collect_missing(request, fallback_log=log),
-                                        info={"runtime": f"docker ({container.image.id})", "mode": "resolve"})
-                raise exc
+                raise timed_out(request, where=f"container {container.name}", log_tail_text=log_tail(log),
+                                missing=collect_missing(request, fallback_log=log),
+                                runtime=f"docker ({container.image.id})")
             time.sleep(0.5)
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from .. import cudastub
 from ..errors import EnvironmentBuildError, RuntimeUnsupportedError, WheelHashMismatch
 from ..lock import Pin
-from .base import (Progress, RunRequest, RunResult, cache_root, cell_dir_name, collect_missing, log_tail,
-                   learn_imports, learned_imports, stage_probes, write_model_dirs, write_plan)
+from .base import (Progress, RunRequest, RunResult, agent_env, cache_root, cell_dir_name, collect_missing,
+                   learn_imports, learned_imports, log_tail, observe_env, report_finished, stage_probes,
+                   timed_out, write_model_dirs, write_plan)
 
 ENV_MARKER = ".serving-truth-env.json"
 #: run inside a freshly built env: what it holds (torch must be a CUDA build)
@@ -193,20 +194,10 @@ class LocalRuntime:
         caches = self.root / "runtime-cache" / env.name
         out = {
             "PATH": os.pathsep.join([str(env / "bin"), *SYSTEM_PATH]),
-            "HOME": str(caches / "home"),
             "LANG": "C.UTF-8",
-            "TZ": "UTC",
-            "PYTHONNOUSERSITE": "1",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
             # vLLM's own caches hold derived state (model info, compile artefacts): per run
-            "VLLM_CACHE_ROOT": str((run_dir or caches) / "vllm-cache"),
-            "TRITON_CACHE_DIR": str(caches / "triton"),
-            "XDG_CACHE_HOME": str(caches / "xdg"),
-            "VLLM_PLUGINS": "",
+            **agent_env(home=str(caches / "home"), vllm_cache=str((run_dir or caches) / "vllm-cache"),
+                        triton_cache=str(caches / "triton"), xdg_cache=str(caches / "xdg")),
         }
         # vLLM's "is FlashInfer usable" check looks for nvcc under CUDA_HOME, PATH or /usr/local/cuda
         # (0.33) or on PATH (older releases): never let the host's toolkit decide. Either the nvcc the
@@ -277,8 +268,7 @@ class LocalRuntime:
             cell = cell_dir_name(system.name, layout.name)
             out = request.evidence_dir / cell
             out.mkdir(parents=True, exist_ok=True)
-            run_env = {**self._env(env, None, request.run_dir, request.run_dir), "SERVING_TRUTH_OUT": str(out),
-                       "SERVING_TRUTH_MODE": "observe", "SERVING_TRUTH_CELL": cell, "VLLM_PLUGINS": "serving_truth"}
+            run_env = {**self._env(env, None, request.run_dir, request.run_dir), **observe_env(str(out), cell)}
             if os.environ.get("CUDA_VISIBLE_DEVICES"):
                 run_env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
             progress("stage", text=f"serving {system.name}/{layout.name} on this host's GPUs")
@@ -290,12 +280,8 @@ class LocalRuntime:
                     proc.wait(timeout=request.timeout_s)
                 except subprocess.TimeoutExpired:
                     _kill(proc)
-                    from ..errors import RunTimedOut
-
-                    exc = RunTimedOut(seconds=request.timeout_s, where=f"observe {cell}", log_tail=log_tail(out / "agent.log"))
-                    exc.partial = RunResult(evidence_dir=request.evidence_dir,
-                                            missing=collect_missing(request), info={"runtime": "local", "mode": "observe"})
-                    raise exc
+                    raise timed_out(request, where=f"observe {cell}", log_tail_text=log_tail(out / "agent.log"),
+                                    missing=collect_missing(request), runtime="local")
                 except BaseException:
                     _kill(proc)
                     raise
@@ -311,24 +297,15 @@ class LocalRuntime:
         reported: set[tuple[str, str]] = set()
         while True:
             rc = proc.poll()
-            for system, layout in request.cells:
-                key = (system.name, layout.name)
-                d = request.evidence_dir / cell_dir_name(*key)
-                if key not in reported and any(d.glob("evidence-*.jsonl")):
-                    reported.add(key)
-                    progress("cell-done", system=key[0], layout=key[1])
+            report_finished(request, reported, progress)
             if rc is not None:
                 return
             if deadline and time.monotonic() > deadline:
                 _kill(proc)
-                from ..errors import RunTimedOut
-
                 log = request.run_dir / "agent.log"
-                exc = RunTimedOut(seconds=request.timeout_s, where="the probe agent", log_tail=log_tail(log))
-                exc.partial = RunResult(evidence_dir=request.evidence_dir,
-                                        missing=collect_missing(request, fallback_log=log),
-                                        info={"runtime": f"local venv ({request.pin.name})", "mode": "resolve"})
-                raise exc
+                raise timed_out(request, where="the probe agent", log_tail_text=log_tail(log),
+                                missing=collect_missing(request, fallback_log=log),
+                                runtime=f"local venv ({request.pin.name})")
             time.sleep(0.5)
 
 

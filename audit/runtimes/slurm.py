@@ -28,10 +28,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..cluster import ClusterProfile, Placement
-from ..errors import EnvironmentBuildError, RunTimedOut, RuntimeUnsupportedError, UsageError
+from ..errors import EnvironmentBuildError, RuntimeUnsupportedError, UsageError
 from ..lock import Pin
-from .base import (Progress, RunRequest, RunResult, cell_dir_name, log_tail, stage_probes, write_model_dirs,
-                   write_plan)
+from .base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, agent_env, cell_dir_name, log_tail,
+                   observe_env, stage_probes, timed_out, write_model_dirs, write_plan)
 
 JOBS_FILE = "jobs.json"
 #: Slurm job states after which a job will not run again
@@ -258,8 +258,7 @@ class SlurmRuntime:
                 else:
                     env = container_env(request.run_dir, stub)
                 if observe:  # the plugin in every process vLLM starts; evidence per cell
-                    env.update(SERVING_TRUTH_OUT=str(request.evidence_dir / cell), SERVING_TRUTH_MODE="observe",
-                               SERVING_TRUTH_CELL=cell, VLLM_PLUGINS="serving_truth")
+                    env.update(observe_env(str(request.evidence_dir / cell), cell))
                 log = jobs_dir / f"{cell}.log"
                 script = jobs_dir / f"{cell}.sbatch"
                 script.write_text(self.job_script(request, system, layout, plan=plan, log=log, env=env,
@@ -314,24 +313,19 @@ class SlurmRuntime:
             if len(done) < len(ids):
                 if deadline and time.monotonic() > deadline:
                     cancel(jobs)
-                    exc = RunTimedOut(seconds=request.timeout_s, where=f"{len(ids) - len(done)} Slurm job(s)",
-                                      log_tail="")
-                    exc.partial = RunResult(evidence_dir=request.evidence_dir,
-                                            missing=missing_cells(request.run_dir, jobs), info={"runtime": "slurm"})
-                    raise exc
+                    raise timed_out(request, where=f"{len(ids) - len(done)} Slurm job(s)", log_tail_text="",
+                                    missing=missing_cells(request.run_dir, jobs), runtime="slurm")
                 running = [f"{ids[j]}={s['state']}" for j, s in states.items() if j not in done]
                 progress("stage", text=f"{len(done)}/{len(ids)} job(s) ended; " + ", ".join(running[:3]))
                 time.sleep(POLL_S)
 
 
-def container_env(run_dir: Path, stub: Path) -> dict[str, str]:
+def container_env(run_dir: Path, stub: Path | None) -> dict[str, str]:
     """The explicit environment of a pyxis job's container (caches on its own /tmp)."""
-    return {
-        "HOME": "/tmp/home", "TZ": "UTC", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
-        "PYTHONPATH": str(run_dir), "LD_LIBRARY_PATH": str(stub.parent), "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_PLUGINS": "",
-        "VLLM_CACHE_ROOT": "/tmp/vllm-cache", "TRITON_CACHE_DIR": "/tmp/triton", "XDG_CACHE_HOME": "/tmp/xdg",
-    }
+    env = {**agent_env(**CONTAINER_CACHES), "PYTHONPATH": str(run_dir)}
+    if stub is not None:  # resolve mode; observe jobs use the node's driver
+        env["LD_LIBRARY_PATH"] = str(stub.parent)
+    return env
 
 
 def cancel(jobs: dict) -> list[str]:

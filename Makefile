@@ -10,6 +10,7 @@ PASS_ENV ?=
 CLUSTER ?=
 MODE    ?= resolve
 SLICE   ?=
+PROFILER ?= 1
 BIN     := $(VENV)/bin
 
 .PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve selftest-gpu
@@ -28,7 +29,7 @@ env: setup
 
 audit: setup
 	$(BIN)/serving-truth audit $(PIN) --runtime $(RUNTIME) --systems $(SYSTEMS) --layouts $(LAYOUTS) \
-		--lock $(LOCK) --mode $(MODE) $(if $(SLICE),--slice $(SLICE)) \
+		--lock $(LOCK) --mode $(MODE) $(if $(SLICE),--slice $(SLICE)) $(if $(filter 0,$(PROFILER)),--no-profiler) \
 		$(if $(PASS_ENV),--pass-env $(PASS_ENV)) $(if $(CLUSTER),--cluster $(CLUSTER))
 
 # On a host with one NVIDIA GPU: serve the smallest K3 slice and check that every lane's probes fired.

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
                         "this host's GPUs and count the kernel entries that ran")
     a.add_argument("--slice", dest="slice_name", default="",
                    help="observe: serve a model slice (e.g. slice4, slice8) instead of every layer")
+    a.add_argument("--no-profiler", dest="profiler", action="store_false",
+                   help="observe: do not corroborate the probes with vLLM's torch profiler traces")
     a.add_argument("--systems", default="all", help="comma list of systems, or 'all'")
     a.add_argument("--layouts", default="all", help="comma list of layouts (tp8, tp16, dep8), or 'all'")
     a.add_argument("--lock", default="images.lock", help="path to images.lock")
@@ -221,7 +223,8 @@ def _audit(args, out, err) -> int:
                             layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
                             timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
                             baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
-                            cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name)
+                            cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name,
+                            profiler=args.profiler)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
         err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")

@@ -56,7 +56,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
               cuda_toolkit: bool = True, baseline: str | None = None,
               expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
-              wait: bool = True, mode: str = "resolve", slice_name: str = "") -> AuditOutcome:
+              wait: bool = True, mode: str = "resolve", slice_name: str = "",
+              profiler: bool = True) -> AuditOutcome:
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
     if baseline:
@@ -75,10 +76,10 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         raise UsageError(f"unknown slice {slice_name!r} for {profile.title}",
                          hint="known slices: " + ", ".join(profile.slices))
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
-                         timeout_s=timeout_s, mode=mode, slice=slice_name)
+                         timeout_s=timeout_s, mode=mode, slice=slice_name, profiler=profiler)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit)
     if mode == "observe":
-        reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "")
+        reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "") + ("" if profiler else " PROFILER=0")
     try:
         result = rt.run(request, progress)
     except RunAborted as exc:

@@ -151,6 +151,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "incomplete": [c for c in cells if c["status"] == "INCOMPLETE"],
         "not_applicable": sorted({t for c in cells for t in c.get("not_applicable", [])}),
         "partial": [c for c in cells if c["status"] == "PARTIAL"],
+        "profiler_disagree": [c for c in cells if ((c.get("observed") or {}).get("profiler") or {}).get("disagree")],
         "fingerprint": {"packages": {}, "modules": {}, "tools": {}, "env": {}, "python": "?", **(fingerprint or {})},
         "fingerprint_differs": bool(fp_diff),
         "availability": availability or {},

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from .corroborate import corroborate
 from .evidence import EvidenceFile
 from .observed import merge as merge_observed
 from .profiles import Lane, Profile
@@ -290,6 +291,15 @@ def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> 
             "simulated": {}, "stand_in_calls": [], "device": {}, "availability": {}, "fingerprint": {}}
 
 
+def _observed(files: list[EvidenceFile]) -> dict:
+    """A cell's observe-mode files: the merged per-rank counts, with the profiler's corroboration if it ran."""
+    observed = merge_observed(files)
+    profiled = corroborate(files, observed)
+    if profiled is not None:
+        observed["profiler"] = profiled
+    return observed
+
+
 def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, expected: list[tuple[str, str]],
                   missing: dict[tuple[str, str], dict] | None = None, run: dict | None = None) -> dict:
     """The whole routing model of one audit: provenance plus one entry per expected cell."""
@@ -305,10 +315,10 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
         if f is not None:
             cell = build_cell(f, profile)
             if seen:
-                cell["observed"] = merge_observed(seen)
+                cell["observed"] = _observed(seen)
             cells.append(cell)
         elif seen:
-            cells.append(observed_cell(system, layout, merge_observed(seen)))
+            cells.append(observed_cell(system, layout, _observed(seen)))
         else:
             info = (missing or {}).get((system, layout), {})
             cells.append(incomplete_cell(system, layout, reason=info.get("reason", "no evidence was written"),

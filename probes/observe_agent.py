@@ -7,6 +7,11 @@ Runs inside the pinned environment or image, with the probes' plugin visible to 
 naming this cell's evidence directory, so every process vLLM starts (API server, engine core, each
 worker) records its own counts. This process starts the server through :mod:`probes.workload`, sends
 the phases' requests and records what each did (its own evidence file has no counts).
+
+Corroboration (unless the plan says ``"profile": false``): before serving, the kernel-name map is
+looked up in this build (``kernel-map``); the server runs with vLLM's torch profiler writing into
+``<evidence dir>/traces``; afterwards the traces' kernel launch counts are recorded
+(``profiler-traces``) for the host to compare with the probes' counts.
 """
 from __future__ import annotations
 
@@ -30,13 +35,18 @@ def main(argv: list[str] | None = None) -> int:
 
     plugin.register()
     rec = plugin.recorder()
-    args = workload.serve_argv(cell["model_dir"], cell["layout"]["serve_args"])
+    out_dir = os.environ.get("SERVING_TRUTH_OUT", ".")
+    profile = bool(plan.get("profile", True))
+    trace_dir = os.path.join(os.path.abspath(out_dir), TRACE_DIR) if profile else None
+    if profile:
+        record_kernel_map(rec)
+    args = workload.serve_argv(cell["model_dir"], cell["layout"]["serve_args"], trace_dir=trace_dir)
     rec.emit("job", system=cell["system"], layout=cell["layout"], argv=["vllm", "serve", *args],
              slice=plan.get("slice", ""))
     code = 0
     try:
         outcome = workload.run(args, on_phase=lambda name: rec.emit("phase-start", phase=name),
-                               log_path=os.path.join(os.environ.get("SERVING_TRUTH_OUT", "."), "vllm-serve.log"))
+                               log_path=os.path.join(out_dir, "vllm-serve.log"), profile=profile)
         rec.emit("workload", ok=True, phases=outcome)
     except Exception as exc:
         code = 1
@@ -44,11 +54,40 @@ def main(argv: list[str] | None = None) -> int:
                                               "message": str(exc)[:4000],
                                               "traceback": traceback.format_exc()[-4000:]})
     finally:
+        if trace_dir:
+            record_traces(rec, trace_dir)
         session = plugin.observe_session()
         if session is not None:
             session.flush()
         rec.flush()
     return code
+
+
+TRACE_DIR = "traces"
+
+
+def record_kernel_map(rec) -> None:
+    """The kernel-name map this run reads traces with, and what of it this build contains."""
+    from .kernel_names import check_build
+    from .observe import KERNELS
+
+    lane_of = {k.path: k.lane for k in KERNELS}
+    try:
+        entries = check_build()
+    except Exception as exc:  # corroboration is optional: never fatal
+        rec.emit("kernel-map", entries=[], error=f"{type(exc).__name__}: {exc}")
+        return
+    rec.emit("kernel-map", entries=[{**e, "lane": lane_of.get(e["path"], "?")} for e in entries])
+
+
+def record_traces(rec, trace_dir: str) -> None:
+    """Kernel launch counts of every trace vLLM's workers wrote (none if the profiler did not run)."""
+    from .traces import summarize
+
+    try:
+        rec.emit("profiler-traces", dir=TRACE_DIR, traces=summarize(trace_dir))
+    except Exception as exc:
+        rec.emit("profiler-traces", dir=TRACE_DIR, traces=[], error=f"{type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

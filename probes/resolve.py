@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import re
 
 from . import simulate
@@ -47,6 +48,13 @@ def serve_argv(plan: dict, cell: dict) -> list[str]:
 def engine_args_from_serve_argv(argv: list[str]):
     """``vllm serve`` arguments (after the word ``serve``) -> AsyncEngineArgs, through vLLM's own
     server argument parser and validation, exactly as the CLI does it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs.from_cli_args(parse_serve_argv(argv))
+
+
+def parse_serve_argv(argv: list[str]):
+    """``vllm serve`` arguments -> the namespace vLLM's own server parser and validation produce."""
     parser_cls = _first_attr(["vllm.utils.argparse_utils:FlexibleArgumentParser",
                               "vllm.utils:FlexibleArgumentParser"])
     make_arg_parser = _first_attr(["vllm.entrypoints.common.cli_args:make_arg_parser",
@@ -55,14 +63,12 @@ def engine_args_from_serve_argv(argv: list[str]):
     validate = _first_attr(["vllm.entrypoints.common.cli_args:validate_parsed_serve_args",
                             "vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args",
                             "vllm.entrypoints.openai.cli_args:validate_parsed_serve_args"])
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
     parser = make_arg_parser(parser_cls(description="vLLM OpenAI-Compatible RESTful API server."))
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
     validate(args)
-    return AsyncEngineArgs.from_cli_args(args)
+    return args
 
 
 def _serving_facts(vllm_config) -> dict:
@@ -223,6 +229,57 @@ def _run_stages(plan, cell, rec, Stage) -> None:
             rec.emit("observe-status", targets={}, error=f"{type(exc).__name__}: {exc}")
         else:
             check_phase_attribution(rec, session, model, vllm_config)
+        if getattr(getattr(vllm_config, "profiler_config", None), "profiler", None):
+            check_profiler(rec, serve_argv(plan, cell), vllm_config, prefix=f"check-{cell['system']['name']}")
+
+
+def check_profiler(rec, argv: list[str], vllm_config, *, prefix: str) -> None:
+    """Observe mode's profiler settings against vLLM's real code, as far as a machine without a GPU
+    goes: the worker's validation of the profiler config (under the simulated CUDA platform), the
+    API server routes that config enables, and one real profiling session through the wrapper class
+    vLLM's workers use, named as a worker names it (CPU activity only: no GPU here)."""
+    out: dict = {}
+    pc = vllm_config.profiler_config
+    out["config"] = {"profiler": pc.profiler, "dir": pc.torch_profiler_dir,
+                     "activities": list(pc.torch_profiler_activities or []), "with_stack": pc.torch_profiler_with_stack,
+                     "ignore_frontend": pc.ignore_frontend}
+    try:
+        from vllm.profiler.wrapper import validate_worker_profiler_config
+
+        validate_worker_profiler_config(pc)
+        out["worker_validation"] = "ok"
+    except Exception as exc:
+        out["worker_validation"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    try:
+        from fastapi import FastAPI
+        from vllm.entrypoints.serve import register_vllm_serve_api_routers
+
+        app = FastAPI()
+        app.state.args = parse_serve_argv(argv)
+        register_vllm_serve_api_routers(app)
+        out["routes"] = sorted(p for p in (getattr(r, "path", "") for r in app.routes) if "profile" in p)
+    except Exception as exc:
+        out["routes_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    try:
+        import torch
+        from vllm.config.utils import replace
+        from vllm.distributed.utils import get_worker_rank_suffix
+        from vllm.profiler.wrapper import create_worker_profiler
+
+        trace_dir = os.path.join(rec.out_dir, "traces-check")
+        cpu = replace(pc, torch_profiler_activities=["CPU"], torch_profiler_dir=trace_dir)
+        name = f"{prefix}_{get_worker_rank_suffix(global_rank=0)}"
+        prof = create_worker_profiler(cpu, worker_name=name, local_rank=0)
+        prof.start()
+        a = torch.ones(64, 64)
+        for _ in range(3):
+            a = torch.mm(a, a) / 64
+        prof.stop()
+        out["trace_dir"] = "traces-check"
+        out["worker_name"] = name
+    except Exception as exc:
+        out["session_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    rec.emit("observe-profiler-check", **out)
 
 
 def check_phase_attribution(rec, session, model, vllm_config) -> None:

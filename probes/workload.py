@@ -11,6 +11,12 @@ The requests (OpenAI completions API on 127.0.0.1, token-id prompts) then cover,
 * speculative verify, which every decode step of a layout with ``--speculative-config`` is.
 
 Prompts are token ids (``--skip-tokenizer-init``): no tokenizer or weights are downloaded.
+
+Corroboration (optional, on by default in observe mode): the server also gets vLLM's own
+``--profiler-config`` for the torch profiler, and each phase runs inside one profiling session
+(``/start_profile`` with the phase's name as the trace prefix, ``/stop_profile`` after), so every
+worker writes one Chrome trace per phase (read by :mod:`probes.traces`). A session that vLLM refuses
+is recorded and the phase runs unprofiled: the probes stay the primary evidence.
 Standard library only; running needs GPUs.
 """
 from __future__ import annotations
@@ -53,9 +59,21 @@ PHASES = (
 )
 
 
-def serve_argv(model_dir: str, layout_args: list[str], *, extra: list[str] = ()) -> list[str]:
-    """The ``vllm serve`` arguments observe mode uses for a lane (after the word ``serve``)."""
+def profiler_config(trace_dir: str) -> dict:
+    """vLLM's ``--profiler-config`` for corroboration: the torch profiler on the workers, GPU activity
+    only (kernels, with CUPTI's graph ids), no stacks, shapes or summary tables, no front-end trace."""
+    return {"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_activities": ["CUDA"],
+            "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False,
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
+
+
+def serve_argv(model_dir: str, layout_args: list[str], *, extra: list[str] = (),
+               trace_dir: str | None = None) -> list[str]:
+    """The ``vllm serve`` arguments observe mode uses for a lane (after the word ``serve``); with
+    *trace_dir*, vLLM's torch profiler writes the workers' traces there."""
     compilation = {"cudagraph_capture_sizes": list(CAPTURE_SIZES)}
+    profiling = ["--profiler-config", json.dumps(profiler_config(trace_dir), separators=(",", ":"))] \
+        if trace_dir else []
     return [
         model_dir, *layout_args,
         "--load-format", "dummy",
@@ -65,6 +83,7 @@ def serve_argv(model_dir: str, layout_args: list[str], *, extra: list[str] = ())
         "--enable-chunked-prefill",
         "--max-num-seqs", str(max(p.prompts for p in PHASES)),
         "--compilation-config", json.dumps(compilation, separators=(",", ":")),
+        *profiling,
         *extra,
     ]
 
@@ -99,9 +118,24 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(resp.read())
 
 
+def _profile(base: str, what: str, body: dict | None, timeout: float) -> str:
+    """POST /start_profile or /stop_profile; "" when vLLM accepted it, else why not."""
+    try:
+        req = urllib.request.Request(base + "/" + what, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return "" if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def run(argv: list[str], *, on_phase=lambda name: None, log_path: str | None = None,
-        ready_timeout_s: float = 3600, request_timeout_s: float = 1800) -> dict:
-    """Start ``vllm serve *argv`` on 127.0.0.1, run every phase, stop the server; per-phase outcomes."""
+        ready_timeout_s: float = 3600, request_timeout_s: float = 1800, profile: bool = False) -> dict:
+    """Start ``vllm serve *argv`` on 127.0.0.1, run every phase, stop the server; per-phase outcomes.
+    With *profile* (the server was started with ``--profiler-config``), each phase is one profiling
+    session whose trace prefix is the phase's name."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(log_path or os.devnull, "ab")
@@ -124,12 +158,22 @@ def run(argv: list[str], *, on_phase=lambda name: None, log_path: str | None = N
         out = {}
         for phase in PHASES:
             on_phase(phase.name)
+            started = _profile(base, "start_profile", {"profile_prefix": phase.name}, request_timeout_s) \
+                if profile else None
             body = {"model": argv[0], "prompt": [p["prompt_token_ids"] for p in token_prompts(phase)],
                     "max_tokens": phase.max_tokens, "temperature": 0.0, "ignore_eos": True}
-            answer = _post(base + "/v1/completions", body, request_timeout_s)
+            try:
+                answer = _post(base + "/v1/completions", body, request_timeout_s)
+            finally:
+                stopped = _profile(base, "stop_profile", None, request_timeout_s) if started == "" else None
             usage = answer.get("usage") or {}
-            out[phase.name] = {"requests": phase.prompts, "choices": len(answer.get("choices") or []),
-                               "completion_tokens": usage.get("completion_tokens")}
+            entry = {"requests": phase.prompts, "choices": len(answer.get("choices") or []),
+                     "completion_tokens": usage.get("completion_tokens")}
+            if profile:
+                entry["profiled"] = started == "" and stopped == ""
+                if started or stopped:
+                    entry["profiler_error"] = started or stopped
+            out[phase.name] = entry
         return out
     finally:
         if server.poll() is None:
@@ -142,4 +186,5 @@ def run(argv: list[str], *, on_phase=lambda name: None, log_path: str | None = N
         log.close()
 
 
-__all__ = ["CAPTURE_SIZES", "PHASES", "Phase", "run", "serve_argv", "token_prompts", "vllm_command"]
+__all__ = ["CAPTURE_SIZES", "PHASES", "Phase", "profiler_config", "run", "serve_argv", "token_prompts",
+           "vllm_command"]

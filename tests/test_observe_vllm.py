@@ -9,6 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 CELLS = (("b200_sxm", "tp8"), ("b200_sxm", "dep8"), ("b200_sxm", "tp8-mtp"), ("h100_sxm", "tp8"))
+TRACE_DIR = "/tmp/serving-truth-observe-traces"  # only parsed here: the check writes its trace in the cell's dir
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,8 @@ def dry_request(vllm_env, tmp_path_factory):
     rt, pin, _ = vllm_env
     req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in CELLS],
                      run_dir=tmp_path_factory.mktemp("observe-dry"), parallel=2,
-                     serve_args=tuple(serve_argv("MODEL", [])[1:]), slice="slice4", observe_install=True)
+                     serve_args=tuple(serve_argv("MODEL", [], trace_dir=TRACE_DIR)[1:]), slice="slice4",
+                     observe_install=True)
     rt.run(req, lambda *a, **k: None)
     return req
 
@@ -136,3 +138,26 @@ def test_vllm_serve_loads_the_probe_plugin(vllm_env, tmp_path):
     assert header["mode"] == "observe" and header["cell"] == {"system": "b200_sxm", "layout": "tp8"}
     events = [json.loads(line).get("event") for f in files for line in f.read_text().splitlines()[1:]]
     assert "loaded" in events
+
+
+def test_profiler_settings_pass_vllms_checks_and_its_trace_is_read(dry_request, dry_run):
+    """The workload's --profiler-config goes through vLLM's parser into its ProfilerConfig, passes the
+    worker's validation under the simulated CUDA platform and enables the /start_profile and
+    /stop_profile routes; one real session of vLLM's worker profiler (CPU activity: no GPU here),
+    named as a worker names it, writes a trace that probes.traces reads back with its prefix and rank."""
+    from probes.traces import summarize
+
+    for key in CELLS:
+        (check,) = dry_run[key]["observe-profiler-check"]
+        assert check["config"] == {"profiler": "torch", "dir": TRACE_DIR, "activities": ["CUDA"],
+                                   "with_stack": False, "ignore_frontend": True}, key
+        assert check["worker_validation"] == "ok", (key, check)
+        assert check["routes"] == ["/start_profile", "/stop_profile"], (key, check)
+        assert "session_error" not in check, (key, check)
+        prefix = f"check-{key[0]}"
+        assert check["worker_name"] == f"{prefix}_dp0_pp0_tp0_dcp0_ep0_rank0", check
+        (trace,) = summarize(str(dry_request.evidence_dir / f"{key[0]}--{key[1]}" / check["trace_dir"]),
+                             categories=("cpu_op",))
+        assert trace["prefix"] == prefix and trace["rank"] == 0 and trace["tp"] == 0, trace
+        assert trace["file"].endswith(".pt.trace.json.gz") and "error" not in trace, trace
+        assert trace["kernels"]["aten::mm"] == {"direct": 3, "in_graph": 0}, trace["kernels"].get("aten::mm")

@@ -45,6 +45,8 @@ class RunRequest:
     slice: str = ""
     #: after construction, install observe mode's targets and record their status (a test of drift)
     observe_install: bool = False
+    #: observe mode: corroborate the probes with vLLM's torch profiler (one trace per worker and phase)
+    profiler: bool = True
 
     @property
     def evidence_dir(self) -> Path:
@@ -205,6 +207,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "serve_args": list(request.serve_args),
         "slice": request.slice,
         "observe_install": request.observe_install,
+        "profile": request.profiler,
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),
         "learned_imports": list(learned),

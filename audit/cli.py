@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             res = run_selftest(args.pin, lock_path=args.lock)
             for lane, paths in res["fired"].items():
                 out.print(f"{lane}: {', '.join(paths)}")
+            for lane, status in res["profiler"].items():
+                out.print(f"torch.profiler, {lane}: {status}")
+            err.print(f"torch.profiler traces read: {res['profiler_traces']}")
             err.print(f"selftest-gpu passed on {res['system']}; evidence: {res['run_dir']}")
             return ExitCode.OK
         if args.command == "render":

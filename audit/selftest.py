@@ -75,4 +75,8 @@ def run_selftest(pin_name: str = "v0.33.0", *, lock_path: str | Path = "images.l
     result = {lane: sorted(paths) for lane, paths in sorted(fired.items())}
     if missing:
         raise SelftestFailed(missing, result, str(run_dir))
-    return {"system": system.name, "run_dir": str(run_dir), "fired": result}
+    # corroboration is reported, not required: the probes are what the selftest checks
+    profiler = (cell.get("observed") or {}).get("profiler") or {}
+    corroboration = {l["lane"]: l["status"] for l in profiler.get("lanes", [])}
+    return {"system": system.name, "run_dir": str(run_dir), "fired": result, "profiler": corroboration,
+            "profiler_traces": profiler.get("traces", 0)}

@@ -41,6 +41,8 @@ class KernelName:
     pattern: str
     origin: str
     note: str = ""
+    #: other paths that launch this same kernel (so a trace cannot tell them apart by it)
+    shares: tuple[str, ...] = ()
 
     @property
     def origin_kind(self) -> str:

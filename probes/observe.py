@@ -106,7 +106,13 @@ KERNELS: tuple[Kernel, ...] = (
         ("DeepGEMM (batched)", "batched_deep_gemm_moe:BatchedDeepGemmExperts.apply"),
         ("Triton or DeepGEMM / CUTLASS fallback", "fallback:FallbackExperts.apply"),
         ("Triton", "triton_moe:TritonExperts.apply"),
+        ("DeepGEMM FP4", "deep_gemm_moe:DeepGemmFP4Experts.apply"),
+        ("CUTLASS MXFP4", "cutlass_moe:CutlassExpertsMxfp4.apply"),
+        ("OAI Triton MXFP4 (monolithic)", "gpt_oss_triton_kernels_moe:OAITritonMxfp4ExpertsMonolithic.apply"),
+        ("OAI Triton", "gpt_oss_triton_kernels_moe:OAITritonExperts.apply"),
+        ("OAI Triton (unfused)", "gpt_oss_triton_kernels_moe:UnfusedOAITritonExperts.apply"),
     )),
+    Kernel("moe", "B12x", EXPERTS + "b12x:B12xExperts.apply"),
     Kernel("moe", "DeepGEMM MegaMoE", EXPERTS + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.forward",
            layer_attr="layer_id", backend="DeepGemmMegaMoEExperts"),
 )

@@ -43,6 +43,10 @@ class KernelName:
     note: str = ""
     #: other paths that launch this same kernel (so a trace cannot tell them apart by it)
     shares: tuple[str, ...] = ()
+    #: what the build check searches the origin for when it differs from the trace name: CuTe DSL kernels
+    #: are named when compiled (``kernel_cutlass_<function>_<module><class>...``), so their sources
+    #: hold the function or class, not the name a trace shows
+    look_for: str = ""
 
     @property
     def origin_kind(self) -> str:
@@ -53,8 +57,109 @@ class KernelName:
         return self.origin.split(":", 1)[1] if ":" in self.origin else ""
 
 
-#: filled from docs/notes/kernel-names-0.33.md (vLLM 0.33.0); every path of KERNELS has entries
-KERNEL_NAMES: tuple[KernelName, ...] = ()
+KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
+FI_KDA = "flashinfer/kda_kernels"
+MOE_C = "library:vllm/_moe_C*.so"
+VLLM_C = "library:vllm/_C*.so"
+DG_IMPLS = "jit-source:vllm/third_party/deep_gemm/include/deep_gemm/impls"
+DG_GEMMS = r"sm90_fp8_gemm_1d2d_impl|sm100_fp8_fp4_gemm_1d1d_impl|sm120_fp8_fp4_gemm_1d1d_impl"
+HUMMING = ("Humming (indexed)", "Humming (grouped)", "Humming (batched grouped)")
+TRTLLM_MOE = ("TRT-LLM MXFP4 (monolithic)", "TRT-LLM MXFP4 (modular)")
+
+
+def _others(group, me):
+    return tuple(p for p in group if p != me)
+
+
+#: vLLM 0.33.0, researched in docs/notes/kernel-names-0.33.md; every path of KERNELS has entries
+KERNEL_NAMES: tuple[KernelName, ...] = (
+    # -- KDA prefill
+    KernelName("flashkda", r"_flash_kda_fwd_(?:prepare|recurrence)", "library:vllm/_flashkda_C*.so"),
+    KernelName("flashinfer", r"ChunkKdaFwdK[12]_object_at_", "jit-source:" + FI_KDA,
+               look_for=r"class ChunkKdaFwdK[12]\b", note="CuTe DSL, small batch x heads"),
+    KernelName("flashinfer", r"kernel_cutlass_kernel_(?!vllm|flashinfer|tokenspeed)|kernel_cutlass_packed_metadata_kernel",
+               "jit-source:" + FI_KDA, look_for=r"def (?:kernel|kernel_prep|kernel_chain_dv2|packed_metadata_kernel)\(",
+               note="CuTe DSL BT=16 engine; its function is named just `kernel`, so the pattern is weak"),
+    KernelName("flashinfer", r"kernel_flashkda_|kernel_cake_kda_|kernel_flashinfer_recurrent_kda_",
+               "jit-source:flashinfer/data/csrc/kda"),
+    KernelName("flashinfer", r"kernel_cutlass_recurrent_kda_decode_kernel|kernel_cutlass__grouped_kda_kernel",
+               "jit-source:" + FI_KDA, look_for=r"def (?:recurrent_kda_decode_kernel|_grouped_kda_kernel)\(",
+               note="one-token prefill rows"),
+    KernelName("triton chunk_kda", r"^(?:kda_gate_chunk_cumsum_vector_kernel|chunk_kda_fwd_kernel_(?:intra_sub_chunk|"
+               r"intra_token_parallel|inter_solve_fused)|recompute_w_u_fwd_kernel|chunk_gla_fwd_kernel_o)$",
+               "triton:" + KDA),
+    KernelName("triton chunk_kda", r"^chunk_gated_delta_rule_fwd_kernel_h_blockdim64$",
+               "triton:vllm.third_party.flash_linear_attention.ops.chunk_delta_h"),
+    # -- KDA decode
+    KernelName("fused_kda_decode (native)", r"kda_decode_fusion_many_heads_kernel", VLLM_C),
+    KernelName("flashinfer fused decode", r"kernel_cutlass__fused_kda_decode_kernel", "jit-source:" + FI_KDA,
+               look_for=r"def _fused_kda_decode_kernel\("),
+    KernelName("triton packed decode", r"^fused_recurrent_kda_packed_decode_kernel$", "triton:" + KDA),
+    # -- KDA speculative verify
+    KernelName("flashinfer packed fused decode", r"kernel_cutlass__kda_kernel_", "jit-source:" + FI_KDA,
+               look_for=r"def _kda_kernel\("),
+    KernelName("triton fused_recurrent_kda", r"^fused_recurrent_kda_fwd_kernel$", "triton:" + KDA),
+    KernelName("RecoverSSM verify", r"^_kda_recoverssm_verify_kernel$", "triton:vllm.models.kimi_k3.nvidia.ops.recoverssm"),
+    KernelName("RecoverSSM verify", r"KdaTcVerify", "jit-source:vllm/models/kimi_k3/nvidia/recoverssm/cutedsl",
+               look_for=r"class KdaTcVerify2?\b"),
+    # -- MLA decode
+    KernelName("FlashMLA", r"flash_fwd_splitkv_mla_(?:combine_)?kernel|flash_fwd_mla_combine_kernel|get_mla_metadata_kernel",
+               "library:vllm/_flashmla*.so"),
+    KernelName("FlashInfer MLA", r"fmhaSm\d+[a-z]*Kernel_\w*ForGen",
+               "runtime-download:FlashInfer trtllm-gen FMHA cubins (TRTLLM_GEN_FMHA)"),
+    KernelName("FlashInfer MLA", r"fmhaReductionKernel", "jit-source:flashinfer/data/csrc"),
+    KernelName("FlashInfer MLA", r"kernel_cutlass_\w*flashinfercute_dslattention(?:monolithic)?mla_(?:decode|reducer)",
+               "jit-source:flashinfer/cute_dsl/attention",
+               look_for=r"class (?:BlackwellMultiHeadLatentAttentionForwardFP(?:16|8)|MLAReducer)\b"),
+    KernelName("CUTLASS MLA", r"Sm100FmhaMlaKernelTmaWarpspecialized|Sm100FmhaMlaReductionKernel", VLLM_C),
+    KernelName("Triton MLA", r"^(?:_fwd_grouped_kernel_stage1|_fwd_kernel_stage1|_fwd_kernel_stage2)$",
+               "triton:vllm.v1.attention.ops.triton_decode_attention"),
+    KernelName("FlashAttn MLA", r"FlashAttnFwdSm90.*(?:C<64> ?>, 512, |EEELi512E)",
+               "library:vllm/vllm_flash_attn/_vllm_fa3_C*.so", note="FA3 with a 512-wide V head: the MLA decode instance"),
+    KernelName("Tokenspeed MLA", r"kernel_cutlass_\w*tokenspeed_(?:mla)?mla_decode", "jit-source:tokenspeed_mla",
+               look_for=r"def (?:split_kv_kernel|reduction_kernel|mixed_split_kv_kernel)\("),
+    # -- MLA prefill
+    KernelName("FlashAttn prefill", r"FlashAttnFwdSm90(?!.*(?:C<64> ?>, 512, |EEELi512E))",
+               "library:vllm/vllm_flash_attn/_vllm_fa3_C*.so", note="FA3 (SM90)"),
+    KernelName("FlashAttn prefill", r"flash_fwd_(?:splitkv_(?:combine_)?)?kernel",
+               "library:vllm/vllm_flash_attn/_vllm_fa2_C*.so", note="FA2 (SM8x)"),
+    KernelName("FlashAttn prefill", r"kernel_cutlass_kernel_vllmvllm_flash_attncute(?:flash_fwd_sm100FlashAttentionForwardSm100|"
+               r"flash_fwd_combineFlashAttentionForwardCombine|sm100_hd256_2cta_fmha_forwardBlackwellFusedMultiHeadAttentionForward)",
+               "jit-source:vllm/vllm_flash_attn/cute", look_for=r"class (?:FlashAttentionForwardSm100|FlashAttentionForwardCombine)\b",
+               note="FA4 (SM10x); K3's vision tower launches the same kernels"),
+    KernelName("FlashInfer prefill", r"Sm100FmhaFwdKernelTmaWarpspecialized",
+               "jit-source:flashinfer/data/include/flashinfer/attention/blackwell"),
+    KernelName("TRT-LLM ragged prefill", r"fmhaSm\d+[a-z]*Kernel_\w*Context",
+               "runtime-download:FlashInfer trtllm-gen FMHA cubins (TRTLLM_GEN_FMHA)"),
+    KernelName("Tokenspeed prefill", r"kernel_cutlass_\w*tokenspeed_mla_?fmha", "jit-source:tokenspeed_mla",
+               look_for=r"class BlackwellFusedMultiHeadAttentionForward\b"),
+    # -- MoE experts
+    KernelName("Marlin", r"marlin_moe_wna16(?:::|6)Marlin", MOE_C, shares=("Marlin (batched)",)),
+    KernelName("Marlin (batched)", r"marlin_moe_wna16(?:::|6)Marlin", MOE_C, shares=("Marlin",)),
+    *(KernelName(p, r"humming<|_Z7hummingI", "jit-source:humming/kernel", shares=_others(HUMMING, p),
+                 note="humming-kernels package, compiled with NVRTC at run time") for p in HUMMING),
+    *(KernelName(p, r"bmm_\w*MxE2m1", "runtime-download:FlashInfer trtllm-gen batched-GEMM cubins (TRTLLM_GEN_BMM)",
+                 shares=_others(TRTLLM_MOE, p)) for p in TRTLLM_MOE),
+    *(KernelName(p, r"moe(?:::|3)dev(?:::|\d)+(?:finalize|activation|permute|routing|convertsf)",
+                 "jit-source:flashinfer/data/csrc/fused_moe/trtllm_backend", shares=_others(TRTLLM_MOE, p),
+                 look_for=r"__global__.*(?:finalizeKernel|activationKernel|permuteKernel)\(") for p in TRTLLM_MOE),
+    KernelName("FlashInfer CUTLASS", r"GemmUniversalPrecomputedScheduler|SingleWarpgroupPersistentGemm|"
+               r"ScaledAcc(?:PerRowBiasPerColScale|PerColBiasPerRowScale)Scatter",
+               "jit-source:flashinfer/data/csrc/nv_internal"),
+    KernelName("FlashInfer CUTLASS", r"cutlass_kernels(?:::|\d+)(?:expandInputRowsKernel|finalizeMoeRouting(?:NoFilling)?Kernel|"
+               r"do(?:Gated)?ActivationKernel|fusedBuildExpertMapsSortFirstTokenKernel|computeStridesTmaWarpSpecializedKernel)",
+               "jit-source:flashinfer/data/csrc/fused_moe/cutlass_backend",
+               look_for=r"__global__.*(?:expandInputRowsKernel|finalizeMoeRouting(?:NoFilling)?Kernel|do(?:Gated)?ActivationKernel)\("),
+    KernelName("DeepGEMM (batched)", DG_GEMMS, DG_IMPLS,
+               shares=("Triton or DeepGEMM / CUTLASS fallback", "DeepGEMM FP4")),
+    KernelName("Triton or DeepGEMM / CUTLASS fallback", DG_GEMMS, DG_IMPLS, shares=("DeepGEMM (batched)", "DeepGEMM FP4")),
+    KernelName("Triton or DeepGEMM / CUTLASS fallback", r"cutlass_3x_group_gemm", VLLM_C),
+    KernelName("Triton or DeepGEMM / CUTLASS fallback", r"^fused_moe_kernel$",
+               "triton:vllm.model_executor.layers.fused_moe.fused_moe", shares=("Triton",)),
+    KernelName("Triton", r"^fused_moe_kernel$", "triton:vllm.model_executor.layers.fused_moe.fused_moe",
+               shares=("Triton or DeepGEMM / CUTLASS fallback",)),
+    KernelName("DeepGEMM MegaMoE", r"sm100_fp8_fp4_mega_moe(?:_situ)?_impl", DG_IMPLS),
+)
 
 
 def matches(entries, name: str) -> list[KernelName]:
@@ -131,7 +236,7 @@ class _Build:
     def find(self, entry: KernelName) -> tuple[str, list[str]]:
         """(status, examples): ``in build`` with up to three matching names, ``not in build``, or
         ``not checkable`` (downloaded at run time)."""
-        rx = re.compile(entry.pattern)
+        rx = re.compile(entry.look_for or entry.pattern)
         kind, where = entry.origin_kind, entry.origin_where
         hits: list[str] = []
         if kind == "triton":
@@ -157,7 +262,7 @@ def check_build(entries=None, roots=None) -> list[dict]:
     for e in entries:
         try:
             status, examples = build.find(e)
-        except re.error as exc:
+        except re.error as exc:  # a malformed pattern is the map's bug: say so per entry
             status, examples = f"bad pattern: {exc}", []
         out.append({"path": e.path, "pattern": e.pattern, "origin": e.origin, "status": status,
                     "examples": examples})

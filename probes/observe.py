@@ -282,10 +282,11 @@ class ObserveSession:
                         c.end_capture()
             elif name == "replay":
                 def w(graph, *a, **kw):
+                    out = fn(graph, *a, **kw)  # a replay that raised did not run the graph: not counted
                     gid = self._graph_of.get(id(graph))
                     if gid:
                         c.replayed(gid)
-                    return fn(graph, *a, **kw)
+                    return out
             elif name == "add_eager":
                 def w(capture, eager_fn, *a, **kw):
                     # the eager segment runs for real during capture: its calls are executions

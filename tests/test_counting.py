@@ -70,3 +70,44 @@ def test_registration_after_wrapping_keeps_earlier_slots():
     a(1)
     rows = {(r["path"], r["layer"]): r["calls"] for r in c.snapshot()["eager"]}
     assert rows == {("a", 1): 2, ("b", 1): 1}
+
+
+def test_graph_hooks_count_replays_that_ran_and_keep_exceptions(tmp_path):
+    """The observe session's CUDA-graph hooks, installed on a throwaway graph class: calls between
+    capture_begin and capture_end are membership; a replay that raises propagates and is not counted."""
+    import types
+
+    from probes.observe import ObserveSession
+    from probes.recorder import Recorder
+
+    class Graph:
+        broken = False
+
+        def capture_begin(self, pool=None):
+            return "begun"
+
+        def capture_end(self):
+            return "ended"
+
+        def replay(self):
+            if self.broken:
+                raise RuntimeError("replay failed")
+            return "replayed"
+
+    mod = types.ModuleType("fake_graphs")
+    mod.CUDAGraph = Graph
+    session = ObserveSession(Recorder(None), kernels=(), scopes=())
+    for name in ("capture_begin", "capture_end", "replay"):
+        session._wrap_graph(mod, f"fake_graphs:CUDAGraph.{name}")
+    k = session.counters.counting_wrapper(kernel, "k")
+    g = Graph()
+    assert g.capture_begin(pool=1) == "begun"
+    k(1)
+    assert g.capture_end() == "ended"
+    assert g.replay() == "replayed" and g.replay() == "replayed"
+    g.broken = True
+    with pytest.raises(RuntimeError, match="replay failed"):
+        g.replay()
+    (graph,) = session.counters.snapshot()["graphs"]
+    assert graph["replays"] == 2 and [p["path"] for p in graph["paths"]] == ["k"]
+    assert session.counters.snapshot()["eager"] == []

@@ -65,6 +65,8 @@ DG_IMPLS = "jit-source:vllm/third_party/deep_gemm/include/deep_gemm/impls"
 DG_GEMMS = r"sm90_fp8_gemm_1d2d_impl|sm100_fp8_fp4_gemm_1d1d_impl|sm120_fp8_fp4_gemm_1d1d_impl"
 HUMMING = ("Humming (indexed)", "Humming (grouped)", "Humming (batched grouped)")
 TRTLLM_MOE = ("TRT-LLM MXFP4 (monolithic)", "TRT-LLM MXFP4 (modular)")
+OAI = ("OAI Triton MXFP4 (monolithic)", "OAI Triton", "OAI Triton (unfused)")
+OAI_MOD = "vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe"
 
 
 def _others(group, me):
@@ -77,9 +79,11 @@ KERNEL_NAMES: tuple[KernelName, ...] = (
     KernelName("flashkda", r"_flash_kda_fwd_(?:prepare|recurrence)", "library:vllm/_flashkda_C*.so"),
     KernelName("flashinfer", r"ChunkKdaFwdK[12]_object_at_", "jit-source:" + FI_KDA,
                look_for=r"class ChunkKdaFwdK[12]\b", note="CuTe DSL, small batch x heads"),
-    KernelName("flashinfer", r"kernel_cutlass_kernel_(?!vllm|flashinfer|tokenspeed)|kernel_cutlass_packed_metadata_kernel",
+    KernelName("flashinfer", r"^kernel_cutlass_(?:kernel|kernel_prep|kernel_chain_dv2)_(?!vllm|flashinfer|tokenspeed|b12x)"
+               r"(?!.*_object_at_)|^kernel_cutlass_packed_metadata_kernel",
                "jit-source:" + FI_KDA, look_for=r"def (?:kernel|kernel_prep|kernel_chain_dv2|packed_metadata_kernel)\(",
-               note="CuTe DSL BT=16 engine; its function is named just `kernel`, so the pattern is weak"),
+               note="CuTe DSL BT=16 engine: free functions (a method kernel's name carries `<module><Class>_object_at_`); "
+                    "FlashInfer's free GEMM function `kernel` would match too"),
     KernelName("flashinfer", r"kernel_flashkda_|kernel_cake_kda_|kernel_flashinfer_recurrent_kda_",
                "jit-source:flashinfer/data/csrc/kda"),
     KernelName("flashinfer", r"kernel_cutlass_recurrent_kda_decode_kernel|kernel_cutlass__grouped_kda_kernel",
@@ -151,7 +155,7 @@ KERNEL_NAMES: tuple[KernelName, ...] = (
                "jit-source:flashinfer/data/csrc/fused_moe/cutlass_backend",
                look_for=r"__global__.*(?:expandInputRowsKernel|finalizeMoeRouting(?:NoFilling)?Kernel|do(?:Gated)?ActivationKernel)\("),
     KernelName("DeepGEMM (batched)", DG_GEMMS, DG_IMPLS,
-               shares=("Triton or DeepGEMM / CUTLASS fallback", "DeepGEMM FP4")),
+               shares=("Triton or DeepGEMM / CUTLASS fallback", "DeepGEMM FP4")),  # sm90_* is FP8 only: not FP4's
     KernelName("Triton or DeepGEMM / CUTLASS fallback", DG_GEMMS, DG_IMPLS, shares=("DeepGEMM (batched)", "DeepGEMM FP4")),
     KernelName("Triton or DeepGEMM / CUTLASS fallback", r"cutlass_3x_group_gemm", VLLM_C),
     KernelName("Triton or DeepGEMM / CUTLASS fallback", r"^fused_moe_kernel$",
@@ -159,6 +163,23 @@ KERNEL_NAMES: tuple[KernelName, ...] = (
     KernelName("Triton", r"^fused_moe_kernel$", "triton:vllm.model_executor.layers.fused_moe.fused_moe",
                shares=("Triton or DeepGEMM / CUTLASS fallback",)),
     KernelName("DeepGEMM MegaMoE", r"sm100_fp8_fp4_mega_moe(?:_situ)?_impl", DG_IMPLS),
+    KernelName("DeepGEMM FP4", r"sm100_fp8_fp4_gemm_1d1d_impl|sm120_fp8_fp4_gemm_1d1d_impl", DG_IMPLS,
+               shares=("DeepGEMM (batched)", "Triton or DeepGEMM / CUTLASS fallback"),
+               note="K3's second MXFP4 choice (SM100 and SM120 families)"),
+    KernelName("B12x", r"kernel_cutlass_kernel_b12xmoe_sharedkernels",
+               "jit-source:flashinfer/experimental/b12x/moe/_shared/kernels",
+               look_for=r"class (?:MoEDynamicKernelSitu|W4A16FusedMoeKernel|W4A16TopKSumKernel)\b",
+               note="CuTe DSL, SM120/121 only, --moe-backend b12x"),
+    KernelName("CUTLASS MXFP4", r"MainloopSm100ArrayTmaUmmaWarpSpecializedBlockScaled.*float_e2m1_t(?:, cutlass::|ENS_13)"
+               r"float_ue8m0_t.*SM100_MMA_MXF4_SS|mxfp4_cvt_fp16_to_fp4|__mxfp4_get_group_gemm_starts", VLLM_C,
+               note="not reachable for K3 in 0.33 (no --moe-backend maps to it)"),
+    *(KernelName(p, r"^_(?:p_)?matmul_ogs_[NT]{3}_", "triton:vllm.third_party.triton_kernels.matmul_ogs_details",
+                 look_for=r"^_(?:p_)?matmul_ogs$", shares=_others(OAI, p),
+                 note="triton_kernels names its specialisations (layout, dtypes, tile, fused activation)") for p in OAI),
+    KernelName("OAI Triton MXFP4 (monolithic)", r"^_topk_forward$", "triton:vllm.third_party.triton_kernels.topk_details"),
+    KernelName("OAI Triton", r"^pack_bitmatrix$", "triton:" + OAI_MOD, shares=("OAI Triton (unfused)",)),
+    KernelName("OAI Triton (unfused)", r"^pack_bitmatrix$", "triton:" + OAI_MOD, shares=("OAI Triton",)),
+    KernelName("OAI Triton (unfused)", r"^_masked_topk_sum_kernel$", "triton:" + OAI_MOD),
 )
 
 
@@ -233,7 +254,7 @@ class _Build:
                 self._text[path] = ""
         return self._text[path]
 
-    def find(self, entry: KernelName) -> tuple[str, list[str]]:
+    def find(self, entry: KernelName, limit: int | None = 200, count: int | None = 3) -> tuple[str, list[str]]:
         """(status, examples): ``in build`` with up to three matching names, ``not in build``, or
         ``not checkable`` (downloaded at run time)."""
         rx = re.compile(entry.look_for or entry.pattern)
@@ -251,21 +272,22 @@ class _Build:
                     hits.append(f"{os.path.basename(path)}: {m.group(0)}")
         else:
             return "not checkable", []
-        return ("in build" if hits else "not in build"), [h[:200] for h in hits[:3]]
+        return ("in build" if hits else "not in build"), [h[:limit] for h in hits[:count]]
 
 
-def check_build(entries=None, roots=None) -> list[dict]:
-    """Each entry of the map with what the installed build holds for it (see :meth:`_Build.find`)."""
+def check_build(entries=None, roots=None, *, example_chars: int | None = 200, examples: int | None = 3) -> list[dict]:
+    """Each entry of the map with what the installed build holds for it (see :meth:`_Build.find`): up to
+    *examples* matching names (None: all), each cut to *example_chars* (None: whole)."""
     entries = KERNEL_NAMES if entries is None else entries
     build = _Build(sys.path if roots is None else roots)
     out = []
     for e in entries:
         try:
-            status, examples = build.find(e)
+            status, found = build.find(e, example_chars, examples)
         except re.error as exc:  # a malformed pattern is the map's bug: say so per entry
-            status, examples = f"bad pattern: {exc}", []
+            status, found = f"bad pattern: {exc}", []
         out.append({"path": e.path, "pattern": e.pattern, "origin": e.origin, "status": status,
-                    "examples": examples})
+                    "examples": found})
     return out
 
 

@@ -162,3 +162,54 @@ def test_profiler_settings_pass_vllms_checks_and_its_trace_is_read(dry_request, 
         assert trace["prefix"] == prefix and trace["rank"] == 0 and trace["tp"] == 0, trace
         assert trace["file"].endswith(".pt.trace.json.gz") and "error" not in trace, trace
         assert trace["kernels"]["aten::mm"] == {"direct": 3, "in_graph": 0}, trace["kernels"].get("aten::mm")
+
+
+def test_observe_agent_records_the_map_and_its_profiler_wiring_without_a_gpu(vllm_env, tmp_path):
+    """The observe agent as a runtime starts it, in the pinned environment: before serving it looks the
+    kernel-name map up in this build; `vllm serve` gets the profiler config pointing into the cell's
+    evidence directory; serving fails here (no GPU) and the agent still records that no trace was
+    written, which the ledger says plainly instead of corroborating anything."""
+    import json
+    import subprocess
+
+    from audit import evidence, routing
+    from audit.profiles import KIMI_K3
+    from audit.render import render_ledger
+    from audit.runtimes import RunRequest
+    from audit.runtimes.base import observe_env, stage_probes, write_model_dirs, write_plan
+    from audit.systems import SYSTEMS, Layout
+    from probes.kernel_names import KERNEL_NAMES
+
+    rt, pin, env = vllm_env
+    stub = rt.ensure_stub(env)
+    layout = Layout("tp1", "one process", ("--tensor-parallel-size", "1"), 1)
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS["b200_sxm"], layout)], run_dir=tmp_path,
+                     mode="observe", slice="slice4")
+    write_model_dirs(req)
+    stage_probes(tmp_path)
+    out = req.evidence_dir / "b200_sxm--tp1"
+    out.mkdir(parents=True)
+    plan = write_plan(req, model_dir=str(tmp_path / "model"), stub_libcuda="", out_dir=str(req.evidence_dir))
+    run_env = {**rt._env(env, stub, tmp_path, tmp_path), **observe_env(str(out), "b200_sxm--tp1")}
+    r = subprocess.run([str(env / "bin" / "python"), "-m", "probes.observe_agent", str(plan), "0"], env=run_env,
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 1, r.stderr[-3000:]  # the workload failed: no GPU
+    recs = {}
+    for f in evidence.read_dir(req.evidence_dir):
+        for rec in f.records:
+            recs.setdefault(rec["kind"], []).append(rec)
+    (kmap,) = recs["kernel-map"]
+    assert [(e["path"], e["pattern"]) for e in kmap["entries"]] == [(e.path, e.pattern) for e in KERNEL_NAMES]
+    assert {e["status"] for e in kmap["entries"]} == {"in build", "not checkable"}
+    (job,) = recs["job"]
+    config = json.loads(job["argv"][job["argv"].index("--profiler-config") + 1])
+    assert config["profiler"] == "torch" and config["torch_profiler_dir"] == str(out / "traces")
+    (work,) = recs["workload"]
+    assert work["ok"] is False and "before it was ready" in work["error"]["message"]
+    (traces,) = recs["profiler-traces"]
+    assert traces["traces"] == [] and "error" not in traces
+    built = routing.build_routing(evidence.read_dir(req.evidence_dir), KIMI_K3, pin=pin.as_provenance(),
+                                  expected=[("b200_sxm", "tp1")])
+    pf = built["cells"][0]["observed"]["profiler"]
+    assert pf["traces"] == 0 and pf["map_not_in_build"] == []
+    assert "configured but wrote no trace" in render_ledger(built, profile_title="Kimi-K3", reproduce="make audit")

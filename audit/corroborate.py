@@ -35,8 +35,13 @@ def corroborate(files, observed: dict) -> dict | None:
     map_rec = _one(files, "kernel-map")
     if traces_rec is None and map_rec is None:
         return None
-    entries = [e for e in (map_rec or {}).get("entries", []) if not str(e.get("status", "")).startswith("bad")]
-    compiled = [(e, re.compile(e["pattern"])) for e in entries]
+    entries, compiled = [], []
+    for e in (map_rec or {}).get("entries", []):
+        try:
+            compiled.append((e, re.compile(e["pattern"])))
+        except (re.error, KeyError, TypeError):  # a broken entry reads no trace (the build check says why)
+            continue
+        entries.append(e)
     lane_of_path = {e["path"]: e.get("lane", "?") for e in entries}
     traces = (traces_rec or {}).get("traces", [])
     readable = [t for t in traces if "error" not in t]
@@ -58,7 +63,7 @@ def corroborate(files, observed: dict) -> dict | None:
                 k["ranks"].add(str(t["rank"]))
 
     seen_paths: dict[str, dict] = {}     # path -> launches the traces attribute to it
-    profiler_only: dict[str, dict] = {}  # lane -> {paths: set, kernels: [...]}
+    profiler_only: dict[str, set[str]] = defaultdict(set)  # lane -> paths only the traces show
     unmapped = []
     for name, k in sorted(kernels.items()):
         hit = sorted({e["path"] for e, rx in compiled if rx.search(name)})
@@ -79,8 +84,7 @@ def corroborate(files, observed: dict) -> dict | None:
                 if len(s["examples"]) < 2:
                     s["examples"].append(_short(name))
             if not explained:
-                po = profiler_only.setdefault(lane, {"paths": set()})
-                po["paths"].update(candidates)
+                profiler_only[lane].update(candidates)
 
     mapped = set(lane_of_path)
     lanes = []
@@ -88,7 +92,7 @@ def corroborate(files, observed: dict) -> dict | None:
         ran = sorted(probes.get(lane, ()))
         only_probes = [p for p in ran if p in mapped and p not in seen_paths]
         no_map = [p for p in ran if p not in mapped]
-        only_profiler = sorted(profiler_only.get(lane, {}).get("paths", ()))
+        only_profiler = sorted(profiler_only.get(lane, ()))
         if not readable:
             status = "no traces"
         elif only_profiler or only_probes:

@@ -19,6 +19,9 @@ import os
 import sys
 import traceback
 
+#: where vLLM's workers write their torch.profiler traces, inside the cell's evidence directory
+TRACE_DIR = "traces"
+
 
 def main(argv: list[str] | None = None) -> int:
     from .agent import read_plan
@@ -61,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
             session.flush()
         rec.flush()
     return code
-
-
-TRACE_DIR = "traces"
 
 
 def record_kernel_map(rec) -> None:

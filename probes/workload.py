@@ -111,20 +111,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float) -> dict:
+def _send(url: str, body: dict, timeout: float) -> bytes:
+    """POST *body* as JSON; the response body (raises on HTTP errors)."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
+        return resp.read()
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    return json.loads(_send(url, body, timeout))
 
 
 def _profile(base: str, what: str, body: dict | None, timeout: float) -> str:
     """POST /start_profile or /stop_profile; "" when vLLM accepted it, else why not."""
     try:
-        req = urllib.request.Request(base + "/" + what, data=json.dumps(body or {}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return "" if resp.status == 200 else f"HTTP {resp.status}"
+        _send(base + "/" + what, body or {}, timeout)
+        return ""
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}: {exc.read()[:300].decode(errors='replace')}"
     except (urllib.error.URLError, OSError) as exc:

@@ -11,6 +11,9 @@ CLUSTER ?=
 MODE    ?= resolve
 SLICE   ?=
 PROFILER ?= 1
+EXPECTATIONS ?=
+BASELINE ?=
+REPLACE ?=
 BIN     := $(VENV)/bin
 
 .PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve selftest-gpu
@@ -27,10 +30,16 @@ $(VENV)/.installed: pyproject.toml
 env: setup
 	$(BIN)/serving-truth env $(PIN)
 
+# make exits 2 whenever a recipe fails, whatever the tool's code; the recipe prints the tool's own exit
+# code (0 ok, 1 findings, 2 bad input, 3 environment, 4 run failed/INCOMPLETE, 5 report not written,
+# 70 internal error, 130 interrupted). A CI gate that needs the code calls .venv/bin/serving-truth directly.
 audit: setup
-	$(BIN)/serving-truth audit $(PIN) --runtime $(RUNTIME) --systems $(SYSTEMS) --layouts $(LAYOUTS) \
+	@$(BIN)/serving-truth audit $(PIN) --runtime $(RUNTIME) --systems $(SYSTEMS) --layouts $(LAYOUTS) \
 		--lock $(LOCK) --mode $(MODE) $(if $(SLICE),--slice $(SLICE)) $(if $(filter 0,$(PROFILER)),--no-profiler) \
-		$(if $(PASS_ENV),--pass-env $(PASS_ENV)) $(if $(CLUSTER),--cluster $(CLUSTER))
+		$(if $(PASS_ENV),--pass-env $(PASS_ENV)) $(if $(CLUSTER),--cluster $(CLUSTER)) \
+		$(if $(EXPECTATIONS),--expectations $(EXPECTATIONS)) $(if $(BASELINE),--baseline $(BASELINE)) \
+		$(if $(filter 1,$(REPLACE)),--replace) \
+		|| { rc=$$?; echo "serving-truth audit exited $$rc (see README: exit codes)" >&2; exit $$rc; }
 
 # On a host with one NVIDIA GPU: serve the smallest K3 slice and check that every lane's probes fired.
 selftest-gpu: setup

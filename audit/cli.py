@@ -37,7 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--lock", default="images.lock", help="path to images.lock")
     a.add_argument("--reports", default="reports", help="reports directory")
     a.add_argument("--parallel", type=int, default=2, help="processes resolving at once (default 2)")
-    a.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    a.add_argument("--timeout", type=_seconds, default=None, help="give up after this many seconds")
+    a.add_argument("--replace", action="store_true",
+                   help="let a subset audit (some systems or layouts) replace a fuller reports/<pin>/ "
+                        "(by default it is written beside its run)")
     a.add_argument("--baseline", default=None, help="an audited pin to show 'changes since' against in the ledger")
     a.add_argument("--expectations", default="auto",
                    help="claims to judge (default: expectations/<model>.toml if present; 'none' for no verdicts)")
@@ -52,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--baseline", default=None, help="an audited pin to show 'changes since' against")
     r.add_argument("--expectations", default="auto", help="claims to judge ('none' for no verdicts)")
     r.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
+    r.add_argument("--replace", action="store_true",
+                   help="let a subset run replace a fuller reports/<pin>/ (by default it is written beside the run)")
 
     d = sub.add_parser("diff", help="render reports/diffs/<from>..<to>.md from two audited pins")
     d.add_argument("from_pin")
@@ -78,6 +83,18 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("pin")
     e.add_argument("--lock", default="images.lock")
     return p
+
+
+def _seconds(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
+    return value
 
 
 def _positive(value: int, name: str) -> int:
@@ -137,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             from .core import render_run
 
             o = render_run(args.run_dir, lock_path=args.lock, reports_dir=args.reports, baseline=args.baseline,
-                           expectations=args.expectations)
+                           expectations=args.expectations, replace=args.replace)
+            _say_where(o, err)
             out.print(str(o.ledger))
             return _findings_exit(o, args.strict, err)
         return _audit(args, out, err)
@@ -152,6 +170,39 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(exc, "kind", None) in ("timeout", "exited"):
             err.print("reports/ was not changed")
         return int(exc.exit_code)
+    except OSError as exc:  # the disk, not the harness: full, read-only, gone
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        err.print(f"[red]error:[/red] {_escape(exc.strerror or str(exc))}{_escape(where)}; no report was changed")
+        return ExitCode.REPORT_WRITE
+    except Exception as exc:  # a bug in the harness: never exit 1, which a gate reads as findings
+        log = _crash_log()
+        err.print(f"[red]internal error:[/red] {_escape(type(exc).__name__)}: {_escape(str(exc)[:300])}")
+        err.print(f"the traceback is in {log}; please report it" if log else "(the traceback could not be saved)")
+        return ExitCode.INTERNAL
+
+
+def _crash_log() -> str | None:
+    """Write the current exception's traceback to a file of its own; its path, or None."""
+    import os
+    import tempfile
+    import time
+    import traceback
+
+    text = traceback.format_exc()
+    for root in (os.environ.get("SERVING_TRUTH_CACHE"), os.path.expanduser("~/.cache/serving-truth"),
+                 tempfile.gettempdir()):
+        if not root:
+            continue
+        try:
+            d = os.path.join(root, "crash-logs")
+            os.makedirs(d, exist_ok=True)
+            path = os.path.join(d, time.strftime("crash-%Y%m%dT%H%M%SZ-", time.gmtime()) + f"{os.getpid()}.log")
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            return path
+        except OSError:
+            continue
+    return None
 
 
 def _escape(text: str) -> str:
@@ -227,7 +278,7 @@ def _audit(args, out, err) -> int:
                             timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
                             baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
                             cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name,
-                            profiler=args.profiler)
+                            profiler=args.profiler, replace=args.replace)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
         err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")
@@ -239,8 +290,18 @@ def _audit(args, out, err) -> int:
     if outcome.drift:
         err.print(f"[yellow]warning:[/yellow] {outcome.drift} probe target(s) drifted; see the ledger's Probe drift")
     err.print(f"evidence: {outcome.run_dir}")
+    _say_where(outcome, err)
     out.print(str(outcome.ledger))
     return _findings_exit(outcome, args.strict, err)
+
+
+def _say_where(outcome, err) -> None:
+    if outcome.subset_of:
+        err.print(f"[yellow]note:[/yellow] reports/{outcome.pin}/ holds a fuller audit ({outcome.subset_of} cells) "
+                  f"than this subset; it was left as it is and this ledger written beside the run "
+                  "(--replace to overwrite it)")
+    if not outcome.judged:
+        err.print("[yellow]note:[/yellow] no claims were judged (--expectations none)")
 
 
 def _lock_resolve(args, out, err) -> int:
@@ -255,15 +316,21 @@ def _lock_resolve(args, out, err) -> int:
 
 
 def _findings_exit(outcome, strict: bool, err) -> int:
-    """FINDINGS (1) when a claim is contradicted (MISMATCH) or its layers crashed (CRASH); with
-    --strict also when a lane is UNVERIFIED. The ledger is written either way."""
+    """FINDINGS (1) when a claim is contradicted (MISMATCH, SILENT_FALLBACK, RANK_DISAGREE), its layers
+    crashed (CRASH), or a required probe target drifted; with --strict also when a lane is UNVERIFIED
+    (which includes claims the audit could not judge). The ledger is written either way."""
+    from .verdicts import FAILING
+
+    drifted = outcome.required_drift or []
+    if drifted:
+        err.print(f"[red]required probe target(s) drifted[/red] ({', '.join(drifted)}): the audit could not look "
+                  "where it must; see the ledger's Probe drift")
     v = outcome.verdicts
     if not v:
-        return ExitCode.OK
+        return ExitCode.FINDINGS if drifted else ExitCode.OK
     err.print("verdicts: " + ", ".join(f"{k} {n}" for k, n in v.items() if n))
-    failing = v.get("MISMATCH", 0) + v.get("CRASH", 0) + v.get("RANK_DISAGREE", 0) + \
-        (v.get("UNVERIFIED", 0) if strict else 0)
-    return ExitCode.FINDINGS if failing else ExitCode.OK
+    failing = sum(v.get(k, 0) for k in FAILING) + (v.get("UNVERIFIED", 0) if strict else 0)
+    return ExitCode.FINDINGS if failing or drifted else ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import evidence, lock as lockmod, routing as routingmod
-from .errors import AuditError, EvidenceError, RunAborted, UsageError
+from .errors import AuditError, EvidenceError, ReportWriteError, RunAborted, RunIncomplete, UsageError
 from .profiles import KIMI_K3, Profile
-from .fsutil import write_atomic
-from .render import write_report
-from .runtimes import RunRequest, get_runtime
+from .fsutil import DirLock, replace_dir, write_atomic
+from .render import report_files
+from .runtimes import RunRequest, get_runtime, refresh_missing
 from .runtimes.base import Progress, new_run_dir, prune_runs
 from .systems import LAYOUTS, SYSTEMS, select
 
@@ -30,15 +31,30 @@ class AuditOutcome:
     verdicts: dict | None = None
     #: submitted to a batch system and not rendered yet (slurm --no-wait)
     pending: bool = False
+    #: required probe targets that drifted (the audit could not look where it must)
+    required_drift: list = None
+    #: whether claims were judged (False: --expectations none)
+    judged: bool = True
+    #: a subset audit written beside the run: the cell count of the fuller report it did not replace
+    subset_of: int | None = None
 
 
-def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True) -> str:
+def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True,
+                      lock: str = "images.lock", expectations: str = "auto", baseline: str = "") -> str:
+    """The command that audits the same inputs again (the lock and expectations when not the defaults)."""
+    lock = _display(Path(lock)) if lock != "images.lock" else lock
     if not cuda_toolkit:
         cmd = f"serving-truth audit {pin} --runtime {runtime} --no-cuda-toolkit"
         if len(systems) != len(SYSTEMS):
             cmd += " --systems " + ",".join(s.name for s in systems)
         if len(layouts) != len(LAYOUTS):
             cmd += " --layouts " + ",".join(l.name for l in layouts)
+        if lock != "images.lock":
+            cmd += f" --lock {lock}"
+        if expectations != "auto":
+            cmd += f" --expectations {expectations}"
+        if baseline:
+            cmd += f" --baseline {baseline}"
         return cmd
     cmd = f"make audit PIN={pin}"
     if runtime != "local":
@@ -47,6 +63,12 @@ def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda
         cmd += " SYSTEMS=" + ",".join(s.name for s in systems)
     if len(layouts) != len(LAYOUTS):
         cmd += " LAYOUTS=" + ",".join(l.name for l in layouts)
+    if lock != "images.lock":
+        cmd += f" LOCK={lock}"
+    if expectations != "auto":
+        cmd += f" EXPECTATIONS={expectations}"
+    if baseline:
+        cmd += f" BASELINE={baseline}"
     return cmd
 
 
@@ -57,11 +79,20 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               cuda_toolkit: bool = True, baseline: str | None = None,
               expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
               wait: bool = True, mode: str = "resolve", slice_name: str = "",
-              profiler: bool = True) -> AuditOutcome:
+              profiler: bool = True, replace: bool = False) -> AuditOutcome:
+    import math
+
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
+                                      and timeout_s > 0):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
+    if not isinstance(parallel, int) or parallel < 1:
+        raise UsageError(f"--parallel must be at least 1, got {parallel!r}")
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
+    report_dir_for(reports_dir, pin.name)  # a pin that cannot name a report directory is bad input
     if baseline:
         lock.get(baseline)  # an unknown baseline is bad input, before any work
+        report_dir_for(reports_dir, baseline)
     load_expectations(expectations, lock_path=lock_path, profile=profile)  # bad expectations fail early too
     sys_sel = select("system", systems, SYSTEMS)
     lay_sel = select("layout", layouts, LAYOUTS)
@@ -77,7 +108,9 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                          hint="known slices: " + ", ".join(profile.slices))
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
                          timeout_s=timeout_s, mode=mode, slice=slice_name, profiler=profiler)
-    reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit)
+    reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit, lock=str(lock_path),
+                                  expectations=str(expectations) if expectations not in (None, "") else "none",
+                                  baseline=baseline or "")
     if mode == "observe":
         reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "") + ("" if profiler else " PROFILER=0")
     try:
@@ -96,7 +129,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         return AuditOutcome(pin=pin.name, report_dir=Path(reports_dir) / pin.name, ledger=None, routing_path=None,
                             run_dir=run_dir, cells=len(cells), incomplete=0, partial=0, drift=0, pending=True)
     outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline,
-                         expectations=expectations)
+                         expectations=expectations, replace=replace or (len(sys_sel) == len(SYSTEMS)
+                                                                         and len(lay_sel) == len(LAYOUTS)))
     prune_runs(pin)
     return outcome
 
@@ -108,7 +142,7 @@ def _write_run_json(request: RunRequest, profile: Profile, run_info: dict, missi
     meta = {"pin": request.pin.name, "profile": profile.name, "run": run_info,
             "cells": [[s.name, l.name] for s, l in request.cells],
             "missing": [[k[0], k[1], v] for k, v in sorted(missing.items())]}
-    (request.run_dir / "run.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+    write_atomic(request.run_dir / "run.json", json.dumps(meta, indent=1, sort_keys=True))
 
 
 def _render_aborted(exc: RunAborted, request: RunRequest, *, pin, profile: Profile, lock_path, reproduce: str,
@@ -124,75 +158,190 @@ def _render_aborted(exc: RunAborted, request: RunRequest, *, pin, profile: Profi
                             "log_tail": exc.log_tail}}
     _write_run_json(request, profile, run_info, missing)
     try:
-        outcome = render_run(request.run_dir, lock_path=lock_path, reports_dir=request.run_dir / INCOMPLETE_REPORTS,
-                             expectations=expectations)
+        outcome = render_run(request.run_dir, lock_path=lock_path, expectations=expectations, _beside_run=True)
     except AuditError:
         return None
     return outcome.ledger
 
 
 def load_expectations(spec: str | None, *, lock_path, profile: Profile):
-    """``auto``: expectations/<model>.toml beside images.lock when it exists; ``none``: no verdicts."""
-    from .expectations import load
+    """``auto``: ``expectations/<model>.toml`` beside images.lock, else in the working directory (a lock
+    copied elsewhere still finds the project's claims); ``none``: no verdicts, said in the ledger. ``auto``
+    that finds no file is bad input, never a silent "nothing judged"."""
+    from .expectations import ExpectationsError, load
 
     if spec in (None, "none", ""):
         return None, ""
     if spec == "auto":
-        path = Path(lock_path).resolve().parent / "expectations" / f"{profile.name}.toml"
-        if not path.exists():
-            return None, ""
-        return load(path), f"expectations/{profile.name}.toml"
-    return load(spec), str(spec)
+        rel = Path("expectations") / f"{profile.name}.toml"
+        places = list(dict.fromkeys([Path(lock_path).resolve().parent / rel, Path.cwd().resolve() / rel]))
+        path = next((p for p in places if p.is_file()), None)
+        if path is None:
+            raise UsageError(f"no claims to judge: {' nor '.join(str(p) for p in places)} exists",
+                             hint="pass --expectations FILE, or --expectations none to audit without verdicts")
+        exp, shown = load(path), _display(path)
+    else:
+        exp, shown = load(spec), str(spec)
+    for key, want in (("model", profile.name), ("architecture", profile.architecture)):
+        if getattr(exp, key) != want:
+            raise ExpectationsError(f"claims are about {key} {getattr(exp, key)!r}, this audit is of {want!r}",
+                                    path=str(exp.path), hint=f"use the expectations file written for {want}")
+    return exp, shown
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+def report_dir_for(reports_dir: str | Path, pin: str) -> Path:
+    """``reports/<pin>``; a pin name that is no plain directory name (or is ``diffs``) is refused."""
+    if not _SAFE_NAME.match(pin) or pin == "diffs" or ".." in pin:
+        raise UsageError(f"pin name {pin!r} cannot name a report directory",
+                         hint="pin names are letters, digits and . _ + - (not 'diffs', no '..')")
+    return Path(reports_dir) / pin
+
+
+def _read_run_json(run_dir: Path) -> dict:
+    if not run_dir.exists():
+        raise UsageError(f"{run_dir} is not a finished run directory (no run.json)",
+                         hint="pass a directory printed by `serving-truth audit`")
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir} is a file, not a run directory",
+                         hint="pass a directory printed by `serving-truth audit`")
+    path = run_dir / "run.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{run_dir} is not a finished run directory (no run.json)",
+                         hint="pass a directory printed by `serving-truth audit`") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise EvidenceError(f"unreadable run record: {exc}", path=str(path),
+                            hint="the run directory is damaged; re-run the audit") from None
+    shape = {"pin": str, "profile": str, "run": dict, "cells": list, "missing": list}
+    bad = [k for k, t in shape.items() if not isinstance(meta, dict) or not isinstance(meta.get(k), t)]
+    if bad:
+        raise EvidenceError(f"not a run record written by this harness (bad or missing: {', '.join(bad)})",
+                            path=str(path), hint="the run directory is damaged; re-run the audit")
+    try:
+        meta["cells"] = [(str(s), str(l)) for s, l in meta["cells"]]
+        meta["missing"] = [(str(s), str(l), dict(info)) for s, l, info in meta["missing"]]
+    except (TypeError, ValueError):
+        raise EvidenceError("malformed cells or missing entries", path=str(path),
+                            hint="the run directory is damaged; re-run the audit") from None
+    return meta
 
 
 def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
                reports_dir: str | Path = "reports", baseline: str | None = None,
-               expectations: str | None = "auto") -> AuditOutcome:
-    """(Re)build routing.json and ledger.md from a run directory's evidence; idempotent."""
-    run_dir = Path(run_dir)
-    try:
-        meta = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{run_dir} is not a finished run directory (no run.json)",
-                         hint="pass a directory printed by `serving-truth audit`") from None
-    pin = lockmod.load(lock_path).get(meta["pin"])
-    profile = {KIMI_K3.name: KIMI_K3}[meta["profile"]]
-    files = evidence.read_dir(run_dir / "evidence")
-    expected = [tuple(c) for c in meta["cells"]]
-    missing = {(s, l): info for s, l, info in meta["missing"]}
-    if meta["run"].get("slurm") and (run_dir / "jobs.json").exists():
-        from .runtimes.slurm import refresh
+               expectations: str | None = "auto", replace: bool = True, _beside_run: bool = False) -> AuditOutcome:
+    """(Re)build routing.json and ledger.md from a run directory's evidence; idempotent.
 
-        missing = refresh(run_dir)  # JobsPending while any job has not ended
-        meta["run"]["slurm"].pop("pending", None)
+    Only a run in which every cell left evidence may replace ``reports/<pin>/``. A run that was aborted,
+    or one with cells that never finished, renders its INCOMPLETE ledger beside the run and raises
+    :class:`RunIncomplete`. With ``replace=False`` a run whose cells are fewer than the committed report's
+    (a subset audit) writes beside the run too, and the outcome says so.
+    """
+    run_dir = Path(run_dir)
+    meta = _read_run_json(run_dir)
+    lock = lockmod.load(lock_path)
+    pin = lock.get(meta["pin"])
+    profile = {KIMI_K3.name: KIMI_K3}.get(meta["profile"])
+    if profile is None:
+        raise EvidenceError(f"unknown model profile {meta['profile']!r}", path=str(run_dir / "run.json"))
+    missing = {(s, l): info for s, l, info in meta["missing"]}
+    refreshed = refresh_missing(run_dir, meta["run"])  # JobsPending while a batch job has not ended
+    if refreshed is not None:
+        missing = refreshed
+        meta["run"].get("slurm", {}).pop("pending", None)
         meta["missing"] = [[k[0], k[1], v] for k, v in sorted(missing.items())]
         write_atomic(run_dir / "run.json", json.dumps(meta, indent=1, sort_keys=True))
-    if not files and not meta["run"].get("aborted"):
-        raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}")
-    routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=expected,
-                                       missing=missing, run=meta["run"])
+    files = evidence.read_dir(run_dir / "evidence")
+    aborted = bool(meta["run"].get("aborted"))
+    if not files and not aborted:
+        raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}",
+                            hint="every cell's process died before writing evidence; see the logs there")
+    routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=meta["cells"],
+                                       missing=missing, run=meta["run"], scrub=_machine_paths(run_dir))
     exp, exp_path = load_expectations(expectations, lock_path=lock_path, profile=profile)
     if exp is not None:
         from .verdicts import attach
 
         attach(routing, exp, display_path=exp_path)
-    report_dir = Path(reports_dir) / pin.name
+    else:
+        routing["verdicts_skipped"] = "no expectations were given (--expectations none): no claim was judged"
+    unfinished = [(c["system"], c["layout"]) for c in routing["cells"] if c["status"] == "INCOMPLETE"]
+    incomplete = aborted or bool(unfinished)
+    if incomplete and not aborted and not _beside_run:
+        routing["run"]["aborted"] = {
+            "kind": "cells-missing", "returncode": None, "log_tail": "",
+            "message": f"{len(unfinished)} of {len(routing['cells'])} cell(s) left no evidence "
+                       "(their process died, was killed or its job failed)"}
+    beside = _beside_run or incomplete
+    target_root = run_dir / INCOMPLETE_REPORTS if beside else Path(reports_dir)
+    report_dir = report_dir_for(target_root, pin.name)
+    subset_of = None
+    if not beside and not replace:
+        subset_of = _fuller_report(report_dir, meta["cells"])
+        if subset_of:
+            report_dir = report_dir_for(run_dir / "report", pin.name)
     changes = None
-    if baseline:
+    if baseline and not beside:
         from .diff import diff_routings, load_routing
 
         changes = diff_routings(load_routing(Path(reports_dir), baseline), routing)
-    write_report(report_dir, routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"],
-                 changes=changes)
+    files_out = report_files(routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"],
+                             changes=changes)
+    try:
+        with DirLock(report_dir):
+            replace_dir(report_dir, files_out)
+    except OSError as exc:
+        raise ReportWriteError(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
+                               path=str(report_dir), run_dir=str(run_dir)) from None
     cells = routing["cells"]
-    return AuditOutcome(
+    outcome = AuditOutcome(
         pin=pin.name, report_dir=report_dir, ledger=report_dir / "ledger.md",
         routing_path=report_dir / "routing.json", run_dir=run_dir, cells=len(cells),
-        incomplete=sum(c["status"] == "INCOMPLETE" for c in cells),
+        incomplete=len(unfinished),
         partial=sum(c["status"] == "PARTIAL" for c in cells),
         drift=len({d["target"] for c in cells for d in c["drift"]}),
+        required_drift=sorted({d["target"] for c in cells for d in c["drift"] if d.get("required", True)}),
         verdicts=(routing.get("verdicts") or {}).get("summary"),
+        judged=exp is not None, subset_of=subset_of,
     )
+    if incomplete and not _beside_run and not aborted:
+        raise RunIncomplete(cells=unfinished, run_dir=str(run_dir), incomplete_ledger=outcome.ledger)
+    if aborted and not _beside_run:
+        raise RunIncomplete(cells=unfinished or meta["cells"], run_dir=str(run_dir), incomplete_ledger=outcome.ledger)
+    return outcome
+
+
+def _machine_paths(run_dir: Path) -> dict[str, str]:
+    """Paths that differ between machines, and what evidence shows instead."""
+    from .runtimes.base import cache_root
+
+    out = {str(run_dir.resolve()): "<run>", str(run_dir): "<run>", str(cache_root()): "<cache>"}
+    try:
+        out[str(cache_root().resolve())] = "<cache>"
+    except OSError:
+        pass
+    out[str(Path.home()) + "/"] = "~/"
+    return out
+
+
+def _fuller_report(report_dir: Path, cells: list[tuple[str, str]]) -> int | None:
+    """The number of cells in the existing report when it holds cells this run lacks, else None."""
+    try:
+        old = json.loads((report_dir / "routing.json").read_text(encoding="utf-8"))
+        have = {(c["system"], c["layout"]) for c in old["cells"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return len(have) if have - set(cells) else None
 
 
 def clean_cache(keep_envs: bool = True) -> None:

@@ -16,8 +16,13 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     #: the environment could not be prepared (venv build, wheel hash, stub build)
     ENVIRONMENT = 3
-    #: a probe run failed or produced no usable evidence
+    #: a probe run failed, produced no usable evidence, or did not finish every cell (INCOMPLETE)
     RUN_FAILED = 4
+    #: the audit finished but its report could not be written (read-only or full disk, a locked report);
+    #: the evidence is kept and the message says how to render it later
+    REPORT_WRITE = 5
+    #: an unexpected error in the harness itself (a bug); the traceback is in a log file whose path is printed
+    INTERNAL = 70
     #: the audit was interrupted (SIGINT/SIGTERM)
     INTERRUPTED = 130
 
@@ -116,6 +121,86 @@ class StubBuildError(EnvironmentBuildError):
     pass
 
 
+class EnvironmentModified(EnvironmentBuildError):
+    """The pinned environment is not what its wheel installed: a file the wheel's RECORD lists was changed or
+    removed, or a startup hook no installed distribution records was added. The audit refuses to run in it
+    (its ledger would carry the pinned wheel's hash for code that is not that wheel's)."""
+
+    def __init__(self, *, env: str, wheel: str, modified: list[str], missing: list[str], unexpected: list[str]):
+        self.env = env
+        self.wheel = wheel
+        self.modified = list(modified)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        parts = []
+        for what, items in (("modified", self.modified), ("missing", self.missing),
+                            ("not installed by any wheel", self.unexpected)):
+            if items:
+                parts.append(f"{what}: " + ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else ""))
+        super().__init__(f"the environment {env} differs from what {wheel} installs; " + "; ".join(parts),
+                         step="verify environment",
+                         hint=f"do not audit an edited environment; remove it (rm -rf {env}) and the next audit "
+                              "rebuilds it from the pinned wheel")
+
+
+class UnsafeLockPath(EnvironmentBuildError):
+    """A pin's fields would put a cache path outside the cache (e.g. a version with '/' or '..' in it). Lock
+    files are validated on load; this guards pins built any other way. Nothing is deleted or run."""
+
+    def __init__(self, *, pin: str, field: str, value: str, root: str):
+        self.pin = pin
+        self.field = field
+        self.value = value
+        self.root = root
+        super().__init__(f"pin {pin!r}: {field} {value!r} would name a path outside {root}", step="cache path",
+                         hint="fix the pin; versions are PEP 440 and wheel names plain file names")
+
+
+class WheelSourceError(EnvironmentBuildError):
+    """A wheel that is not on PyPI could not be found or fetched (vLLM's per-commit index, a wheel URL)."""
+
+    def __init__(self, message: str, *, url: str, step: str = "wheel index", hint: str | None = None):
+        self.url = url
+        super().__init__(message, step=step, hint=hint)
+
+
+class NoWheelForPlatform(WheelSourceError):
+    """The index has wheels for the commit, none of them for this platform (architecture, Python, variant)."""
+
+    def __init__(self, *, url: str, commit: str, platform: str, available: list[str]):
+        self.commit = commit
+        self.platform = platform
+        self.available = list(available)
+        listed = ", ".join(self.available) if self.available else "none"
+        super().__init__(f"no vLLM wheel for {platform} at commit {commit} in {url} (it lists: {listed})", url=url,
+                         hint="pick another variant or architecture (--variant, --arch), or pin a wheel by --wheel-url")
+
+
+class DownloadError(WheelSourceError):
+    def __init__(self, message: str, *, url: str, hint: str | None = None):
+        super().__init__(message, url=url, step="download wheel", hint=hint)
+
+
+class TruncatedDownload(DownloadError):
+    def __init__(self, *, url: str, expected_bytes: int | None, received_bytes: int):
+        self.expected_bytes = expected_bytes
+        self.received_bytes = received_bytes
+        of = f" of {expected_bytes}" if expected_bytes is not None else ""
+        super().__init__(f"the connection ended after {received_bytes}{of} bytes of {url}", url=url,
+                         hint="nothing was kept or written; try again")
+
+
+class DownloadHashMismatch(DownloadError):
+    """The bytes received do not have the sha256 the source announced or the user gave."""
+
+    def __init__(self, *, url: str, expected: str, found: str, source: str):
+        self.expected = expected
+        self.found = found
+        self.source = source
+        super().__init__(f"{url} has sha256 {found}, {source} says {expected}", url=url,
+                         hint="the file was altered or replaced; nothing was kept or written")
+
+
 class EvidenceError(AuditError):
     """Evidence files that cannot be read: wrong schema version, malformed records, none at all."""
 
@@ -212,3 +297,33 @@ class RegistryError(EnvironmentBuildError):
     def __init__(self, message: str, *, registry: str, hint: str | None = None):
         self.registry = registry
         super().__init__(message, step=f"registry {registry}", hint=hint)
+
+
+class RunIncomplete(AuditError):
+    """The run ended but some cells left no evidence (their process died, a job failed): the audit is not
+    complete, whatever the other cells say. Their ledger is written beside the run, never over reports/."""
+
+    exit_code = ExitCode.RUN_FAILED
+
+    def __init__(self, *, cells: list[tuple[str, str]], run_dir: str, incomplete_ledger=None):
+        self.cells = list(cells)
+        self.run_dir = run_dir
+        self.incomplete_ledger = incomplete_ledger
+        names = ", ".join(f"{s}/{l}" for s, l in self.cells[:6]) + (" ..." if len(self.cells) > 6 else "")
+        super().__init__(f"{len(self.cells)} cell(s) did not finish ({names}): the audit is INCOMPLETE and "
+                         "reports/ was not changed",
+                         hint=f"see each cell's log under {run_dir}/evidence/; re-run the audit")
+
+
+class ReportWriteError(AuditError):
+    """The report could not be written (read-only directory, full disk, an immutable file, a name that is no
+    safe directory name). The previous report is left as it was."""
+
+    exit_code = ExitCode.REPORT_WRITE
+
+    def __init__(self, message: str, *, path: str, run_dir: str | None = None, hint: str | None = None):
+        self.path = path
+        self.run_dir = run_dir
+        if run_dir and not hint:
+            hint = f"the evidence is kept in {run_dir}; fix the cause, then `serving-truth render {run_dir}`"
+        super().__init__(f"cannot write the report {path}: {message}", hint=hint)

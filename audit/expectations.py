@@ -113,6 +113,11 @@ def load(path: str | Path) -> Expectations:
     for key in ("model", "framework", "architecture"):
         if not isinstance(data.get(key), str) or not data.get(key):
             raise ExpectationsError(f"top-level {key!r} is required", path=sp, line=_key_line(text, 1, key))
+    if not isinstance(data.get("claim", []), list):
+        raise ExpectationsError("'claim' must be an array of tables ([[claim]])", path=sp,
+                                line=_key_line(text, 1, "claim"))
+    if "label_map" in data and not isinstance(data["label_map"], str):
+        raise ExpectationsError("label_map must be a path (a string)", path=sp, line=_key_line(text, 1, "label_map"))
     label_map = {}
     if data.get("label_map"):
         label_map = load_label_map(path.parent / data["label_map"])
@@ -136,6 +141,20 @@ def load(path: str | Path) -> Expectations:
         lane = raw.get("lane")
         if lane not in PERF_LANES:
             raise err(f"claim {cid!r}: unknown lane {lane!r}", "lane", hint="known lanes: " + ", ".join(PERF_LANES))
+        for key in ("id", "lane", "kernel_source", "backend", "source"):
+            if key in raw and not isinstance(raw[key], str):
+                raise err(f"claim {raw.get('id', '?')!r}: {key} must be a string, got {type(raw[key]).__name__}",
+                          key)
+        for key in ("layouts", "systems", "forbidden"):
+            value = raw.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise err(f"claim {raw.get('id', '?')!r}: {key} must be a list of strings, got {value!r}", key,
+                          hint=f'e.g. {key} = ["all"]' if key != "forbidden" else 'e.g. forbidden = ["cutlass"]')
+            if not value and key != "forbidden":
+                raise err(f"claim {raw.get('id', '?')!r}: {key} is empty, so the claim would judge nothing", key,
+                          hint=f'name at least one, or ["all"]')
         layouts = raw.get("layouts", ["all"])
         if layouts == ["all"]:
             layouts = list(LAYOUTS)

@@ -58,3 +58,120 @@ def write_all_atomic(files: dict[Path, str]) -> list[Path]:
     for tmp, path in staged:
         os.replace(tmp, path)
     return [p for _, p in staged]
+
+
+#: FS_IOC_GETFLAGS and the inode flags that make a file impossible to remove or replace
+_FS_IOC_GETFLAGS = 0x80086601
+_FS_IMMUTABLE_FL, _FS_APPEND_FL = 0x10, 0x20
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _pinned_files(directory: Path) -> list[Path]:
+    """Files under *directory* the kernel will not let us remove (immutable or append-only)."""
+    import fcntl
+    import struct
+
+    out = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink()):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            flags = struct.unpack("l", fcntl.ioctl(fd, _FS_IOC_GETFLAGS, struct.pack("l", 0)))[0]
+        except OSError:  # the filesystem keeps no such flags
+            flags = 0
+        finally:
+            os.close(fd)
+        if flags & (_FS_IMMUTABLE_FL | _FS_APPEND_FL):
+            out.append(path)
+    return out
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this filesystem or kernel cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_dir(target: str | Path, files: dict[str, str]) -> Path:
+    """Replace directory *target* by one holding exactly *files* (relative name -> text), as a unit.
+
+    Every file is written and synced in a sibling directory first; the sibling then takes the target's
+    place in one rename (exchanged with the old directory where the kernel can), and the old one is
+    removed. A reader sees the old report or the new one, never a mix. If the old report cannot be
+    removed (a file in it is immutable) nothing is changed and ``PermissionError`` says which file.
+    """
+    import shutil
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(20, "exists and is not a directory", str(target))
+    if target.is_dir():
+        pinned = _pinned_files(target)
+        if pinned:
+            raise PermissionError(1, "immutable or append-only file (chattr) in the report", str(pinned[0]))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.new-", dir=target.parent))
+    try:
+        for rel, text in sorted(files.items()):
+            path = staging / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w", encoding="utf-8", newline="\n") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(path, 0o666 & ~_umask())
+        os.chmod(staging, 0o777 & ~_umask())
+        if not target.exists():
+            os.rename(staging, target)
+            return target
+        if not _exchange(staging, target):
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.rename(target, old / "x")
+            os.rename(staging, target)
+            staging = old
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)  # now the old report
+    return target
+
+
+class DirLock:
+    """An exclusive advisory lock on ``<parent>/.<name>.lock`` while a report is rendered and replaced, so
+    two audits of one pin never interleave their writes (the later one waits)."""
+
+    def __init__(self, target: str | Path):
+        target = Path(target)
+        self.path = target.parent / f".{target.name}.lock"
+        self._fd = None
+
+    def __enter__(self):
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+        return False

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .layers import format_ranges
+
 
 
 def _rank(header: dict) -> str:
@@ -25,7 +27,6 @@ def _rank(header: dict) -> str:
 
 def merge(files) -> dict:
     """``files``: evidence files (``audit.evidence`` objects with ``.header`` and ``.records``) of one cell."""
-    from .routing import format_ranges  # routing imports this module
 
     # (lane, layer, phase) -> rank -> {path: calls}
     eager: dict[tuple, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))

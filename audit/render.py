@@ -12,7 +12,7 @@ import jinja2
 
 from . import __version__
 from .errors import RenderError
-from .fsutil import write_all_atomic
+from .fsutil import replace_dir
 from .routing import EVIDENCE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
 from .systems import LAYOUTS, SYSTEMS
 from .verdicts import grouped
@@ -184,8 +184,15 @@ def routing_json(routing: dict) -> str:
     return json.dumps(routing, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
+def report_files(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None) -> dict[str, str]:
+    """Everything a report directory holds, rendered (nothing is written)."""
+    ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
+    return {"routing.json": routing_json(routing), "ledger.md": ledger}
+
+
 def write_report(report_dir: Path, routing: dict, *, profile_title: str, reproduce: str,
                  changes: dict | None = None) -> list[Path]:
-    """Render first, then replace ``routing.json`` and ``ledger.md`` together (atomic per file)."""
-    ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
-    return write_all_atomic({report_dir / "routing.json": routing_json(routing), report_dir / "ledger.md": ledger})
+    """Render first, then replace the whole report directory as one unit (see fsutil.replace_dir)."""
+    files = report_files(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
+    replace_dir(report_dir, files)
+    return [report_dir / name for name in sorted(files)]

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from .corroborate import corroborate
 from .evidence import EvidenceFile
+from .layers import format_ranges
 from .observed import merge as merge_observed
 from .profiles import Lane, Profile
 
@@ -55,23 +56,6 @@ def short(value) -> str:
     if re.fullmatch(r"[a-z_][\w]*(\.[\w]+)+\.[A-Z]\w*", text):  # dotted class path
         return text.rsplit(".", 1)[1]
     return text
-
-
-def format_ranges(layers) -> str:
-    """[1, 2, 3, 5, 7, 8] -> '1-3,5,7-8'."""
-    nums = sorted(set(layers))
-    out, start, prev = [], None, None
-    for n in nums:
-        if start is None:
-            start = prev = n
-        elif n == prev + 1:
-            prev = n
-        else:
-            out.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = n
-    if start is not None:
-        out.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ",".join(out)
 
 
 def collapse(per_layer: dict[int, object], raw: dict[int, dict] | None = None) -> list[dict]:
@@ -193,6 +177,25 @@ def _stages(f: EvidenceFile) -> tuple[list[dict], str, dict | None]:
     return stages, deepest, failure
 
 
+_SITE = re.compile(r"(?:/[^\s'\"():,]+)*?/(?:lib/python\d\.\d+/)?site-packages/")
+
+
+def scrub_paths(value, prefixes: dict[str, str]):
+    """The same value with machine-specific paths replaced (an environment's site-packages by
+    ``<env>/site-packages/``, each prefix by its placeholder), so two machines' evidence compares equal."""
+    if isinstance(value, str):
+        value = _SITE.sub("<env>/site-packages/", value)
+        for prefix, placeholder in prefixes.items():
+            if prefix and prefix != "/":
+                value = value.replace(prefix, placeholder)
+        return value
+    if isinstance(value, list):
+        return [scrub_paths(v, prefixes) for v in value]
+    if isinstance(value, dict):
+        return {k: scrub_paths(v, prefixes) for k, v in value.items()}
+    return value
+
+
 def _scrub_path(text: str) -> str:
     """Drop the environment's location from a source path (keeps ledgers host-independent)."""
     return re.sub(r"^.*?/site-packages/", "", text)
@@ -301,7 +304,8 @@ def _observed(files: list[EvidenceFile]) -> dict:
 
 
 def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, expected: list[tuple[str, str]],
-                  missing: dict[tuple[str, str], dict] | None = None, run: dict | None = None) -> dict:
+                  missing: dict[tuple[str, str], dict] | None = None, run: dict | None = None,
+                  scrub: dict[str, str] | None = None) -> dict:
     """The whole routing model of one audit: provenance plus one entry per expected cell."""
     observe_files: dict[tuple, list[EvidenceFile]] = defaultdict(list)
     for f in files:
@@ -323,6 +327,7 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
             info = (missing or {}).get((system, layout), {})
             cells.append(incomplete_cell(system, layout, reason=info.get("reason", "no evidence was written"),
                                          log_tail=info.get("log_tail", "")))
+    cells = scrub_paths(cells, dict(sorted((scrub or {}).items(), key=lambda kv: -len(kv[0]))))
     return {"schema": ROUTING_SCHEMA, "model": profile.name, "architecture": profile.architecture,
             "lane_titles": {lane.id: lane.title for lane in profile.lanes},
             "pin": pin, "run": run or {}, "cells": cells}

@@ -90,4 +90,6 @@ def select(kind: str, names: str | list[str] | None, table: dict) -> list:
             raise SelectionError(kind, n, known=list(table))
         if table[n] not in out:
             out.append(table[n])
+    if not out:
+        raise SelectionError(kind, ",".join(names) if isinstance(names, list) else str(names), known=list(table))
     return [v for v in table.values() if v in out]

@@ -5,7 +5,9 @@ MISMATCH         another family runs, or a forbidden one (expected vs actual)
 SILENT_FALLBACK  the claimed backend was tried and rejected by vLLM's oracle, and something else runs;
                  vLLM logs oracle rejections at DEBUG only, so nothing says so at the default level
 NOT_EXERCISED    the layer/phase does not occur in this cell (e.g. spec-verify without speculation)
-UNVERIFIED       a lane group no claim covers
+UNVERIFIED       a lane group no claim covers, or a claim the audit could not judge (its cell did not finish,
+                 or no evidence exists for its lane, e.g. a probe target drifted): it stays visible and
+                 fails --strict
 RANK_DISAGREE    ranks took different paths (observed mode only; resolve mode sees rank 0)
 CRASH            construction raised before the claimed layers were built
 Every verdict carries the evidence level it rests on.
@@ -17,7 +19,8 @@ from .labels import derive
 from .routing import format_ranges, short
 
 VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "CRASH", "RANK_DISAGREE", "NOT_EXERCISED", "UNVERIFIED")
-FAILING = ("MISMATCH", "CRASH", "RANK_DISAGREE")
+#: verdicts that fail the gate (exit 1); SILENT_FALLBACK is a false claim like MISMATCH
+FAILING = ("MISMATCH", "SILENT_FALLBACK", "CRASH", "RANK_DISAGREE")
 #: harness lanes that perf databases label (others are not judged)
 JUDGED_LANES = ("moe", "kda.prefill", "kda.decode", "kda.spec_verify", "mla.decode", "mla.prefill")
 _KIND = {"moe": "moe", "kda.prefill": "kda", "kda.decode": "kda", "kda.spec_verify": "kda",
@@ -44,9 +47,9 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
             base = {"system": system, "layout": layout, "lane": lane, "evidence": level}
             if cell["status"] == "INCOMPLETE":
                 for c in claims:
-                    rows.append({**base, "claim": c.id, "layers": "", "verdict": "NOT_EXERCISED",
-                                 "expected": c.backend, "actual": "", "label": "",
-                                 "why": "no evidence: the cell's process died (INCOMPLETE)"})
+                    rows.append({**base, "claim": c.id, "layers": "", "verdict": "UNVERIFIED",
+                                 "expected": c.backend or c.kernel_source, "actual": "", "label": "",
+                                 "why": "not judged: the cell did not finish (INCOMPLETE)"})
                 continue
             failure = cell.get("failure") or {}
             if cell["status"] == "PARTIAL":
@@ -59,6 +62,11 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                                  "verdict": "CRASH", "expected": c.backend, "actual": "", "label": "",
                                  "why": f"{failure.get('stage')} raised {short(failure.get('type', ''))}: "
                                         f"{failure.get('message', '')}"})
+            if not groups and cell["status"] != "PARTIAL":
+                for c in claims:
+                    rows.append({**base, "claim": c.id, "layers": format_ranges(expected_layers) or "",
+                                 "verdict": "UNVERIFIED", "expected": c.backend or c.kernel_source, "actual": "",
+                                 "label": "", "why": _no_evidence_why(cell, lane)})
             for g in groups:
                 label, family, how = derive(lane, g, exp.label_map)
                 row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"],
@@ -73,6 +81,16 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                                  **_verdict(c, lane, g, label, family, how, cell)})
         rows += _rank_disagreements(cell, exp)
     return sorted(rows, key=lambda r: (r["claim"], r["system"], r["layout"], r["lane"], r["layers"]))
+
+
+def _no_evidence_why(cell: dict, lane: str) -> str:
+    """Why a claimed lane has no evidence in a cell that finished."""
+    drifted = [d["target"] for d in cell.get("drift", [])]
+    if drifted:
+        return f"not judged: no evidence for this lane; probe target(s) drifted: {', '.join(sorted(drifted))}"
+    if not cell.get("layer_kinds", {}).get(_KIND[lane]) and cell.get("layer_kinds"):
+        return f"not judged: this cell built no {_KIND[lane].upper()} layer"
+    return "not judged: no evidence was recorded for this lane"
 
 
 def _rank_disagreements(cell: dict, exp: Expectations) -> list[dict]:

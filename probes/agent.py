@@ -33,6 +33,7 @@ import sys
 import time
 import traceback
 
+from .lifecycle import die_with_parent, watch_stdin
 from .recorder import Recorder
 
 PLAN_SCHEMA = 1
@@ -159,9 +160,11 @@ def cell_dir(plan: dict, cell: dict) -> str:
 
 
 def _fork(fn, *args) -> int:
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # child
         code = 1
+        die_with_parent(parent)  # a killed agent or SM process takes its children with it
         try:
             code = fn(*args) or 0
         except BaseException:
@@ -266,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = read_plan(argv, "python -m probes.agent PLAN.json", nargs=1)
     if plan is None:
         return 2
+    watch_stdin()
     from . import resolve
 
     resolve.prepare_process(plan)

@@ -34,4 +34,15 @@ def get_runtime(name: str, *, cuda_toolkit: bool = True, lock_dir: Path | None =
     raise SelectionError("runtime", name, known=list(RUNTIMES))
 
 
-__all__ = ["RunRequest", "RunResult", "Runtime", "get_runtime"]
+def refresh_missing(run_dir: Path, run_info: dict) -> dict | None:
+    """For a run that was submitted and not waited for (slurm --no-wait): the cells that left no evidence,
+    from the batch system's final job states (raises JobsPending while any job runs). None for runs whose
+    runtime waited, which recorded their missing cells when they ended."""
+    if run_info.get("slurm") and (Path(run_dir) / "jobs.json").exists():
+        from .slurm import refresh
+
+        return refresh(Path(run_dir))
+    return None
+
+
+__all__ = ["RunRequest", "RunResult", "Runtime", "get_runtime", "refresh_missing"]

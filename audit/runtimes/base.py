@@ -183,10 +183,12 @@ def learn_imports(cache_dir: Path, evidence_dir: Path) -> None:
             seen.update(dict.fromkeys(json.loads(path.read_text(encoding="utf-8"))))
         except (OSError, ValueError):
             continue
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / (LEARNED_IMPORTS + ".tmp")
-    tmp.write_text(json.dumps(list(seen)), encoding="utf-8")
-    tmp.replace(cache_dir / LEARNED_IMPORTS)
+    from ..fsutil import write_atomic
+
+    try:  # a uniquely named temp file: concurrent audits of one environment never collide
+        write_atomic(cache_dir / LEARNED_IMPORTS, json.dumps(list(seen)))
+    except OSError:
+        pass  # a pure speed-up: a full or read-only cache must not fail the audit
 
 
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str,

@@ -16,6 +16,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from probes.lifecycle import WATCHDOG_ENV
+
 from .. import cudastub
 from ..errors import EnvironmentBuildError, RuntimeUnsupportedError, WheelHashMismatch
 from ..lock import Pin
@@ -210,6 +212,9 @@ class LocalRuntime:
             out["LD_LIBRARY_PATH"] = str(stub.parent)
         if pythonpath is not None:
             out["PYTHONPATH"] = str(pythonpath)
+        if run_dir is not None:  # temporary files live and die with the run, never in the host's /tmp
+            (run_dir / "tmp").mkdir(parents=True, exist_ok=True)
+            out["TMPDIR"] = str(run_dir / "tmp")
         return out
 
     # -- run -----------------------------------------------------------------------------------
@@ -232,7 +237,8 @@ class LocalRuntime:
         progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
         with open(log, "wb") as fh:
             proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.agent", str(plan)],
-                                    stdout=fh, stderr=subprocess.STDOUT, env=self._env(env, stub, request.run_dir, request.run_dir),
+                                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                    env={**self._env(env, stub, request.run_dir, request.run_dir), **LIFELINE},
                                     cwd=str(request.run_dir), start_new_session=True)
             try:
                 self._wait(proc, request, progress)
@@ -274,7 +280,8 @@ class LocalRuntime:
             progress("stage", text=f"serving {system.name}/{layout.name} on this host's GPUs")
             with open(out / "agent.log", "wb") as fh:
                 proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.observe_agent", str(plan), str(i)],
-                                        stdout=fh, stderr=subprocess.STDOUT, env=run_env, cwd=str(request.run_dir),
+                                        stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                        env={**run_env, **LIFELINE}, cwd=str(request.run_dir),
                                         start_new_session=True)
                 try:
                     proc.wait(timeout=request.timeout_s)
@@ -307,6 +314,11 @@ class LocalRuntime:
                                 missing=collect_missing(request, fallback_log=log),
                                 runtime=f"local venv ({request.pin.name})")
             time.sleep(0.5)
+
+
+#: the agent's standard input stays open as its lifeline: when this process dies, the agent's whole
+#: process group ends (probes.lifecycle), so no SM or cell process outlives the harness
+LIFELINE = {WATCHDOG_ENV: "stdin"}
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -41,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--replace", action="store_true",
                    help="let a subset audit (some systems or layouts) replace a fuller reports/<pin>/ "
                         "(by default it is written beside its run)")
-    a.add_argument("--baseline", default=None, help="an audited pin to show 'changes since' against in the ledger")
+    a.add_argument("--baseline", default="auto",
+                   help="an audited pin to show 'changes since' against in the ledger (default: the pin before "
+                        "this one in images.lock, in release order; 'none' for no such section)")
     a.add_argument("--expectations", default="auto",
                    help="claims to judge (default: expectations/<model>.toml if present; 'none' for no verdicts)")
     a.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
@@ -52,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir")
     r.add_argument("--lock", default="images.lock")
     r.add_argument("--reports", default="reports")
-    r.add_argument("--baseline", default=None, help="an audited pin to show 'changes since' against")
+    r.add_argument("--baseline", default="auto",
+                   help="an audited pin to show 'changes since' against (default: the previous pin; 'none')")
     r.add_argument("--expectations", default="auto", help="claims to judge ('none' for no verdicts)")
     r.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
     r.add_argument("--replace", action="store_true",

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 from . import evidence, lock as lockmod, routing as routingmod
 from .errors import AuditError, EvidenceError, ReportWriteError, RunAborted, RunIncomplete, UsageError
 from .profiles import KIMI_K3, Profile
-from .fsutil import DirLock, replace_dir, write_atomic
+from .fsutil import DirLock, replace_dir, report_dir_for, write_atomic
 from .render import report_files
 from .runtimes import RunRequest, get_runtime, refresh_missing
 from .runtimes.base import Progress, new_run_dir, prune_runs
@@ -76,7 +75,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               systems: str | list | None = None, layouts: str | list | None = None,
               reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int = 2,
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
-              cuda_toolkit: bool = True, baseline: str | None = None,
+              cuda_toolkit: bool = True, baseline: str | None = "auto",
               expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
               wait: bool = True, mode: str = "resolve", slice_name: str = "",
               profiler: bool = True, replace: bool = False) -> AuditOutcome:
@@ -90,7 +89,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
     report_dir_for(reports_dir, pin.name)  # a pin that cannot name a report directory is bad input
-    if baseline:
+    if baseline not in (None, "", "auto", "none"):
         lock.get(baseline)  # an unknown baseline is bad input, before any work
         report_dir_for(reports_dir, baseline)
     load_expectations(expectations, lock_path=lock_path, profile=profile)  # bad expectations fail early too
@@ -110,7 +109,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                          timeout_s=timeout_s, mode=mode, slice=slice_name, profiler=profiler)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit, lock=str(lock_path),
                                   expectations=str(expectations) if expectations not in (None, "") else "none",
-                                  baseline=baseline or "")
+                                  baseline="" if baseline in (None, "auto") else baseline)
     if mode == "observe":
         reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "") + ("" if profiler else " PROFILER=0")
     try:
@@ -196,17 +195,6 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-
-
-def report_dir_for(reports_dir: str | Path, pin: str) -> Path:
-    """``reports/<pin>``; a pin name that is no plain directory name (or is ``diffs``) is refused."""
-    if not _SAFE_NAME.match(pin) or pin == "diffs" or ".." in pin:
-        raise UsageError(f"pin name {pin!r} cannot name a report directory",
-                         hint="pin names are letters, digits and . _ + - (not 'diffs', no '..')")
-    return Path(reports_dir) / pin
-
-
 def _read_run_json(run_dir: Path) -> dict:
     if not run_dir.exists():
         raise UsageError(f"{run_dir} is not a finished run directory (no run.json)",
@@ -238,7 +226,7 @@ def _read_run_json(run_dir: Path) -> dict:
 
 
 def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
-               reports_dir: str | Path = "reports", baseline: str | None = None,
+               reports_dir: str | Path = "reports", baseline: str | None = "auto",
                expectations: str | None = "auto", replace: bool = True, _beside_run: bool = False) -> AuditOutcome:
     """(Re)build routing.json and ledger.md from a run directory's evidence; idempotent.
 
@@ -291,6 +279,15 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         if subset_of:
             report_dir = report_dir_for(run_dir / "report", pin.name)
     changes = None
+    if beside:
+        baseline = None  # an INCOMPLETE ledger compares with nothing
+    if baseline == "auto":  # the pin before this one in release order, when it has been audited
+        prev = lockmod.previous_pin(lock, pin.name)
+        baseline = prev.name if prev else None
+        if baseline and not (report_dir_for(reports_dir, baseline) / "routing.json").is_file():
+            changes, baseline = {"unavailable": baseline}, None
+    if baseline in ("none", ""):
+        baseline = None
     if baseline and not beside:
         from .diff import diff_routings, load_routing
 

@@ -59,11 +59,18 @@ def diff_routings(old: dict, new: dict) -> dict:
         for field in ("evidence",):
             if a.get(field) != b.get(field):
                 add(cell_changes, (field, str(a.get(field)), str(b.get(field))), cell)
+        for field, before, after in _cell_facts(a, b):
+            add(cell_changes, (field, before, after), cell)
         # where construction now stops earlier (or later), lanes appearing/disappearing past that
         # point are consequences of the stop, already stated by the construction row
         stop_changed = a.get("status") != b.get("status")
+        gone_a, gone_b = _absent(a), _absent(b)
         for lane in sorted(set(a["lanes"]) | set(b["lanes"])):
             before, after = _per_layer(a["lanes"].get(lane, [])), _per_layer(b["lanes"].get(lane, []))
+            if not before and gone_a:
+                before = {layer: gone_a for layer in after}
+            if not after and gone_b:
+                after = {layer: gone_b for layer in before}
             compared += 1
             moved = defaultdict(set)
             for layer in sorted(set(before) | set(after)):
@@ -128,6 +135,50 @@ def diff_routings(old: dict, new: dict) -> dict:
     }
 
 
+def _absent(cell: dict) -> str:
+    """What a lane with no value in this cell means, when the cell says why (a drifted probe target)."""
+    drifted = sorted(d["target"] for d in cell.get("drift", []))
+    return f"— (not seen: probe target drifted: {', '.join(drifted)})" if drifted else ""
+
+
+def _text(value) -> str:
+    if value is None or value == {} or value == []:
+        return "—"
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return str(value)
+
+
+def _cell_facts(a: dict, b: dict):
+    """(field, before, after) for everything else a reviewer cares about in a cell: the attention backends
+    vLLM considered and why it rejected them, drifted probe targets, probe errors, vLLM's availability
+    answers and the package versions of the environment."""
+    def attention(c):
+        ac = c.get("attention_candidates") or {}
+        valid = ", ".join(f"{v['backend']}" for v in ac.get("valid", []))
+        rejected = "; ".join(f"{r['backend']} ✗ {' / '.join(map(str, r['reasons']))}" for r in ac.get("rejected", []))
+        return " | ".join(x for x in (f"valid: {valid}" if valid else "", f"rejected: {rejected}" if rejected else "")
+                          if x) or "—"
+
+    if attention(a) != attention(b):
+        yield "attention candidates", attention(a), attention(b)
+    for field, get in (("probe drift", lambda c: sorted(d["target"] for d in c.get("drift", []))),
+                       ("probe errors", lambda c: sorted(f"{e.get('where')}: {(e.get('error') or {}).get('type')}: "
+                                                         f"{(e.get('error') or {}).get('message')}"
+                                                         for e in c.get("probe_errors", [])))):
+        if get(a) != get(b):
+            yield field, _text(get(a)) if get(a) else "—", _text(get(b)) if get(b) else "—"
+    for group, title in (("availability", "vLLM availability"), ("fingerprint", "package")):
+        da, db = a.get(group) or {}, b.get(group) or {}
+        if group == "fingerprint":
+            da, db = da.get("packages") or {}, db.get("packages") or {}
+        if not da or not db:  # a cell without the record (INCOMPLETE) is stated by the construction row
+            continue
+        for key in sorted(set(da) | set(db)):
+            if da.get(key) != db.get(key):
+                yield f"{title}: {key}", _text(da.get(key)), _text(db.get(key))
+
+
 _SEVERITY = ("CRASH", "MISMATCH", "SILENT_FALLBACK", "RANK_DISAGREE", "MATCH", "NOT_EXERCISED", "UNVERIFIED")
 
 
@@ -142,14 +193,19 @@ def _worst_verdicts(routing: dict) -> dict[tuple, str]:
 
 
 def load_routing(reports_dir: Path, pin: str) -> dict:
-    path = Path(reports_dir) / pin / "routing.json"
+    from .fsutil import report_dir_for
+
+    path = report_dir_for(reports_dir, pin) / "routing.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"no audit of {pin!r}: {path} does not exist",
                          hint=f"run `make audit PIN={pin}` first") from None
-    except ValueError as exc:
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UsageError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("pin"), dict):
+        raise UsageError(f"{path} is not a routing.json written by this harness (expected an object with "
+                         "'pin' and 'cells')", hint=f"re-render it: make audit PIN={pin}")
     if data.get("schema") != 1:
         raise UsageError(f"{path} has routing schema {data.get('schema')!r}; this harness reads 1",
                          hint=f"re-render it: make audit PIN={pin}")
@@ -167,6 +223,10 @@ def write_diff(reports_dir: Path, from_pin: str, to_pin: str) -> tuple[Path, Pat
     from .fsutil import write_all_atomic
 
     d = diff_routings(load_routing(reports_dir, from_pin), load_routing(reports_dir, to_pin))
+    from .fsutil import report_dir_for
+
+    for pin in (from_pin, to_pin):
+        report_dir_for(reports_dir, pin)  # names that are no plain directory name never reach a path
     out = Path(reports_dir) / "diffs"
     md, js = out / f"{from_pin}..{to_pin}.md", out / f"{from_pin}..{to_pin}.json"
     write_all_atomic({js: json.dumps(d, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d)})

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
+
+from .errors import UsageError
 
 
 def _umask() -> int:
@@ -175,3 +178,14 @@ class DirLock:
         os.close(self._fd)
         self._fd = None
         return False
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+def report_dir_for(reports_dir: str | Path, pin: str) -> Path:
+    """``reports/<pin>``; a pin name that is no plain directory name (or is ``diffs``) is refused."""
+    if not _SAFE_NAME.match(pin) or pin == "diffs" or ".." in pin:
+        raise UsageError(f"pin name {pin!r} cannot name a report directory",
+                         hint="pin names are letters, digits and . _ + - (not 'diffs', no '..')")
+    return Path(reports_dir) / pin

@@ -53,3 +53,43 @@ def test_ledger_shows_changes_since_its_baseline():
     assert "| Routed experts | MARLIN / MarlinExperts | HUMMING / HummingIndexedExperts |" in section
     same = render_ledger(new, profile_title="Kimi-K3", reproduce="x", changes=diff_routings(new, new))
     assert "None: every lane of every cell audited in both pins routes the same way" in same
+
+
+def test_attention_rejection_reason_drift_probe_errors_and_availability_are_changes():
+    r = load("v0.33.0")
+    changed = copy.deepcopy(r)
+    cell = next(c for c in changed["cells"] if c.get("attention_candidates") and c["attention_candidates"]["rejected"])
+    cell["attention_candidates"]["rejected"][0]["reasons"] = ["a new reason vLLM gives"]
+    d = diff_routings(r, changed)
+    rows = [c for c in d["changes"] if c["field"] == "attention candidates"]
+    assert len(rows) == 1 and "a new reason vLLM gives" in rows[0]["after"] and not d["empty"]
+    assert rows[0]["cells"] == [[cell["system"], cell["layout"]]]
+
+    changed = copy.deepcopy(r)
+    c0 = changed["cells"][0]
+    c0["probe_errors"] = [{"where": "kda.prefill", "error": {"type": "AttributeError", "message": "x"}}]
+    key = next(iter(c0["availability"]))
+    c0["availability"][key] = "flipped"
+    d = diff_routings(r, changed)
+    fields = {c["field"] for c in d["changes"]}
+    assert {"probe errors", f"vLLM availability: {key}"} <= fields
+
+
+def test_a_drifted_lane_is_explained_as_drift_not_as_a_missing_selector():
+    r = load("v0.33.0")
+    changed = copy.deepcopy(r)
+    c0 = changed["cells"][0]
+    c0["lanes"]["kda.prefill"] = []
+    c0["drift"] = [{"target": "kda.prefill", "title": "KDA prefill selector", "required": True, "attempts": []}]
+    d = diff_routings(r, changed)
+    row = next(c for c in d["changes"] if c["lane"] == "kda.prefill")
+    assert row["after"] == "— (not seen: probe target drifted: kda.prefill)"
+    assert any(c["field"] == "probe drift" for c in d["changes"])
+
+
+def test_two_audits_of_one_pin_label_their_sides_distinctly():
+    r = load("v0.33.0")
+    sub = copy.deepcopy(r)
+    sub["cells"] = sub["cells"][:1]
+    text = render_diff(diff_routings(r, sub))
+    assert "only in the *from* audit (`v0.33.0`)" in text and "only in the *to* audit" not in text

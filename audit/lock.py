@@ -9,14 +9,29 @@ Format (TOML, read with :mod:`tomllib`)::
     vllm_version = "0.33.0"
     python = "3.12"                  # interpreter the local runtime builds the env with
     wheel = "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-    wheel_sha256 = "..."             # sha256 of that exact file on PyPI
+    wheel_sha256 = "..."             # sha256 of that exact file (on PyPI, or at wheel_url)
+    wheel_url = ""                   # where a wheel that is not on PyPI comes from (https://, http://, file:///)
     image = ""                       # repo@sha256:<digest> (a manifest list or one manifest)
     platform_digests = {}            # {"linux/amd64" = "sha256:...", "linux/arm64" = "sha256:..."}
     image_config_digest = ""         # sha256 of the image config = Docker's image ID
     image_tarball = ""               # `docker save` output, relative to this file; needs the config digest
     image_tag = ""                   # repo:tag that `serving-truth lock resolve` turns into `image`; never run
-    vllm_commit = ""                 # git sha the build reports, empty when not known
+    vllm_commit = ""                 # git sha: the short one the build reports (g1234abcd) or the full commit
     note = ""
+
+``wheel_url`` pins a build that is not on PyPI (a vLLM nightly from its per-commit index, a pre-release, a
+local file): the local runtime downloads it from there, checks the sha256 of the bytes and installs it
+like a PyPI wheel. ``serving-truth lock add NAME --commit SHA`` writes such a pin (audit/wheelindex.py).
+Without ``wheel_url`` the wheel comes from PyPI (``pip download vllm==<vllm_version>``).
+
+Every field that becomes part of a path is validated here (file:line errors): ``name`` and the PEP 440
+``vllm_version`` (which name directories under the cache), ``wheel`` (a plain wheel file name for vLLM at
+exactly ``vllm_version``; the last component of ``wheel_url`` must be that name), ``image_tarball`` (relative
+to this file, never leaving its directory tree).
+
+Versions order as PEP 440 orders them (``0.34.0rc1.dev123+gabc`` < ``0.34.0rc1`` < ``0.34.0``); see
+:func:`version_key`, :func:`sorted_pins` and :func:`previous_pin`. A setuptools-scm fallback version from a
+branch without a release tag (``0.1.devN+g...``) says nothing about where the build sits and is unplaced.
 
 A pin with a wheel can be audited by the local runtime; a pin with an image by the docker runtime.
 An image is named by a registry digest (``image``, with per-platform manifest digests for multi-arch
@@ -44,8 +59,57 @@ _PY = re.compile(r"^3\.\d{1,2}$")
 _PLATFORMS = ("linux/amd64", "linux/arm64")
 _KNOWN_KEYS = {
     "name", "vllm_version", "python", "wheel", "wheel_sha256", "image", "platform_digests",
-    "vllm_commit", "note", "image_config_digest", "image_tarball", "image_tag",
+    "vllm_commit", "note", "image_config_digest", "image_tarball", "image_tag", "wheel_url",
 }
+#: PEP 440 (public version plus optional local label); nothing else, so a version is always one safe path part
+_VERSION = re.compile(
+    r"^(?P<release>\d+(?:\.\d+)*)"
+    r"(?:(?P<pre_l>a|b|rc)(?P<pre_n>\d+))?"
+    r"(?:\.post(?P<post>\d+))?"
+    r"(?:\.dev(?P<dev>\d+))?"
+    r"(?:\+(?P<local>[a-z0-9]+(?:\.[a-z0-9]+)*))?$")
+#: {distribution}-{version}(-{build})?-{python}-{abi}-{platform}.whl, each part free of path characters
+_WHEEL = re.compile(r"^(?P<dist>[A-Za-z0-9_.]+?)-(?P<version>[A-Za-z0-9_.+!]+)(?:-(?P<build>\d[A-Za-z0-9_]*))?"
+                    r"-(?P<py>[A-Za-z0-9_.]+)-(?P<abi>[A-Za-z0-9_.]+)-(?P<plat>[A-Za-z0-9_.]+)\.whl$")
+_COMMIT = re.compile(r"^g?[0-9a-f]{7,40}$")
+_URL_SCHEMES = ("https", "http", "file")
+
+
+def parse_wheel_name(filename: str) -> dict | None:
+    """The parts of a wheel file name (dist, version, build, py, abi, plat), or None if it is not one."""
+    m = _WHEEL.match(filename)
+    return m.groupdict() if m and not filename.startswith(".") and ".." not in filename else None
+
+
+def version_key(version: str) -> tuple:
+    """A sort key that orders versions as PEP 440 does: ``1.0.dev1 < 1.0a1 < 1.0rc1.dev2 < 1.0rc1 < 1.0 <
+    1.0.post1``, a local label (``+g1234abc``, ``+cu130``) after the same public version without one.
+    Raises ValueError for a string that is not such a version."""
+    m = _VERSION.match(version.lower())
+    if not m:
+        raise ValueError(f"not a PEP 440 version: {version!r}")
+    release = [int(x) for x in m["release"].split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    pre, post, dev = m["pre_l"], m["post"], m["dev"]
+    if pre:
+        pre_key = (1, ("a", "b", "rc").index(pre), int(m["pre_n"]))
+    elif dev is not None and post is None:
+        pre_key = (0,)  # X.devN comes before X's pre-releases
+    else:
+        pre_key = (2,)
+    post_key = (0,) if post is None else (1, int(post))
+    dev_key = (1,) if dev is None else (0, int(dev))
+    local_key = (0,) if not m["local"] else (1, tuple((1, int(p), "") if p.isdigit() else (0, 0, p)
+                                                      for p in m["local"].split(".")))
+    return (tuple(release), pre_key, post_key, dev_key, local_key)
+
+
+def is_placed(version: str) -> bool:
+    """False for setuptools-scm's fallback version (``0.1.devN+g...``) of a build from a branch that no
+    release tag reaches: its number says nothing about which releases it comes between."""
+    m = _VERSION.match(version.lower())
+    return bool(m) and not (m["release"] == "0.1" and m["dev"] is not None)
 
 
 @dataclass(frozen=True)
@@ -62,6 +126,7 @@ class Pin:
     image_config_digest: str = ""
     image_tarball: str = ""
     image_tag: str = ""
+    wheel_url: str = ""
     line: int = 0
 
     @property
@@ -93,8 +158,18 @@ class Pin:
             out.append("docker")
         return out
 
+    @property
+    def wheel_source(self) -> str:
+        """Where the local runtime gets the wheel: ``pypi`` or ``url`` (wheel_url); "" without a wheel."""
+        return ("url" if self.wheel_url else "pypi") if self.has_wheel else ""
+
+    @property
+    def placed(self) -> bool:
+        """Whether the pin's version says where it sits among releases (see :func:`is_placed`)."""
+        return is_placed(self.vllm_version)
+
     def as_provenance(self) -> dict:
-        return {
+        out = {
             "name": self.name,
             "vllm_version": self.vllm_version,
             "python": self.python,
@@ -106,6 +181,9 @@ class Pin:
             "image_config_digest": self.image_config_digest,
             "image_tarball": self.image_tarball,
         }
+        if self.wheel_url:  # only when set, so the routing of PyPI pins stays byte-identical
+            out["wheel_url"] = self.wheel_url
+        return out
 
 
 @dataclass(frozen=True)
@@ -173,8 +251,13 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
     if not _NAME.match(name):
         raise err(f"pin name {name!r} has characters not allowed in a directory name", "name")
     ctx = f"pin {name!r}: "
-    if not raw.get("vllm_version"):
+    version = raw.get("vllm_version", "")
+    if not version:
         raise err(ctx + "vllm_version is required (the version the build reports)", "name")
+    if not _VERSION.match(version.lower()):
+        raise err(ctx + f"vllm_version {version!r} is not a PEP 440 version", "vllm_version",
+                  hint="the version the build reports, e.g. 0.33.0, 0.34.0rc1 or 0.34.0rc1.dev123+gabcdef012; "
+                       "it names directories under the cache, so nothing else is accepted")
     python = raw.get("python", "3.12")
     if not _PY.match(python):
         raise err(ctx + f"python must look like '3.12', got {python!r}", "python")
@@ -186,6 +269,28 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
         raise err(ctx + f"wheel_sha256 is not 64 lower-case hex digits: {sha!r}", "wheel_sha256")
     if wheel and not wheel.endswith(".whl"):
         raise err(ctx + f"wheel must be a .whl file name, got {wheel!r}", "wheel")
+    if wheel:
+        parts = parse_wheel_name(wheel)
+        if parts is None:
+            raise err(ctx + f"wheel {wheel!r} is not a plain wheel file name", "wheel",
+                      hint="{distribution}-{version}-{python}-{abi}-{platform}.whl, no directories; it names a "
+                           "file in the cache")
+        if parts["dist"].lower() != "vllm" or parts["version"] != version:
+            raise err(ctx + f"wheel {wheel!r} is not vLLM {version}", "wheel",
+                      hint="the file name's distribution must be vllm and its version the pin's vllm_version")
+    url = raw.get("wheel_url", "")
+    if url:
+        if not wheel:
+            raise err(ctx + "wheel_url needs wheel and wheel_sha256", "wheel_url",
+                      hint="the file name and the sha256 of the exact bytes at the URL (serving-truth lock add "
+                           "writes all three)")
+        problem = _url_problem(url, wheel)
+        if problem:
+            raise err(ctx + f"wheel_url {url!r} {problem}", "wheel_url")
+    commit = raw.get("vllm_commit", "")
+    if commit and not _COMMIT.match(commit):
+        raise err(ctx + f"vllm_commit {commit!r} is not a git sha", "vllm_commit",
+                  hint="7 to 40 lower-case hex digits, optionally prefixed with g as vLLM's builds report it")
     image = raw.get("image", "")
     if image and not _IMAGE.match(image):
         hint = "pin the image by digest: repo@sha256:<64 hex>; tags move, digests do not"
@@ -203,6 +308,9 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
     if config_digest and not _DIGEST.match(config_digest):
         raise err(ctx + f"image_config_digest is not sha256:<64 hex>: {config_digest!r}", "image_config_digest",
                   hint="`docker image inspect --format '{{.Id}}' IMAGE` prints it")
+    if tarball and (tarball.startswith(("/", "~")) or "\\" in tarball or ".." in tarball.split("/")):
+        raise err(ctx + f"image_tarball {tarball!r} leaves the directory of this lock file", "image_tarball",
+                  hint="give a path relative to images.lock, without '..'")
     if tarball and not config_digest:
         raise err(ctx + "image_tarball needs image_config_digest", "image_tarball",
                   hint="a tarball is only trusted with the config digest recorded when it was saved")
@@ -215,8 +323,84 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
     if not wheel and not image and not config_digest and not tag:
         raise err(ctx + "neither a wheel nor an image: nothing can be audited", "name")
     return Pin(
-        name=name, vllm_version=raw["vllm_version"], python=python, wheel=wheel, wheel_sha256=sha,
+        name=name, vllm_version=version, python=python, wheel=wheel, wheel_sha256=sha, wheel_url=url,
         image=image, platform_digests=dict(digests), vllm_commit=raw.get("vllm_commit", ""),
         note=raw.get("note", ""), image_config_digest=config_digest, image_tarball=tarball, image_tag=tag,
         line=line or 0,
     )
+
+
+def _url_problem(url: str, wheel: str) -> str:
+    """Why *url* cannot be where *wheel* comes from ("" when it can)."""
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in _URL_SCHEMES:
+        return "must be an https://, http:// or file:/// URL"
+    if parts.username or parts.password:
+        return "carries credentials; images.lock is committed, so it never holds any"
+    if parts.scheme == "file" and (parts.netloc not in ("", "localhost") or not parts.path.startswith("/")):
+        return "must be file:///absolute/path"
+    if parts.scheme != "file" and not parts.hostname:
+        return "names no host"
+    last = unquote(parts.path).rsplit("/", 1)[-1]
+    if last != wheel:
+        return f"does not end in the pinned wheel file name ({wheel})"
+    return ""
+
+
+def unsafe_path_field(pin: Pin) -> tuple[str, str] | None:
+    """(field, value) of the first field of *pin* that must not become part of a cache path, or None.
+
+    :func:`load` refuses such pins with file:line; this is the same check for a Pin built any other way,
+    which the local runtime repeats before it names, deletes or runs anything under the cache."""
+    if not _NAME.match(pin.name):
+        return "name", pin.name
+    if not _VERSION.match(pin.vllm_version.lower()):
+        return "vllm_version", pin.vllm_version
+    if not _PY.match(pin.python):
+        return "python", pin.python
+    if pin.wheel and parse_wheel_name(pin.wheel) is None:
+        return "wheel", pin.wheel
+    if pin.wheel_sha256 and not _SHA256.match(pin.wheel_sha256):
+        return "wheel_sha256", pin.wheel_sha256
+    return None
+
+
+def _pin_order(pin: Pin) -> tuple:
+    return (0, version_key(pin.vllm_version)) if pin.placed else (1,)
+
+
+def sorted_pins(lock: Lock) -> list[Pin]:
+    """The lock's pins in release order (PEP 440: dev < rc < release < post); pins of one version keep the
+    order of the lock file, unplaced builds (see :func:`is_placed`) come last in the order of the file."""
+    return sorted(lock.pins.values(), key=_pin_order)
+
+
+def previous_pin(lock: Lock, name: str, *, releases_only: bool = False) -> Pin | None:
+    """The pin that precedes *name* in release order: among the pins whose vLLM version is strictly lower
+    than its own, those with the highest version, and of those the first in the lock file.
+
+    This is the natural "changes since" baseline: a nightly ``0.34.0rc1.dev123+gabc`` follows ``v0.33.0``
+    (and a later nightly, say ``0.34.0rc1.dev200+gdef``, follows that one); the release ``0.34.0`` follows
+    the last pinned 0.34.0 pre-release or nightly. With ``releases_only`` only final releases (no dev, rc,
+    alpha or beta part) are candidates, so ``v0.34.0`` follows ``v0.33.0`` whatever nightlies are pinned.
+
+    Returns None when nothing precedes it, and for an unplaced build (a ``0.1.devN`` version from a branch
+    without a release tag, whose number says nothing about its place); unplaced builds are never anyone's
+    predecessor either. Raises :class:`~audit.errors.UnknownPinError` for a name not in the lock.
+    """
+    pin = lock.get(name)
+    if not pin.placed:
+        return None
+    mine = version_key(pin.vllm_version)
+    best: Pin | None = None
+    for other in lock.pins.values():  # file order: the first of equal versions wins
+        if other.name == name or not other.placed:
+            continue
+        key = version_key(other.vllm_version)
+        if releases_only and (key[1] != (2,) or key[3] != (1,)):
+            continue
+        if key < mine and (best is None or key > version_key(best.vllm_version)):
+            best = other
+    return best

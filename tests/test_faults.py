@@ -1,0 +1,451 @@
+"""Fault injection: the gate never passes on a fault, never damages a report, never leaves processes.
+
+Each test provokes one fault the way an unlucky or hostile user would (SIGKILL of each process kind,
+a full disk, a read-only or immutable report, concurrent audits, a damaged run directory, hostile
+input files) and asserts the exit code, the message, the report's bytes and what is left running.
+The tests that need a run use one real audit of the pinned vLLM (b200_sxm x tp8, dep8), made once.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from audit.errors import ExitCode
+from tests.conftest import ROOT
+
+CLI = [sys.executable, "-m", "audit.cli"]
+CELLS = ["--systems", "b200_sxm", "--layouts", "tp8,dep8"]
+
+
+def cli(*args, cwd=ROOT, **kw):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=cwd, **kw)
+
+
+def snapshot(directory: Path) -> dict:
+    """Every file under *directory* (hidden ones included) with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def pids_writing(path: Path) -> list[int]:
+    """Processes that hold *path* open (a cell's process has its agent.log as stdout)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    out.append(int(pid))
+                    break
+        except OSError:
+            continue
+    return out
+
+
+def agents_of(run_dir: Path | None = None) -> list[int]:
+    """Processes of a probe agent (the agent, its SM processes and cells share its command line)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"probes.agent" in argv and (run_dir is None or any(str(run_dir).encode() in a for a in argv)):
+            out.append(int(pid))
+    return out
+
+
+def wait_for(predicate, timeout: float, step: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    return predicate()
+
+
+def newest_run(cache: Path, before: set) -> Path | None:
+    runs = [p for p in (cache / "runs").glob("v0.33.0-*") if p not in before]
+    return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
+
+
+@pytest.fixture(scope="module")
+def cache_root():
+    from audit.runtimes.base import cache_root as root
+
+    return root()
+
+
+@pytest.fixture(scope="module")
+def audited(vllm_env, tmp_path_factory):
+    """One complete audit of two cells: its run directory and its report (the 'previous ledger')."""
+    reports = tmp_path_factory.mktemp("faults") / "reports"
+    r = cli("audit", "v0.33.0", *CELLS, "--reports", str(reports), timeout=1800)
+    assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-3000:]
+    run_dir = Path([l.split("evidence: ", 1)[1] for l in r.stderr.splitlines() if l.startswith("evidence: ")][0])
+    return {"run_dir": run_dir, "reports": reports, "code": r.returncode, "stderr": r.stderr}
+
+
+@pytest.fixture
+def report_copy(audited, tmp_path):
+    reports = tmp_path / "reports"
+    shutil.copytree(audited["reports"], reports)
+    return reports
+
+
+@pytest.fixture
+def run_copy(audited, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(audited["run_dir"], run, ignore=shutil.ignore_patterns("tmp", "vllm-cache"))
+    return run
+
+
+# --- SIGKILL of each process kind ------------------------------------------------------------------
+@pytest.mark.vllm
+def test_a_killed_cell_makes_the_run_incomplete_and_render_refuses_it(audited, report_copy, cache_root):
+    before_runs = set((cache_root / "runs").glob("*"))
+    before = snapshot(report_copy)
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(report_copy)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
+        assert run is not None, "the audit never created its run directory"
+        log = run / "evidence" / "b200_sxm--tp8" / "agent.log"
+        victims = wait_for(lambda: log.exists() and pids_writing(log), 300)
+        assert victims, "the b200_sxm/tp8 cell never started"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == ExitCode.RUN_FAILED, err[-3000:]
+    assert "1 cell(s) did not finish (b200_sxm/tp8)" in err and "reports/ was not changed" not in out
+    assert snapshot(report_copy) == before, "a dead cell must never replace the report"
+    ledger = Path([l.split(": ", 1)[1] for l in err.splitlines()
+                   if l.startswith("an INCOMPLETE ledger of what was observed: ")][0])
+    assert ledger.is_relative_to(run) and "INCOMPLETE RUN (cells-missing)" in ledger.read_text()
+
+    # rendering that run again refuses to touch reports/ too (it was a pass before)
+    again = cli("render", str(run), "--reports", str(report_copy))
+    assert again.returncode == ExitCode.RUN_FAILED, again.stderr[-2000:]
+    assert snapshot(report_copy) == before
+    assert agents_of(run) == []
+
+
+@pytest.mark.vllm
+def test_sigkill_of_the_harness_takes_every_agent_process_with_it(audited, tmp_path, cache_root):
+    before_runs = set((cache_root / "runs").glob("*"))
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(tmp_path / "r")], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
+    assert run is not None
+    started = wait_for(lambda: len(agents_of(run)) >= 2 and agents_of(run), 300)  # the agent and an SM process
+    assert started, "the agent never forked"
+    proc.kill()
+    proc.wait()
+    assert wait_for(lambda: not agents_of(run), 20), f"left running: {agents_of(run)}"
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.vllm
+def test_sigkill_of_the_agent_ends_its_sm_processes_and_fails_the_run(audited, report_copy, cache_root):
+    before_runs = set((cache_root / "runs").glob("*"))
+    before = snapshot(report_copy)
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(report_copy)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
+    assert run is not None
+    pids = wait_for(lambda: len(agents_of(run)) >= 2 and agents_of(run), 300)
+    assert pids, "the agent never forked"
+    os.kill(min(pids), signal.SIGKILL)  # the agent is the oldest of them
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == ExitCode.RUN_FAILED, err[-2000:]
+    assert wait_for(lambda: not agents_of(run), 20), f"left running: {agents_of(run)}"
+    assert snapshot(report_copy) == before
+
+
+# --- the report: disk full, read-only, immutable, concurrent ---------------------------------------
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A small tmpfs of our own (root only): a disk that can fill up or be made read-only."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+@pytest.mark.vllm
+def test_read_only_reports_dir_exits_5_names_the_evidence_and_keeps_the_report(run_copy, tiny_fs):
+    (tiny_fs / "v0.33.0").mkdir()
+    (tiny_fs / "v0.33.0" / "ledger.md").write_text("previous ledger\n")
+    before = snapshot(tiny_fs)
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    r = cli("render", str(run_copy), "--reports", str(tiny_fs))
+    assert r.returncode == ExitCode.REPORT_WRITE, r.stderr[-2000:]
+    assert "Read-only file system" in r.stderr and str(run_copy) in r.stderr
+    assert snapshot(tiny_fs) == before
+
+
+@pytest.mark.vllm
+def test_a_full_disk_exits_5_and_leaves_nothing_half_written(run_copy, tiny_fs):
+    (tiny_fs / "v0.33.0").mkdir()
+    (tiny_fs / "v0.33.0" / "ledger.md").write_text("previous ledger\n")
+    before = snapshot(tiny_fs)
+    r = cli("render", str(run_copy), "--reports", str(tiny_fs))
+    assert r.returncode == ExitCode.REPORT_WRITE, r.stderr[-2000:]
+    assert "No space left on device" in r.stderr and str(run_copy) in r.stderr
+    assert {k: v for k, v in snapshot(tiny_fs).items() if k != ".v0.33.0.lock"} == before
+    assert sorted(p.name for p in tiny_fs.iterdir()) == [".v0.33.0.lock", "v0.33.0"]
+
+
+@pytest.mark.vllm
+def test_an_immutable_ledger_leaves_the_report_whole_and_no_stray_file(run_copy, report_copy):
+    ledger = report_copy / "v0.33.0" / "ledger.md"
+    if subprocess.run(["chattr", "+i", str(ledger)], capture_output=True).returncode:
+        pytest.skip("this filesystem has no immutable flag")
+    try:
+        before = snapshot(report_copy)
+        r = cli("render", str(run_copy), "--reports", str(report_copy))
+        after = snapshot(report_copy)
+        leftovers = sorted(p.name for p in report_copy.iterdir() if p.name.startswith(".v0.33.0.")
+                           and not p.name.endswith(".lock"))
+    finally:
+        subprocess.run(["chattr", "-i", str(ledger)])
+    assert r.returncode == ExitCode.REPORT_WRITE, r.stderr[-2000:]
+    assert "immutable" in r.stderr
+    assert after == before and leftovers == []
+
+
+@pytest.mark.vllm
+def test_concurrent_renders_of_one_pin_never_mix_their_files(run_copy, tmp_path):
+    reports = tmp_path / "reports"
+    procs = [subprocess.Popen([*CLI, "render", str(run_copy), "--reports", str(reports)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert set(codes) <= {ExitCode.OK, ExitCode.FINDINGS} and len(set(codes)) == 1, [p.stderr.read() for p in procs]
+    assert sorted(p.name for p in reports.iterdir()) == [".v0.33.0.lock", "v0.33.0"]
+    assert sorted(p.name for p in (reports / "v0.33.0").iterdir()) == ["ledger.md", "routing.json"]
+    alone = tmp_path / "alone"
+    assert cli("render", str(run_copy), "--reports", str(alone)).returncode == codes[0]
+    assert snapshot(alone / "v0.33.0") == snapshot(reports / "v0.33.0")
+
+
+# --- a damaged run directory ------------------------------------------------------------------------
+@pytest.mark.vllm
+def test_damaged_run_directories_fail_with_their_own_code_and_a_cause(run_copy, report_copy, tmp_path):
+    before = snapshot(report_copy)
+    good = (run_copy / "run.json").read_text()
+    (run_copy / "run.json").write_text(good[: len(good) // 2])
+    r = cli("render", str(run_copy), "--reports", str(report_copy))
+    assert r.returncode == ExitCode.RUN_FAILED and "run.json: unreadable run record" in r.stderr, r.stderr
+    (run_copy / "run.json").write_text(json.dumps([1, 2]))
+    r = cli("render", str(run_copy), "--reports", str(report_copy))
+    assert r.returncode == ExitCode.RUN_FAILED and "not a run record written by this harness" in r.stderr
+    (run_copy / "run.json").write_text(good)
+
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    r = cli("render", str(a_file), "--reports", str(report_copy))
+    assert r.returncode == ExitCode.USAGE and "is a file, not a run directory" in r.stderr
+
+    # evidence cut at a record boundary: the file parses, the cell is incomplete; never a template error
+    ev = sorted((run_copy / "evidence" / "b200_sxm--tp8").glob("evidence-*.jsonl"))[0]
+    ev.write_text("\n".join(ev.read_text().splitlines()[:3]) + "\n")
+    r = cli("render", str(run_copy), "--reports", str(report_copy))
+    assert r.returncode in (ExitCode.FINDINGS, ExitCode.OK, ExitCode.RUN_FAILED), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+    ev.write_text("{not json\n")
+    r = cli("render", str(run_copy), "--reports", str(report_copy))
+    assert r.returncode == ExitCode.RUN_FAILED and f"{ev}:1: malformed JSON" in r.stderr
+    assert snapshot(report_copy) == before
+
+
+@pytest.mark.vllm
+def test_evidence_holds_no_machine_path(audited):
+    from audit.runtimes.base import cache_root
+
+    text = (audited["reports"] / "v0.33.0" / "routing.json").read_text()
+    assert str(cache_root()) not in text and str(audited["run_dir"]) not in text
+    assert "/site-packages/" not in text.replace("<env>/site-packages/", "")
+
+
+@pytest.mark.vllm
+def test_a_subset_audit_writes_beside_a_fuller_report_unless_asked(run_copy, tmp_path):
+    reports = tmp_path / "reports"
+    (reports / "v0.33.0").mkdir(parents=True)
+    full = json.loads((ROOT / "reports" / "v0.33.0" / "routing.json").read_text())
+    (reports / "v0.33.0" / "routing.json").write_text(json.dumps(full))
+    (reports / "v0.33.0" / "ledger.md").write_text("the full ledger\n")
+    before = snapshot(reports)
+    r = cli("render", str(run_copy), "--reports", str(reports))
+    assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-2000:]
+    assert f"holds a fuller audit ({len(full['cells'])} cells)" in r.stderr
+    assert snapshot(reports) == {**before, **{k: v for k, v in snapshot(reports).items() if k.startswith(".")}}
+    assert Path(r.stdout.strip()).is_relative_to(run_copy)
+    r = cli("render", str(run_copy), "--reports", str(reports), "--replace")
+    assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS)
+    assert (reports / "v0.33.0" / "ledger.md").read_text() != "the full ledger\n"
+
+
+# --- hostile or careless input (no vLLM needed) -----------------------------------------------------
+@pytest.mark.parametrize("args, fragment", [
+    (["audit", "v0.33.0", "--systems", ""], "unknown system ''"),
+    (["audit", "v0.33.0", "--layouts", ","], "unknown layout"),
+    (["audit", "v0.33.0", "--timeout", "0"], "must be a positive, finite number of seconds"),
+    (["audit", "v0.33.0", "--timeout", "nan"], "must be a positive, finite number of seconds"),
+    (["audit", "v0.33.0", "--timeout", "-5"], "must be a positive, finite number of seconds"),
+    (["diff", "v0.33.0", "../../etc"], "cannot name a report directory"),
+    (["diff", "diffs", "v0.33.0"], "cannot name a report directory"),
+])
+def test_bad_selections_and_names_exit_2(args, fragment):
+    r = cli(*args)
+    assert r.returncode == ExitCode.USAGE, r.stderr
+    assert fragment in r.stderr
+
+
+def test_a_routing_json_that_is_a_list_is_bad_input(tmp_path):
+    for pin in ("a1", "b1"):
+        (tmp_path / pin).mkdir()
+        (tmp_path / pin / "routing.json").write_text("[]")
+    r = cli("diff", "a1", "b1", "--reports", str(tmp_path))
+    assert r.returncode == ExitCode.USAGE and "is not a routing.json written by this harness" in r.stderr
+
+
+CLAIMS = """schema = 1
+model = "kimi-k3"
+framework = "vllm"
+architecture = "KimiK3ForConditionalGeneration"
+
+[[claim]]
+id = "c1"
+lane = "w4a16_mxfp4"
+{field}
+"""
+
+
+@pytest.mark.parametrize("field, fragment, line", [
+    ('backend = "marlin"\nlayouts = "tp8"', "layouts must be a list of strings", 10),
+    ('backend = "marlin"\nlayouts = []', "layouts is empty, so the claim would judge nothing", 10),
+    ('backend = "marlin"\nsystems = [8]', "systems must be a list of strings", 10),
+    ("backend = 3", "backend must be a string", 9),
+    ('claim = "x"', "'claim' must be an array of tables", 0),
+])
+def test_expectations_of_the_wrong_type_exit_2_with_file_and_line(tmp_path, field, fragment, line):
+    from audit.expectations import ExpectationsError, load
+
+    path = tmp_path / "claims.toml"
+    text = CLAIMS.format(field=field)
+    if field.startswith("claim ="):
+        text = text.split("[[claim]]")[0] + field + "\n"
+    path.write_text(text)
+    with pytest.raises(ExpectationsError) as e:
+        load(path)
+    assert fragment in str(e.value), str(e.value)
+    assert str(e.value).startswith(f"{path}:{line}:" if line else f"{path}")
+    r = cli("audit", "v0.33.0", "--expectations", str(path), "--reports", str(tmp_path / "r"))
+    assert r.returncode == ExitCode.USAGE and fragment in r.stderr  # before any work starts
+
+
+def test_expectations_about_another_model_are_refused(tmp_path):
+    from audit.core import load_expectations
+    from audit.expectations import ExpectationsError
+    from audit.profiles import KIMI_K3
+
+    text = (ROOT / "expectations" / "kimi-k3.toml").read_text().replace('model = "kimi-k3"', 'model = "other"', 1)
+    path = tmp_path / "claims.toml"
+    path.write_text(text)
+    (tmp_path / "kernel_source_backends.toml").write_text(
+        (ROOT / "expectations" / "kernel_source_backends.toml").read_text())
+    with pytest.raises(ExpectationsError, match="claims are about model 'other', this audit is of 'kimi-k3'"):
+        load_expectations(str(path), lock_path=ROOT / "images.lock", profile=KIMI_K3)
+
+
+def test_a_lock_outside_the_project_never_silently_judges_nothing(tmp_path, monkeypatch):
+    from audit.core import load_expectations, reproduce_command
+    from audit.errors import UsageError
+    from audit.profiles import KIMI_K3
+    from audit.systems import LAYOUTS, SYSTEMS
+
+    lock = tmp_path / "x" / "images.lock"
+    lock.parent.mkdir()
+    shutil.copy(ROOT / "images.lock", lock)
+    monkeypatch.chdir(ROOT)  # run from the project: its claims are found
+    exp, shown = load_expectations("auto", lock_path=lock, profile=KIMI_K3)
+    assert exp is not None and shown == "expectations/kimi-k3.toml"
+    cmd = reproduce_command("v0.33.0", list(SYSTEMS.values()), list(LAYOUTS.values()), "local", lock=str(lock))
+    assert cmd == f"make audit PIN=v0.33.0 LOCK={lock}"
+    monkeypatch.chdir(tmp_path)  # from elsewhere: a clear error, never "no claims, exit 0"
+    with pytest.raises(UsageError, match="no claims to judge"):
+        load_expectations("auto", lock_path=lock, profile=KIMI_K3)
+
+
+def test_an_unexpected_exception_exits_70_with_the_traceback_in_a_file(monkeypatch, tmp_path, capsys):
+    from audit import cli as cli_mod
+    from audit import core
+
+    def boom(*a, **k):
+        raise RuntimeError("a bug in the harness")
+
+    monkeypatch.setattr(core, "render_run", boom)
+    monkeypatch.setenv("SERVING_TRUTH_CACHE", str(tmp_path))
+    code = cli_mod.main(["render", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == ExitCode.INTERNAL == 70
+    assert "internal error: RuntimeError: a bug in the harness" in err
+    logs = list((tmp_path / "crash-logs").glob("crash-*.log"))
+    assert len(logs) == 1 and str(logs[0]) in err.replace("\n", "")
+    assert "Traceback" in logs[0].read_text() and "a bug in the harness" in logs[0].read_text()
+
+
+def test_concurrent_learned_import_updates_never_collide(tmp_path):
+    from audit.runtimes.base import learn_imports, learned_imports
+
+    ev = tmp_path / "evidence" / "cell"
+    ev.mkdir(parents=True)
+    (ev / "imported-modules.json").write_text(json.dumps([f"m{i}" for i in range(200)]))
+    errors = []
+
+    def work():
+        try:
+            for _ in range(40):
+                learn_imports(tmp_path / "cache", tmp_path / "evidence")
+        except Exception as exc:  # noqa: BLE001 - any failure is the finding
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(learned_imports(tmp_path / "cache")) == 200
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["learned-imports.json"]
+
+
+def test_silent_fallback_and_required_drift_fail_the_gate():
+    from audit.cli import _findings_exit
+    from audit.core import AuditOutcome
+
+    class Quiet:
+        def print(self, *a, **k):
+            pass
+
+    def outcome(verdicts, drift=()):
+        return AuditOutcome(pin="p", report_dir=Path("."), ledger=None, routing_path=None, run_dir=Path("."),
+                            cells=1, incomplete=0, partial=0, drift=len(drift), verdicts=verdicts,
+                            required_drift=list(drift))
+
+    assert _findings_exit(outcome({"MATCH": 3, "SILENT_FALLBACK": 1}), False, Quiet()) == ExitCode.FINDINGS
+    assert _findings_exit(outcome({"MATCH": 3}), False, Quiet()) == ExitCode.OK
+    assert _findings_exit(outcome({"MATCH": 3}, ["kda.prefill"]), False, Quiet()) == ExitCode.FINDINGS
+    assert _findings_exit(outcome({"MATCH": 3, "UNVERIFIED": 1}), True, Quiet()) == ExitCode.FINDINGS

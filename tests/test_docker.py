@@ -293,6 +293,27 @@ def test_interrupting_the_harness_removes_its_container(docker_client, vllm_imag
     assert {p.name: p.read_bytes() for p in (reports / vllm_image["pin"]).iterdir()} == before
 
 
+def test_sigkill_of_the_harness_stops_its_container(docker_client, vllm_image, previous_report):
+    """The harness holds the container's stdin open; SIGKILL closes it and the agent ends itself."""
+    reports, before = previous_report
+    proc = _start_audit(vllm_image, reports)
+    container = _wait_for_agent(docker_client, proc)
+    assert container.attrs["Config"]["OpenStdin"] and container.attrs["Config"]["StdinOnce"]
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        container.reload()
+        if container.status in ("exited", "dead"):
+            break
+        time.sleep(0.5)
+    assert container.status in ("exited", "dead"), "the container outlived its harness"
+    assert container.attrs["State"]["ExitCode"] == 137  # the agent killed its own process group
+    assert {p.name: p.read_bytes() for p in (reports / vllm_image["pin"]).iterdir()} == before
+    removed = sweep(docker_client)  # the dead harness's stopped container is swept as before
+    assert container.name in removed
+
+
 def test_containers_of_a_dead_harness_are_swept(docker_client, vllm_image):
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -24,6 +24,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from probes.lifecycle import WATCHDOG_ENV
+
 from .. import cudastub
 from ..errors import (DockerUnavailable, ImageDigestMismatch, ImageError, ProbeRunError, RunExited,
                       RuntimeUnsupportedError)
@@ -220,12 +222,20 @@ class DockerRuntime:
         return env
 
     def _container_kwargs(self, request: RunRequest, image, ref: str, *, role: str, mounts: list,
-                          with_stub: bool) -> dict:
+                          with_stub: bool, lifeline: bool = False) -> dict:
+        """``lifeline``: the container's standard input stays open while this process holds an attached
+        socket (stdin once); when the harness dies the socket closes, the daemon closes the container's
+        stdin, and the agent ends its process group (probes.lifecycle): no container outlives the harness."""
+        environment = self._environment(image, with_stub=with_stub)
+        extra = {}
+        if lifeline:
+            environment[WATCHDOG_ENV] = "stdin"
+            extra = {"stdin_open": True}
         return dict(
             image=image.id,
             entrypoint=["python3"],
             labels=self._labels(request, ref, role),
-            environment=self._environment(image, with_stub=with_stub),
+            environment=environment,
             mounts=mounts,
             network_mode="none",
             cap_drop=["ALL"],
@@ -235,7 +245,8 @@ class DockerRuntime:
             shm_size=SHM_SIZE,
             user=f"{os.getuid()}:{os.getgid()}",
             working_dir="/tmp",
-            detach=True,
+            detach=not lifeline,  # created, not run: detach only decides whether stdin is closed after one attach
+            **extra,
         )
 
     def _inventory(self, request: RunRequest, image, ref: str) -> dict:
@@ -312,7 +323,7 @@ class DockerRuntime:
             Mount(f"{RUN_MOUNT}/evidence", str(request.evidence_dir), type="bind", read_only=False),
             Mount(STUB_MOUNT, str(stub.parent), type="bind", read_only=True),
         ]
-        kw = self._container_kwargs(request, image, ref, role="agent", mounts=mounts, with_stub=True)
+        kw = self._container_kwargs(request, image, ref, role="agent", mounts=mounts, with_stub=True, lifeline=True)
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells inside {ref[:60]}")
         container = self.client.containers.create(command=["-m", "probes.agent", where(plan)], **kw)
@@ -363,7 +374,8 @@ class DockerRuntime:
             (request.evidence_dir / cell).mkdir(parents=True, exist_ok=True)
             mounts = [Mount(RUN_MOUNT, str(run_dir), type="bind", read_only=True),
                       Mount(f"{RUN_MOUNT}/evidence", str(request.evidence_dir), type="bind", read_only=False)]
-            kw = self._container_kwargs(request, image, ref, role="observe", mounts=mounts, with_stub=False)
+            kw = self._container_kwargs(request, image, ref, role="observe", mounts=mounts, with_stub=False,
+                                        lifeline=True)
             kw["environment"].update(observe_env(f"{RUN_MOUNT}/evidence/{cell}", cell))
             kw.update(device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])], shm_size="16g",
                       ipc_mode="host")
@@ -379,10 +391,15 @@ class DockerRuntime:
 
     def _run_container(self, container, request: RunRequest, progress: Progress, log: Path) -> int:
         """Start, wait (progress, timeout), keep the log, and always remove the container."""
+        lifeline = None
         try:
+            if (container.attrs.get("Config") or {}).get("StdinOnce"):
+                lifeline = container.attach_socket(params={"stdin": 1, "stream": 1})
             container.start()
             return self._wait(container, request, progress, log)
         finally:
+            if lifeline is not None:
+                _close_socket(lifeline)
             self._save_logs(container, log)
             try:
                 container.remove(force=True)
@@ -415,6 +432,15 @@ class DockerRuntime:
                                 missing=collect_missing(request, fallback_log=log),
                                 runtime=f"docker ({container.image.id})")
             time.sleep(0.5)
+
+
+def _close_socket(sock) -> None:
+    for obj in (getattr(sock, "_sock", None), sock):
+        try:
+            if obj is not None:
+                obj.close()
+        except Exception:  # noqa: BLE001 - closing a lifeline that is already gone
+            pass
 
 
 def _inventory_summary(inv: dict) -> dict:

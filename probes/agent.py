@@ -33,7 +33,7 @@ import sys
 import time
 import traceback
 
-from .lifecycle import die_with_parent, watch_stdin
+from .lifecycle import die_with_parent, watch_parent
 from .recorder import Recorder
 
 PLAN_SCHEMA = 1
@@ -181,6 +181,28 @@ def _wait(pid: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def describe_exit(code: int) -> str:
+    """``exit 1`` / ``killed by signal 9 (SIGKILL)`` for a waitstatus_to_exitcode value."""
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "?"
+        return f"killed by signal {-code} ({name})"
+    return f"exit {code}"
+
+
+def _note(path: str, text: str) -> None:
+    """Append the harness's own line to a process's log (why it ended, when it could not say so itself)."""
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"[serving-truth agent] {text}\n")
+    except OSError:
+        pass
+
+
 def run_group(plan: dict, cells: list[dict]) -> int:
     """One SM: install probes and platform, import vLLM, then one forked process per cell."""
     from . import resolve
@@ -193,8 +215,10 @@ def run_group(plan: dict, cells: list[dict]) -> int:
         out = cell_dir(plan, cell)
         os.makedirs(out, exist_ok=True)
         pid = _fork(_run_cell, plan, cell, rec, warm, out)
-        if _wait(pid) != 0:
+        code = _wait(pid)
+        if code != 0:
             failed += 1
+            _note(os.path.join(out, "agent.log"), f"the cell's process (pid {pid}) ended: {describe_exit(code)}")
         if warm.get("error") is None:
             warm_up(_read_imported(out))
     return 1 if failed else 0
@@ -251,6 +275,13 @@ def _run_cell(plan, cell, rec, warm, out) -> int:
     return 0
 
 
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def read_plan(argv: list[str], usage: str, *, nargs: int) -> dict | None:
     """The plan named by ``argv[0]`` (the harness's plan.json), or None after saying what is wrong."""
     if len(argv) != nargs:
@@ -269,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = read_plan(argv, "python -m probes.agent PLAN.json", nargs=1)
     if plan is None:
         return 2
-    watch_stdin()
+    watch_parent()
     from . import resolve
 
     resolve.prepare_process(plan)
@@ -277,19 +308,32 @@ def main(argv: list[str] | None = None) -> int:
     for cell in plan["cells"]:
         groups.setdefault(tuple(cell["system"]["capability"]), []).append(cell)
     parallel = max(1, int(plan.get("parallel", 1)))
-    running: set[int] = set()
+    running: dict[int, None] = {}
+    groups_of: dict[int, str] = {}
+    cells_of: dict[int, list] = {}
     failed = 0
 
     def reap_one() -> int:
         pid, status = os.wait()  # whichever SM process finishes first
-        running.discard(pid)
-        return os.waitstatus_to_exitcode(status) != 0
+        running.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:  # killed: its cells that had not finished cannot say so themselves
+            print(f"[serving-truth agent] the SM process for {groups_of.get(pid)} (pid {pid}) ended: "
+                  f"{describe_exit(code)}", file=sys.stderr, flush=True)
+            for cell in cells_of.get(pid, []):
+                log = os.path.join(cell_dir(plan, cell), "agent.log")
+                if not any(n.startswith("evidence-") for n in _listdir(cell_dir(plan, cell))):
+                    _note(log, f"the SM process that runs this cell (pid {pid}) ended: {describe_exit(code)}")
+        return code != 0
 
     # larger groups first, so the last one to start is a short one
     for cells in sorted(groups.values(), key=len, reverse=True):
         while len(running) >= parallel:
             failed += reap_one()
-        running.add(_fork(run_group, plan, cells))
+        pid = _fork(run_group, plan, cells)
+        running[pid] = None
+        groups_of[pid] = "SM " + ".".join(str(x) for x in cells[0]["system"]["capability"])
+        cells_of[pid] = cells
     while running:
         failed += reap_one()
     return 0 if not failed else 1

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = read_plan(argv, "python -m probes.observe_agent PLAN.json CELL_INDEX", nargs=2)
     if plan is None:
         return 2
-    from .lifecycle import watch_stdin
+    from .lifecycle import watch_parent
 
-    watch_stdin()
+    watch_parent()
     cell = plan["cells"][int(argv[1])]
     os.environ["SERVING_TRUTH_MODE"] = "observe"
     os.environ["SERVING_TRUTH_CELL"] = f"{cell['system']['name']}--{cell['layout']['name']}"

@@ -116,20 +116,27 @@ def test_refused_and_cancelled_jobs_become_incomplete_and_no_wait_renders_later(
         time.sleep(3)
     assert our_jobs_alive(run_dir) == []
 
+    # three cells left no evidence: the run is INCOMPLETE (exit 4); its ledger goes beside the run,
+    # never into reports/, however often it is rendered
     first = subprocess.run([*CLI, "render", str(run_dir), "--reports", str(reports), "--expectations", "none"],
                            cwd=ROOT, capture_output=True, text=True)
-    assert first.returncode == 0, first.stderr[-3000:]
-    ledger = (reports / "v0.33.0" / "ledger.md").read_bytes()
+    assert first.returncode == ExitCode.RUN_FAILED, first.stderr[-3000:]
+    assert "3 cell(s) did not finish" in first.stderr and not (reports / "v0.33.0").exists()
+    beside = Path([l.split(": ", 1)[1] for l in first.stderr.splitlines()
+                   if l.startswith("an INCOMPLETE ledger of what was observed: ")][0])
+    assert beside.is_relative_to(run_dir)
+    ledger = beside.read_bytes()
     text = ledger.decode()
-    assert "**INCOMPLETE:** 3 cell(s)" in text
+    assert "**INCOMPLETE:** 3 cell(s)" in text and "INCOMPLETE RUN (cells-missing)" in text
     assert f"Slurm job {victim} ended CANCELLED" in text
     assert "sbatch refused the job" in text and "Invalid feature specification" in text
-    routing = json.loads((reports / "v0.33.0" / "routing.json").read_text())
+    routing = json.loads((beside.parent / "routing.json").read_text())
     status = {(c["system"], c["layout"]): c["status"] for c in routing["cells"]}
     assert status[("b200_sxm", "tp8")] == "COMPLETE"
     second = subprocess.run([*CLI, "render", str(run_dir), "--reports", str(reports), "--expectations", "none"],
                             cwd=ROOT, capture_output=True, text=True)
-    assert second.returncode == 0 and (reports / "v0.33.0" / "ledger.md").read_bytes() == ledger
+    assert second.returncode == ExitCode.RUN_FAILED and beside.read_bytes() == ledger
+    assert not (reports / "v0.33.0").exists()
 
 
 @pytest.mark.slurm
@@ -160,6 +167,38 @@ def test_ctrl_c_cancels_exactly_the_runs_jobs(slurm_cluster, vllm_env, tmp_path)
         assert not (tmp_path / "r" / "v0.33.0").exists()
     finally:
         subprocess.run(["scancel", bystander])
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+def test_jobs_of_a_killed_harness_end_themselves(slurm_cluster, vllm_env, tmp_path):
+    """SIGKILL leaves no handler to scancel: the jobs watch the harness's heartbeat and end themselves."""
+    env = {**os.environ, "SERVING_TRUTH_HEARTBEAT_S": "8"}
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", "--runtime", "slurm", "--cluster", str(profile(tmp_path)),
+                             "--systems", "b200_sxm", "--layouts", "tp8,dep8", "--reports", str(tmp_path / "r")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        run_dir = None
+        while time.time() < deadline and run_dir is None:
+            runs = sorted((tmp_path / "shared" / "runs").glob("v0.33.0-*")) if (tmp_path / "shared" / "runs").exists() else []
+            if runs and (runs[-1] / "jobs.json").exists() and \
+                    any("RUNNING" in line for line in our_jobs_alive(runs[-1])):
+                run_dir = runs[-1]
+            time.sleep(0.5)
+        assert run_dir is not None, "no job started"
+        script = next((run_dir / "jobs").glob("*.sbatch")).read_text()
+        assert f"SERVING_TRUTH_WATCHDOG=heartbeat:8:{run_dir / 'heartbeat'}" in script
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 120
+    while time.time() < deadline and our_jobs_alive(run_dir):
+        time.sleep(2)
+    assert our_jobs_alive(run_dir) == []
+    logs = " ".join(p.read_text(errors="replace") for p in (run_dir / "jobs").glob("*.log"))
+    assert "the harness stopped its heartbeat" in logs
+    assert not (tmp_path / "r").exists()
 
 
 # --- data: profiles and pyxis command lines ------------------------------------------------------

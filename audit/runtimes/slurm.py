@@ -20,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from probes.lifecycle import WATCHDOG_ENV
 
 from ..cluster import ClusterProfile, Placement
 from ..errors import EnvironmentBuildError, RuntimeUnsupportedError, UsageError
@@ -244,6 +247,8 @@ class SlurmRuntime:
         jobs_dir.mkdir(exist_ok=True)
         started = datetime.now(timezone.utc)
         jobs: dict[str, dict] = {}
+        if self.wait:
+            _beat(request.run_dir)
         progress("stage", text=f"submitting {len(request.cells)} Slurm job(s)")
         try:
             for system, layout in request.cells:
@@ -259,6 +264,8 @@ class SlurmRuntime:
                     env = container_env(request.run_dir, stub)
                 if observe:  # the plugin in every process vLLM starts; evidence per cell
                     env.update(observe_env(str(request.evidence_dir / cell), cell))
+                if self.wait:  # a job whose harness died ends itself (probes.lifecycle)
+                    env[WATCHDOG_ENV] = f"heartbeat:{heartbeat_stale_s():.0f}:{request.run_dir / HEARTBEAT_FILE}"
                 log = jobs_dir / f"{cell}.log"
                 script = jobs_dir / f"{cell}.sbatch"
                 script.write_text(self.job_script(request, system, layout, plan=plan, log=log, env=env,
@@ -302,6 +309,7 @@ class SlurmRuntime:
                 progress("cell-done", system=e["system"], layout=e["layout"])
         done: set[str] = set()
         while len(done) < len(ids):
+            _beat(request.run_dir)
             states = job_states(sorted(set(ids) - done))
             for job, st in states.items():
                 if st["state"] in TERMINAL and job not in done:
@@ -318,6 +326,29 @@ class SlurmRuntime:
                 running = [f"{ids[j]}={s['state']}" for j, s in states.items() if j not in done]
                 progress("stage", text=f"{len(done)}/{len(ids)} job(s) ended; " + ", ".join(running[:3]))
                 time.sleep(POLL_S)
+
+
+#: while the harness waits for its jobs it rewrites this file in the run directory; a job that sees it
+#: unchanged for HEARTBEAT_STALE_S seconds (its own clock) ends itself
+HEARTBEAT_FILE = "heartbeat"
+HEARTBEAT_STALE_S = 60.0
+_beats = [0]
+
+
+def heartbeat_stale_s() -> float:
+    """HEARTBEAT_STALE_S, or SERVING_TRUTH_HEARTBEAT_S (at least 5 s) where a test needs it shorter."""
+    try:
+        return max(5.0, float(os.environ["SERVING_TRUTH_HEARTBEAT_S"]))
+    except (KeyError, ValueError):
+        return HEARTBEAT_STALE_S
+
+
+def _beat(run_dir: Path) -> None:
+    _beats[0] += 1
+    try:
+        (run_dir / HEARTBEAT_FILE).write_text(f"{os.getpid()} {_beats[0]}\n", encoding="utf-8")
+    except OSError:
+        pass
 
 
 def container_env(run_dir: Path, stub: Path | None) -> dict[str, str]:

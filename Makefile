@@ -2,7 +2,7 @@
 PYTHON  ?= python3
 VENV    ?= .venv
 PIN     ?= v0.33.0
-RUNTIME ?= local
+RUNTIME ?= auto
 SYSTEMS ?= all
 LAYOUTS ?= all
 LOCK    ?= images.lock
@@ -16,7 +16,7 @@ BASELINE ?=
 REPLACE ?=
 BIN     := $(VENV)/bin
 
-.PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve selftest-gpu
+.PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve lock-add selftest-gpu
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,16 @@ clean-containers: setup
 # Fill in a pin's registry digests (image, platform_digests) from its registry: make lock-resolve PIN=...
 lock-resolve: setup
 	$(BIN)/serving-truth lock resolve $(PIN) --lock $(LOCK)
+
+# Pin a vLLM build that is not on PyPI (checked: downloaded, hashed, its own metadata read), e.g.
+#   make lock-add PIN=nightly-0731 COMMIT=<sha>      a commit's wheel from vLLM's per-commit index
+#   make lock-add PIN=nightly-0731 DATE=2026-07-31   main as of that day (the commit is recorded)
+#   make lock-add PIN=rc WHEEL_URL=https://...whl    IMAGE_TAG=repo:tag adds (or pins only) an image
+lock-add: setup
+	$(BIN)/serving-truth lock add $(PIN) --lock $(LOCK) $(if $(COMMIT),--commit $(COMMIT)) $(if $(DATE),--date $(DATE)) \
+		$(if $(WHEEL_URL),--wheel-url $(WHEEL_URL)) $(if $(SHA256),--sha256 $(SHA256)) \
+		$(if $(IMAGE_TAG),--image-tag $(IMAGE_TAG)) $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) \
+		$(if $(VARIANT),--variant $(VARIANT)) $(if $(INDEX_URL),--index-url $(INDEX_URL))
 
 # Build (root; cached) a local image carrying Python and PIN's vLLM wheel, and build/test-images.lock
 # pinning it as <PIN>-image: then `make audit PIN=<PIN>-image RUNTIME=docker LOCK=build/test-images.lock`.

@@ -17,7 +17,8 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="audit one pin and write reports/<pin>/ledger.md")
     a.add_argument("pin", help="a pin name from images.lock, e.g. v0.33.0")
-    a.add_argument("--runtime", default="local", help="where to run the probes: local or docker (default: local)")
+    a.add_argument("--runtime", default="auto", help="where to run the probes: local, docker or slurm (default: auto, "
+                   "the pin's wheel in a local venv when it pins one, else its image under docker)")
     a.add_argument("--pass-env", default="", metavar="NAME[,NAME]",
                    help="docker: host variables to pass into the container by name (values are redacted "
                         "from evidence); nothing else from the host environment enters it")
@@ -81,6 +82,26 @@ def _parser() -> argparse.ArgumentParser:
     lr = lsub.add_parser("resolve", help="fill in a pin's image digests from its registry")
     lr.add_argument("pin")
     lr.add_argument("--lock", default="images.lock")
+    la = lsub.add_parser("add", help="pin a vLLM build that is not on PyPI: a commit's nightly wheel, main as of a "
+                                     "date, a wheel URL, an image tag")
+    la.add_argument("pin", help="the new pin's name, e.g. nightly-0731")
+    src = la.add_mutually_exclusive_group()
+    src.add_argument("--commit", help="a vLLM commit on main: its wheel from vLLM's per-commit index")
+    src.add_argument("--date", dest="as_of", metavar="YYYY-MM-DD",
+                     help="main as of the end of that day (UTC): the newest commit with a wheel; the commit is recorded")
+    la.add_argument("--wheel-url", help="a wheel by URL (https://, http://, file:///) instead of the index's")
+    la.add_argument("--sha256", help="the sha256 the wheel must have (checked against the bytes received)")
+    la.add_argument("--image-tag", help="repo:tag of an image of that build, resolved to its digest in the registry")
+    la.add_argument("--vllm-version", help="image-only pins: the version the image's vLLM reports")
+    la.add_argument("--variant", help="a variant directory of the index (e.g. cu130, cpu); default: the default variant")
+    la.add_argument("--arch", help="x86_64 or aarch64 (default: this machine's)")
+    la.add_argument("--python", default="3.12", help="Python the local runtime builds the environment with (3.12)")
+    la.add_argument("--index-url", help="root of vLLM's per-commit wheel index (default: $SERVING_TRUTH_WHEEL_INDEX "
+                                        "or https://wheels.vllm.ai)")
+    la.add_argument("--github-api", help="GitHub API root for --date and short shas (default: $SERVING_TRUTH_GITHUB_API "
+                                         "or https://api.github.com)")
+    la.add_argument("--note", default="", help="a note to keep with the pin")
+    la.add_argument("--lock", default="images.lock")
 
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
     e.add_argument("pin")
@@ -141,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             err.print(f"removed {len(removed)} container(s)" + (": " + ", ".join(removed) if removed else ""))
             return ExitCode.OK
         if args.command == "lock":
+            if args.lock_command == "add":
+                return _lock_add(args, out, err)
             return _lock_resolve(args, out, err)
         if args.command == "selftest-gpu":
             from .selftest import run_selftest
@@ -219,11 +242,14 @@ def _pins(args, out) -> int:
 
     from .lock import load
 
+    from .lock import sorted_pins
+
     lock = load(args.lock)
-    t = Table("pin", "vLLM", "runtimes", "wheel sha256 / image")
-    for pin in lock.pins.values():
+    t = Table("pin", "vLLM", "runtimes", "wheel sha256 / image", "from")
+    for pin in sorted_pins(lock):  # release order; builds from branches without a release tag last
         t.add_row(pin.name, pin.vllm_version, ", ".join(pin.runtimes),
-                  (pin.wheel_sha256[:16] + "…") if pin.wheel_sha256 else pin.image)
+                  (pin.wheel_sha256[:16] + "…") if pin.wheel_sha256 else pin.image,
+                  {"pypi": "PyPI", "url": pin.wheel_url}.get(pin.wheel_source, "registry" if pin.image else ""))
     out.print(t)
     return ExitCode.OK
 
@@ -255,6 +281,10 @@ def _audit(args, out, err) -> int:
     _positive(args.parallel, "parallel")
     from .errors import UsageError
 
+    if args.runtime == "auto":  # the runtime follows the pin: its wheel locally, else its image under docker
+        from .lock import default_runtime
+
+        args.runtime = default_runtime(load(args.lock).get(args.pin))
     pass_env = [n.strip() for n in args.pass_env.split(",") if n.strip()]
     if pass_env and args.runtime != "docker":
         raise UsageError("--pass-env only applies to --runtime docker")
@@ -315,6 +345,21 @@ def _lock_resolve(args, out, err) -> int:
         err.print(f"{args.pin}: images.lock already records what the registry serves")
     for key, value in changes.items():
         out.print(f"{args.pin}: {key} = {value}")
+    return ExitCode.OK
+
+
+def _lock_add(args, out, err) -> int:
+    from .wheelindex import add_pin
+
+    with err.status(f"pinning {args.pin}") as status:
+        fields = add_pin(args.lock, args.pin, commit=args.commit, as_of=args.as_of, wheel_url=args.wheel_url,
+                         image_tag=args.image_tag, vllm_version=args.vllm_version, variant=args.variant,
+                         arch=args.arch, python=args.python, sha256=args.sha256, index_url=args.index_url,
+                         github=args.github_api, note=args.note, progress=status.update)
+    for key, value in fields.items():
+        if key != "name" and value:
+            out.print(f"{args.pin}: {key} = {_escape(str(value))}")
+    err.print(f"added pin {args.pin} to {args.lock}; audit it with: make audit PIN={args.pin}")
     return ExitCode.OK
 
 

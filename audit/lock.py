@@ -367,6 +367,19 @@ def unsafe_path_field(pin: Pin) -> tuple[str, str] | None:
     return None
 
 
+def default_runtime(pin: Pin) -> str:
+    """The runtime an audit of *pin* uses when none is asked for: the wheel in a local venv when the pin has
+    one, else its image under docker. A pin with neither (an unresolved ``image_tag``) is a UsageError that
+    says what to add."""
+    from .errors import UsageError
+
+    if pin.runtimes:
+        return pin.runtimes[0]
+    raise UsageError(f"pin {pin.name!r} has neither a wheel nor a digest-pinned image to audit",
+                     hint=f"resolve its image_tag (make lock-resolve PIN={pin.name}), or add its wheel "
+                          f"(serving-truth lock add NAME --commit SHA)")
+
+
 def _pin_order(pin: Pin) -> tuple:
     return (0, version_key(pin.vllm_version)) if pin.placed else (1,)
 

@@ -24,7 +24,7 @@ def run(*args, cwd=ROOT, **kw):
     (["audit", "v0.33.0", "--layouts", "tp4"], "unknown layout 'tp4'"),
     (["audit", "v0.33.0", "--runtime", "k8s"], "unknown runtime 'k8s'"),
     (["audit", "v0.33.0", "--parallel", "0"], "--parallel must be at least 1"),
-    (["audit", "k3-preview"], "cannot be audited by the local runtime"),
+    (["audit", "k3-preview", "--runtime", "local"], "cannot be audited by the local runtime"),
     (["audit"], "the following arguments are required: pin"),
     (["render", "/nonexistent/run"], "is not a finished run directory"),
     (["audit", "k3-preview", "--runtime", "docker", "--pass-env", "ST_TEST_UNSET_VARIABLE"],

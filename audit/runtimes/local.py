@@ -1,26 +1,36 @@
 """The local runtime: a cached venv holding exactly the pinned vLLM wheel, no GPU needed.
 
-The environment is built once per (wheel sha256, Python) under the cache root and reused. The probe
+The environment is built once per (wheel sha256, Python) under the cache root and reused; a pin that pins
+the same wheel bytes under another name (a nightly pin of a wheel URL, say) uses the same environment. Before
+every use its installed vLLM files are checked against the sha256s in the pinned wheel's own RECORD (the
+wheel itself being checked against images.lock first), so an edited environment is refused, never audited
+under the wheel's name; the result is stated in the ledger's provenance. The probe
 agent runs in a subprocess of that venv with a minimal, explicit environment (no host variables leak
 in, host toolchains such as a CUDA toolkit on /usr/local are not on PATH), in resolve mode.
 """
 from __future__ import annotations
 
+import base64
+import csv
 import glob
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
+import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 from probes.lifecycle import WATCHDOG_ENV
 
 from .. import cudastub
-from ..errors import EnvironmentBuildError, RuntimeUnsupportedError, WheelHashMismatch
-from ..lock import Pin
+from ..errors import (DownloadHashMismatch, EnvironmentBuildError, EnvironmentModified, RuntimeUnsupportedError,
+                      UnsafeLockPath, WheelHashMismatch)
+from ..lock import Pin, unsafe_path_field
 from .base import (Progress, RunRequest, RunResult, agent_env, cache_root, cell_dir_name, collect_missing,
                    learn_imports, learned_imports, log_tail, observe_env, report_finished, stage_probes,
                    timed_out, write_model_dirs, write_plan)
@@ -85,6 +95,8 @@ class LocalRuntime:
     def __init__(self, root: Path | None = None, *, with_cuda_toolkit: bool = True):
         self.root = root or cache_root()
         self.with_cuda_toolkit = with_cuda_toolkit
+        #: str(env) -> summary of its last :meth:`verify_env` in this process
+        self.verified: dict[str, dict] = {}
 
     @staticmethod
     def cuda_toolkit(env: Path) -> Path | None:
@@ -109,19 +121,74 @@ class LocalRuntime:
         if not pin.has_wheel:
             raise RuntimeUnsupportedError(
                 pin.name, runtime=self.name, supported=[r for r in pin.runtimes if r != self.name],
-                reason="it pins an image, not a PyPI wheel the local runtime could install")
+                reason="it pins an image and no wheel; to audit it locally, add its wheel to the pin "
+                       "(wheel, wheel_sha256, wheel_url: `serving-truth lock add NAME --commit SHA` writes them)")
+
+    def _contained(self, path: Path, parent: Path, pin: Pin, field: str, value: str) -> Path:
+        """*path* itself when it is a direct child of *parent* (after resolving *parent*), else refuse."""
+        if path.parent.resolve() != parent.resolve() or path.name in ("", ".", "..") or "/" in path.name:
+            raise UnsafeLockPath(pin=pin.name, field=field, value=value, root=str(parent))
+        if path.is_symlink():
+            raise UnsafeLockPath(pin=pin.name, field=field, value=f"{value} (a symbolic link)", root=str(parent))
+        return path
 
     def env_dir(self, pin: Pin) -> Path:
+        bad = unsafe_path_field(pin)
+        if bad:
+            raise UnsafeLockPath(pin=pin.name, field=bad[0], value=bad[1], root=str(self.root))
         tag = "cp" + pin.python.replace(".", "")
-        return self.root / "envs" / f"vllm-{pin.vllm_version}-{tag}-{pin.wheel_sha256[:12]}"
+        envs = self.root / "envs"
+        return self._contained(envs / f"vllm-{pin.vllm_version}-{tag}-{pin.wheel_sha256[:12]}", envs, pin,
+                               "vllm_version", pin.vllm_version)
 
     # -- environment ---------------------------------------------------------------------------
+    def _wheel_locations(self, pin: Pin) -> list[Path]:
+        """Where a wheel with these bytes may be cached: by file name (PyPI downloads), and by sha256
+        (wheels from a URL, whose names need not be unique)."""
+        bad = unsafe_path_field(pin)
+        if bad:
+            raise UnsafeLockPath(pin=pin.name, field=bad[0], value=bad[1], root=str(self.root))
+        wheels = self.root / "wheels"
+        by_sha = wheels / "sha256" / pin.wheel_sha256
+        return [self._contained(wheels / pin.wheel, wheels, pin, "wheel", pin.wheel),
+                self._contained(by_sha / pin.wheel, by_sha, pin, "wheel", pin.wheel)]
+
+    def find_wheel(self, pin: Pin) -> Path | None:
+        """A cached file with exactly the pinned bytes, if there is one."""
+        for path in self._wheel_locations(pin):
+            if path.is_file() and sha256_file(path) == pin.wheel_sha256:
+                return path
+        return None
+
+    def store_wheel(self, path: Path, filename: str, sha256: str) -> Path:
+        """Keep a verified download (sha256 already computed from its bytes) where :meth:`find_wheel` looks,
+        unless a file with those bytes is cached already."""
+        probe = Pin(name="incoming", vllm_version="0", wheel=filename, wheel_sha256=sha256)
+        existing = self.find_wheel(probe)
+        if existing:
+            return existing
+        dest = self._wheel_locations(probe)[1]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
+        return dest
+
     def wheel_path(self, pin: Pin, progress: Progress) -> Path:
+        found = self.find_wheel(pin)
+        if found:
+            return found
+        if pin.wheel_url:
+            from ..wheelindex import download
+
+            progress("stage", text=f"downloading {pin.wheel_url}")
+            dest = self._wheel_locations(pin)[1]
+            try:
+                download(pin.wheel_url, dest, expected_sha256=pin.wheel_sha256, expected_source="images.lock")
+            except DownloadHashMismatch as exc:
+                raise WheelHashMismatch(wheel=pin.wheel_url, expected=pin.wheel_sha256, found=exc.found) from None
+            return dest
         wheels = self.root / "wheels"
         wheels.mkdir(parents=True, exist_ok=True)
-        path = wheels / pin.wheel
-        if path.exists() and sha256_file(path) == pin.wheel_sha256:
-            return path
+        path = self._wheel_locations(pin)[0]
         progress("stage", text=f"downloading {pin.wheel}")
         python = find_python(pin.python)
         tmp = wheels / f".download-{os.getpid()}"
@@ -145,21 +212,23 @@ class LocalRuntime:
         return path
 
     def ensure_env(self, pin: Pin, progress: Progress) -> Path:
-        """Build (once) the venv holding the pinned wheel; verify it carries a CUDA torch."""
-        env = self.env_dir(pin)
+        """Build (once) the venv holding the pinned wheel; verify it carries a CUDA torch. Every call checks
+        the installed vLLM against the wheel's RECORD (:meth:`verify_env`) and refuses an edited one."""
+        env = self.env_dir(pin)  # validated: a direct child of <cache>/envs, not a symbolic link
         marker = env / ENV_MARKER
-        if marker.exists():
+        if marker.is_file():
             try:
                 info = json.loads(marker.read_text())
-                if info.get("wheel_sha256") == pin.wheel_sha256:
-                    return env
             except (OSError, ValueError):
-                pass
+                info = {}
+            if info.get("wheel_sha256") == pin.wheel_sha256:
+                self.verify_env(env, pin, self.wheel_path(pin, progress), progress)
+                return env
         wheel = self.wheel_path(pin, progress)
         python = find_python(pin.python)
         progress("stage", text=f"building the vLLM {pin.vllm_version} environment (once; several minutes)")
         if env.exists():
-            shutil.rmtree(env)
+            shutil.rmtree(env)  # only ever <cache>/envs/<name>: env_dir refuses anything else
         env.parent.mkdir(parents=True, exist_ok=True)
         _run([python, "-m", "venv", str(env)], step="create venv")
         py = str(env / "bin" / "python")
@@ -174,8 +243,33 @@ class LocalRuntime:
         if info.get("vllm") != pin.vllm_version:
             raise EnvironmentBuildError(f"installed vLLM is {info.get('vllm')}, pinned {pin.vllm_version}",
                                         step="check vllm")
+        self.verify_env(env, pin, wheel, progress)
         marker.write_text(json.dumps({"wheel_sha256": pin.wheel_sha256, **info}, sort_keys=True))
         return env
+
+    def verify_env(self, env: Path, pin: Pin, wheel: Path, progress: Progress) -> dict:
+        """Check the environment against the wheel (whose bytes :meth:`wheel_path` checked against the pin):
+        every file the wheel's RECORD lists is installed with that sha256; every startup hook in
+        site-packages (``*.pth``, ``sitecustomize``/``usercustomize``) is listed in some installed
+        distribution's RECORD; the interpreter is the venv's own. Raises :class:`EnvironmentModified`;
+        returns a summary, also kept in ``self.verified[env]`` for the run's provenance."""
+        progress("stage", text=f"verifying the installed vLLM against {wheel.name}'s RECORD")
+        site = self.site_packages(env)
+        checked, skipped, modified, missing = record_check(wheel, site, env)
+        unexpected = _startup_hooks_outside_records(site)
+        if not (modified or missing or unexpected):  # only then run its interpreter (site.py reads the .pth files)
+            problem = _interpreter_problem(env, pin.python)
+            if problem:
+                modified.append(problem)
+        if modified or missing or unexpected:
+            raise EnvironmentModified(env=str(env), wheel=wheel.name, modified=modified, missing=missing,
+                                      unexpected=unexpected)
+        summary = {"files": checked, "skipped": skipped, "wheel": wheel.name, "sha256": pin.wheel_sha256,
+                   "text": f"verified before the audit: the {checked} files {pin.wheel} installs match the sha256s "
+                           "in its own RECORD" + (f" ({skipped} rewritten at install time not compared)" if skipped else "")
+                           + "; no startup hook outside the installed distributions' RECORDs"}
+        self.verified[str(env)] = summary
+        return summary
 
     def site_packages(self, env: Path) -> Path:
         found = sorted(env.glob("lib/python*/site-packages"))
@@ -256,6 +350,7 @@ class LocalRuntime:
         return RunResult(evidence_dir=request.evidence_dir, missing=missing, info={
             "runtime": f"local venv ({env.name})", "python": py.get("python"),
             "mode": "resolve", "date": started.strftime("%Y-%m-%d"), "cuda_toolkit": self.toolkit_note(env),
+            "env_verified": self.verified[str(env)]["text"],
         })
 
     def _run_observe(self, request: RunRequest, progress: Progress) -> RunResult:
@@ -297,7 +392,7 @@ class LocalRuntime:
         return RunResult(evidence_dir=request.evidence_dir, missing=collect_missing(request), info={
             "runtime": f"local venv ({env.name}) on this host's GPUs", "python": py.get("python"), "mode": "observe",
             "date": started.strftime("%Y-%m-%d"), "cuda_toolkit": self.toolkit_note(env),
-            "slice": request.slice})
+            "slice": request.slice, "env_verified": self.verified[str(env)]["text"]})
 
     def _wait(self, proc: subprocess.Popen, request: RunRequest, progress: Progress) -> None:
         deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
@@ -319,6 +414,97 @@ class LocalRuntime:
 #: the agent's standard input stays open as its lifeline: when this process dies, the agent's whole
 #: process group ends (probes.lifecycle), so no SM or cell process outlives the harness
 LIFELINE = {WATCHDOG_ENV: "stdin"}
+
+
+def _record_hash(path: Path) -> str:
+    with open(path, "rb") as fh:
+        digest = hashlib.file_digest(fh, "sha256").digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def record_check(wheel: Path, site: Path, env: Path) -> tuple[int, int, list[str], list[str]]:
+    """Compare what *wheel* installs with its RECORD: (files checked, files skipped, modified, missing).
+
+    Files go to site-packages, ``<dist>.data/{purelib,platlib}/`` likewise and ``.data/data/`` to the
+    environment's root; ``.data/scripts`` and ``.data/headers`` are rewritten or relocated by the installer and
+    are skipped (counted). The RECORD read is the one inside the wheel, never the installed copy."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            record_name = next((n for n in zf.namelist() if re.fullmatch(r"[^/]+\.dist-info/RECORD", n)), None)
+            if record_name is None:
+                raise EnvironmentBuildError(f"{wheel.name} has no .dist-info/RECORD", step="verify environment")
+            rows = list(csv.reader(io.StringIO(zf.read(record_name).decode("utf-8"))))
+    except (zipfile.BadZipFile, OSError, UnicodeDecodeError) as exc:
+        raise EnvironmentBuildError(f"cannot read the RECORD of {wheel.name}: {exc}", step="verify environment") from None
+    checked = skipped = 0
+    modified: list[str] = []
+    missing: list[str] = []
+    for row in rows:
+        if len(row) < 2 or not row[1]:
+            continue  # RECORD itself, and signature files, carry no hash
+        rel, digest = row[0], row[1]
+        parts = rel.split("/")
+        if rel.startswith("/") or ".." in parts or "\\" in rel:
+            raise EnvironmentBuildError(f"{wheel.name}'s RECORD names {rel!r}, outside site-packages",
+                                        step="verify environment")
+        if not digest.startswith("sha256="):
+            raise EnvironmentBuildError(f"{wheel.name}'s RECORD hashes {rel} with {digest.split('=')[0]}, not sha256",
+                                        step="verify environment")
+        target = site / rel
+        if len(parts) > 2 and parts[0].endswith(".data"):
+            scheme = parts[1]
+            if scheme in ("purelib", "platlib"):
+                target = site.joinpath(*parts[2:])
+            elif scheme == "data":
+                target = env.joinpath(*parts[2:])
+            else:
+                skipped += 1
+                continue
+        if not target.is_file() or target.is_symlink():
+            missing.append(rel)
+            continue
+        checked += 1
+        if _record_hash(target) != digest:
+            modified.append(rel)
+    return checked, skipped, modified, missing
+
+
+def _startup_hooks_outside_records(site: Path) -> list[str]:
+    """``*.pth`` files and site/user customize modules that no installed distribution's RECORD lists:
+    Python runs them at every start."""
+    recorded: set[str] = set()
+    for rec in site.glob("*.dist-info/RECORD"):
+        try:
+            recorded.update(row[0] for row in csv.reader(io.StringIO(rec.read_text(encoding="utf-8"))) if row)
+        except (OSError, UnicodeDecodeError):
+            continue
+    hooks = [p.name for p in site.iterdir() if p.suffix == ".pth"
+             or p.name in ("sitecustomize.py", "usercustomize.py", "sitecustomize", "usercustomize")]
+    return sorted(h for h in hooks if h not in recorded)
+
+
+def _interpreter_problem(env: Path, python: str) -> str:
+    """"" when bin/python is the venv's own interpreter for *python*, else what is wrong with it."""
+    cfg = env / "pyvenv.cfg"
+    exe = env / "bin" / "python"
+    try:
+        text = cfg.read_text(encoding="utf-8")
+    except OSError:
+        return "pyvenv.cfg (missing: not a venv)"
+    m = re.search(r"^version(?:_info)?\s*=\s*(\S+)", text, re.M)
+    if not m or not (m.group(1) + ".").startswith(python + "."):
+        return f"pyvenv.cfg (Python {m.group(1) if m else '?'}, the pin says {python})"
+    if not exe.exists() or not os.access(exe, os.X_OK):
+        return "bin/python (missing)"
+    try:
+        out = subprocess.run([str(exe), "-I", "-c", "import sys; print(sys.prefix); print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bin/python (does not run: {exc})"
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != env.resolve() or lines[1] != python:
+        return f"bin/python (reports prefix/version {' '.join(lines) or out.stderr.strip()[-200:]!r})"
+    return ""
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -1,0 +1,159 @@
+"""The pinned environment is trusted only after checking it (issue 12, items 5 and 13): lock fields never put
+a path outside the cache, nothing outside it is deleted or run, and the installed files must match the
+sha256s in the pinned wheel's own RECORD before an audit. A small wheel with a real RECORD stands in for
+vLLM's (the real environment is shared and is never modified by a test); the last test reads the real one."""
+import json
+import stat
+import subprocess
+import time
+import zipfile
+
+import pytest
+
+from audit import lock as lockmod
+from audit.errors import EnvironmentModified, ExitCode, UnsafeLockPath
+from audit.runtimes.local import ENV_MARKER, LocalRuntime, find_python
+from tests.wheel_index_util import make_wheel, sha256_of
+
+VERSION = "0.34.0rc1.dev5+gabcdef012"
+NOP = lambda *a, **k: None  # noqa: E731
+
+
+@pytest.fixture
+def fake_env(tmp_path):
+    """A cache holding a small vLLM wheel and an environment made from it the way pip lays it out (a real
+    venv of the pinned Python, the wheel's files in site-packages, the build marker)."""
+    root = tmp_path / "cache"
+    wheel = make_wheel(root / "wheels", VERSION, commit="abcdef012",
+                       files={"vllm/engine.py": b"ENGINE = 1\n", "vllm/_C.abi3.so": b"\x7fELF fake\n"})
+    pin = lockmod.Pin(name="nightly", vllm_version=VERSION, wheel=wheel.name, wheel_sha256=sha256_of(wheel))
+    rt = LocalRuntime(root=root)
+    env = rt.env_dir(pin)
+    subprocess.run([find_python(pin.python), "-m", "venv", "--without-pip", str(env)], check=True)
+    site = rt.site_packages(env)
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    (env / ENV_MARKER).write_text(json.dumps({"wheel_sha256": pin.wheel_sha256, "vllm": VERSION}))
+    return rt, pin, env, site
+
+
+def test_an_intact_environment_is_verified_and_says_so(fake_env):
+    rt, pin, env, _ = fake_env
+    assert rt.ensure_env(pin, NOP) == env
+    summary = rt.verified[str(env)]
+    assert summary["files"] == 6 and summary["sha256"] == pin.wheel_sha256  # every RECORD row with a hash
+    assert summary["text"].startswith(f"verified before the audit: the 6 files {pin.wheel} installs match")
+
+
+@pytest.mark.parametrize("tamper, listed", [
+    (lambda env, site: (site / "vllm" / "engine.py").write_text("ENGINE = 2\n"), "modified: vllm/engine.py"),
+    (lambda env, site: (site / "vllm" / "_C.abi3.so").write_bytes(b"\x7fELF fake\n\x00"), "modified: vllm/_C.abi3.so"),
+    (lambda env, site: (site / "vllm" / "engine.py").unlink(), "missing: vllm/engine.py"),
+    (lambda env, site: (site / "zz-hook.pth").write_text("import os\n"), "not installed by any wheel: zz-hook.pth"),
+    (lambda env, site: (site / "sitecustomize.py").write_text("x = 1\n"), "not installed by any wheel: sitecustomize.py"),
+    # the same bytes under the RECORD's name but reached through a link are not the installed file
+    (lambda env, site: _relink(site / "vllm" / "engine.py"), "missing: vllm/engine.py"),
+    (lambda env, site: _replace_python(env), "modified: bin/python"),
+])
+def test_a_modified_environment_is_refused(fake_env, tamper, listed):
+    rt, pin, env, site = fake_env
+    tamper(env, site)
+    with pytest.raises(EnvironmentModified) as e:
+        rt.ensure_env(pin, NOP)
+    assert listed in str(e.value), str(e.value)
+    assert e.value.exit_code == ExitCode.ENVIRONMENT and f"rm -rf {env}" in str(e.value)
+    assert env.exists()  # refused, not silently rebuilt
+
+
+def test_the_check_reads_the_wheels_record_not_the_installed_copy(fake_env):
+    """Editing the installed RECORD along with a file does not help: the wheel's own RECORD is the reference."""
+    rt, pin, env, site = fake_env
+    (site / "vllm" / "engine.py").write_text("ENGINE = 2\n")
+    record = next(site.glob("*.dist-info/RECORD"))
+    record.write_text("\n".join(r for r in record.read_text().splitlines() if not r.startswith("vllm/engine.py")))
+    with pytest.raises(EnvironmentModified, match="modified: vllm/engine.py"):
+        rt.ensure_env(pin, NOP)
+
+
+def test_an_altered_cached_wheel_is_not_the_reference(fake_env):
+    """The cached wheel is re-checked against images.lock first: one that was changed is not used (it is
+    fetched again from the pin's source; here a URL where nothing listens)."""
+    from dataclasses import replace
+
+    from audit.errors import WheelSourceError
+    from tests.wheel_index_util import closed_port
+
+    rt, pin, env, _ = fake_env
+    cached = rt.root / "wheels" / pin.wheel
+    cached.write_bytes(cached.read_bytes() + b"\0")
+    pin = replace(pin, wheel_url=f"http://127.0.0.1:{closed_port()}/{pin.wheel}")
+    with pytest.raises(WheelSourceError, match="cannot reach"):
+        rt.ensure_env(pin, NOP)
+
+
+def _relink(path):
+    data = path.read_bytes()
+    other = path.with_name("elsewhere.py")
+    other.write_bytes(data)
+    path.unlink()
+    path.symlink_to(other)
+
+
+def _replace_python(env):
+    exe = env / "bin" / "python"
+    exe.unlink()
+    exe.write_text("#!/bin/sh\necho /elsewhere\necho 3.12\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+
+
+# -- paths from lock fields --------------------------------------------------------------------------------
+def test_a_hostile_version_never_deletes_or_runs_outside_the_cache(tmp_path):
+    """Issue 12 item 5, reproduced with a Pin built directly (load() already refuses it with file:line): a
+    directory outside the cache with a planted marker and interpreter is neither deleted nor run."""
+    root = tmp_path / "cache"
+    outside = tmp_path / "x"
+    (outside / "bin").mkdir(parents=True)
+    sentinel = tmp_path / "ran"
+    (outside / "bin" / "python").write_text(f"#!/bin/sh\ntouch {sentinel}\n")
+    (outside / "bin" / "python").chmod(0o755)
+    sha = "a" * 64
+    (outside / ENV_MARKER).write_text(json.dumps({"wheel_sha256": sha}))
+    pin = lockmod.Pin(name="evil", vllm_version="0.33.0-cp312-x/../../../x", wheel="vllm-0.33.0-cp38-abi3-x.whl",
+                      wheel_sha256=sha)
+    rt = LocalRuntime(root=root)
+    for call in (lambda: rt.ensure_env(pin, NOP), lambda: rt.wheel_path(pin, NOP)):
+        with pytest.raises(UnsafeLockPath) as e:
+            call()
+        assert e.value.field == "vllm_version" and e.value.exit_code == ExitCode.ENVIRONMENT
+    assert (outside / ENV_MARKER).exists() and not sentinel.exists()
+    bad_wheel = lockmod.Pin(name="evil", vllm_version="0.33.0", wheel="../../x/vllm-0.33.0-cp38-abi3-x.whl",
+                            wheel_sha256=sha)
+    with pytest.raises(UnsafeLockPath, match="wheel"):
+        rt.wheel_path(bad_wheel, NOP)
+
+
+def test_an_environment_that_is_a_link_out_of_the_cache_is_refused(tmp_path):
+    root = tmp_path / "cache"
+    pin = lockmod.Pin(name="p", vllm_version="0.33.0", wheel="vllm-0.33.0-cp38-abi3-x.whl", wheel_sha256="b" * 64)
+    rt = LocalRuntime(root=root)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / ENV_MARKER).write_text(json.dumps({"wheel_sha256": "b" * 64}))
+    env = root / "envs" / f"vllm-0.33.0-cp312-{'b' * 12}"
+    env.parent.mkdir(parents=True)
+    env.symlink_to(target)
+    with pytest.raises(UnsafeLockPath, match="symbolic link"):
+        rt.ensure_env(pin, NOP)
+    assert (target / ENV_MARKER).exists()
+
+
+@pytest.mark.vllm
+def test_the_real_environment_verifies(vllm_env):
+    """The v0.33.0 environment the other tests use matches its wheel's RECORD, and the check is cheap
+    relative to an audit (the whole installed vLLM is hashed)."""
+    rt, pin, env = vllm_env
+    t0 = time.monotonic()
+    summary = rt.verify_env(env, pin, rt.find_wheel(pin), NOP)
+    took = time.monotonic() - t0
+    assert summary["files"] > 5000 and summary["skipped"] == 0
+    assert took < 60, f"verifying took {took:.1f}s"

@@ -365,7 +365,8 @@ def _lock_add(args, out, err) -> int:
 
 def _findings_exit(outcome, strict: bool, err) -> int:
     """FINDINGS (1) when a claim is contradicted (MISMATCH, SILENT_FALLBACK, RANK_DISAGREE), its layers
-    crashed (CRASH), or a required probe target drifted; with --strict also when a lane is UNVERIFIED
+    crashed (CRASH), vLLM refused the deployment at load (LOAD_REFUSED: the ledger says where), or a
+    required probe target drifted; with --strict also when a lane is UNVERIFIED
     (which includes claims the audit could not judge). The ledger is written either way."""
     from .verdicts import FAILING
 

@@ -19,6 +19,8 @@ class Source:
     ``kind``/``target`` select records (for ``module`` records, ``target`` is a regular expression
     on the module name); ``fields`` are ``result`` (a selector's return value), ``attrs.<name>``
     (what a constructed object chose), ``facts.<name>`` (read off the built module) or ``cls``.
+    ``postload`` sources read the post-load stage's records; ``target`` names the reading
+    (``audit.routing.POSTLOAD_READINGS``) and ``fields`` are unused.
     """
 
     kind: str
@@ -40,6 +42,8 @@ class Lane:
     candidates_target: str = ""
     #: (field, why): the phase only happens when this field of the source record is truthy
     exercised_if: tuple[str, str] | None = None
+    #: how far the simulation must go for this lane's answer: construction or post-load
+    level: str = "construction"
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,16 @@ KIMI_K3 = Profile(
         Lane("shared", "Shared-expert linears", "moe", "all", (
             Source("module", r"\.shared_experts\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
         )),
+        Lane("moe.kernel", "MoE kernel built at load", "moe", "all", (Source("postload", "moe_kernel", ()),),
+             level="post-load"),
+        Lane("moe.activation", "Experts activation (SiTU check)", "moe", "all",
+             (Source("postload", "activation", ()),), level="post-load"),
+        Lane("moe.tail_fusion", "Latent-MoE tail fusion", "moe", "all", (Source("postload", "tail_fusion", ()),),
+             level="post-load"),
+        Lane("moe.deferred_finalize", "Deferred MoE finalize", "moe", "all",
+             (Source("postload", "deferred_finalize", ()),), level="post-load"),
+        Lane("decode.specialized", "Specialized decode (decode_backend)", "model", "decode",
+             (Source("postload", "specialized_decode", ()),), level="post-load"),
     ),
 )
 

@@ -13,7 +13,7 @@ import jinja2
 from . import __version__
 from .errors import RenderError
 from .fsutil import replace_dir
-from .routing import EVIDENCE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
+from .routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
 from .systems import LAYOUTS, SYSTEMS
 from .verdicts import grouped
 
@@ -63,6 +63,24 @@ def _lane_summary(groups: list[dict], cell: dict) -> str:
     return f"{text}, then construction stopped" if stopped else text
 
 
+def _load_summary(c: dict | None) -> str:
+    """Whether vLLM's post-load path accepts the cell: its refusal, or how far the simulation went."""
+    if c is None:
+        return "not audited"
+    post = c.get("postload")
+    if c["status"] == "INCOMPLETE" or not post:
+        return "—" if c["status"] != "INCOMPLETE" else "INCOMPLETE"
+    r = c.get("load_refused")
+    if r:
+        where = f" (layer {r['layer']})" if r.get("layer") is not None else ""
+        return f"REFUSED by vLLM{where}: {short(r['type'])}: {r['message']}"
+    if not post["ran"]:
+        return f"not run: {post['error']['type']}"
+    if post["limit"]:
+        return f"no refusal; {post['ok']} of {post['steps']} steps simulated to the end"
+    return f"no refusal; all {post['steps']} steps ran"
+
+
 def _uniform(cells: list[dict], getter):
     """The value every complete cell agrees on, or None with the disagreeing values."""
     values = {json.dumps(getter(c), sort_keys=True) for c in cells if c.get("status") != "INCOMPLETE"}
@@ -79,11 +97,15 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     lane_ids = list(lane_titles) or sorted({k for c in cells for k in c["lanes"]})
     by = {(c["system"], c["layout"]): c for c in cells}
 
+    lane_levels = routing.get("lane_levels", {})
     matrices = []
     for layout in known_layouts:
         rows = []
+        if any(by.get((s.name, layout.name), {}).get("postload") for s in systems):
+            rows.append(["Weights load (post-load)"] + [_load_summary(by.get((s.name, layout.name))) for s in systems])
         for lane in lane_ids:
-            row = [lane_titles.get(lane, lane)]
+            level = lane_levels.get(lane, "construction")
+            row = [lane_titles.get(lane, lane) + ("" if level == "construction" else f" ({level})")]
             for s in systems:
                 c = by.get((s.name, layout.name))
                 if c is None:
@@ -109,7 +131,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 for g in c["lanes"].get(lane, []):
                     lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"],
                                   "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g
-                                  else c["evidence"]})
+                                  else (f"{c['evidence']}, {g['level']}" if g.get("level") else c["evidence"])})
             entries.append({"layout": layout, "cell": c, "lanes": lanes})
         details.append({"system": s, "entries": entries})
 
@@ -125,6 +147,13 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
             key = (e.get("where"), err.get("type"), err.get("message"))
             probe_errors.setdefault(key, {"where": key[0], "type": key[1] or "", "message": key[2] or "",
                                           "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
+    limits: dict[tuple, dict] = {}
+    for c in cells:  # the places the simulation could not go further, across cells
+        for g in (c.get("postload") or {}).get("limits", []):
+            key = (g["raised_in"], g["type"], g["message"])
+            e = limits.setdefault(key, {**g, "count": 0, "cells": []})
+            e["count"] += g["count"]
+            e["cells"].append(f"{c['system']}/{c['layout']}")
     complete = [c for c in cells if c["status"] != "INCOMPLETE"]
     fingerprint, fp_diff = _uniform(complete, lambda c: c.get("fingerprint", {}))
     availability, av_diff = _uniform(complete, lambda c: c.get("availability", {}))
@@ -151,6 +180,10 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "incomplete": [c for c in cells if c["status"] == "INCOMPLETE"],
         "not_applicable": sorted({t for c in cells for t in c.get("not_applicable", [])}),
         "partial": [c for c in cells if c["status"] == "PARTIAL"],
+        "load_refused": [c for c in cells if c.get("load_refused")],
+        "postload_cells": [c for c in cells if c.get("postload")],
+        "postload_limits": sorted(limits.values(), key=lambda e: (-e["count"], e["raised_in"], e["message"])),
+        "resolve_levels": RESOLVE_LEVELS,
         "profiler_disagree": [c for c in cells if ((c.get("observed") or {}).get("profiler") or {}).get("disagree")],
         "fingerprint": {"packages": {}, "modules": {}, "tools": {}, "env": {}, "python": "?", **(fingerprint or {})},
         "fingerprint_differs": bool(fp_diff),

@@ -20,6 +20,12 @@ EVIDENCE_LEVELS = {
     "observed": "observed: the kernel entry was hit in the serving process on a real GPU (eager)",
     "observed-in-graph": "observed inside a CUDA graph capture on a real GPU (replays counted separately)",
 }
+#: how far the simulation went for a resolved row (a lane's ``level``; see README "Evidence levels")
+RESOLVE_LEVELS = {
+    "construction": "the model was built on the meta device; the row is what the built modules chose",
+    "post-load": "vLLM's post-load steps for the row's layers ran to their end on the meta model (weights "
+                 "never loaded); the row is what they left behind",
+}
 STAGE_ORDER = ("platform", "imports", "config", "distributed", "construct", "construct-draft", "inspect")
 STAGE_MEANING = {
     "platform": "simulated platform installed",
@@ -99,9 +105,12 @@ def _layer_kinds(f: EvidenceFile, profile: Profile) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in sorted(kinds.items())}
 
 
-def _lane_values(f: EvidenceFile, lane: Lane) -> dict[int, dict]:
+def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None) -> dict[int, dict]:
     per_layer: dict[int, dict] = {}
     for source in lane.sources:
+        if source.kind == "postload":
+            per_layer.update(_postload_values(f, source.target, post) if post else {})
+            continue
         if source.kind == "module":
             pattern = re.compile(source.target)
             found: dict[int, list] = defaultdict(list)
@@ -167,6 +176,8 @@ def _attention_candidates(f: EvidenceFile) -> dict | None:
 def _stages(f: EvidenceFile) -> tuple[list[dict], str, dict | None]:
     stages, failure, deepest = [], None, ""
     for r in f.of_kind("stage"):
+        if r["stage"] == POSTLOAD_STAGE:  # reported by _postload, never a construction stop
+            continue
         stages.append({"stage": r["stage"], "ok": bool(r["ok"])})
         if r["ok"]:
             deepest = r["stage"]
@@ -196,6 +207,185 @@ def scrub_paths(value, prefixes: dict[str, str]):
     return value
 
 
+POSTLOAD_STAGE = "post-load"
+_WORST = {"ok": 0, "limit": 1, "refused": 2}
+
+
+def _step_layer(r: dict) -> int | None:
+    return r.get("layer") if r.get("layer") is not None else r.get("in_layer")
+
+
+def _postload(f: EvidenceFile) -> dict | None:
+    """What vLLM's post-load path did in this cell: every step's outcome, vLLM's refusals (findings)
+    apart from the places the simulation could not go further (limits), and per layer how far it went."""
+    stage = next((r for r in f.of_kind("stage") if r["stage"] == POSTLOAD_STAGE), None)
+    if stage is None:
+        return None
+    steps = [r for r in f.of_kind("postload-step") if r.get("role", "target") == "target"]
+    counts = {k: sum(1 for r in steps if r.get("outcome") == k) for k in _WORST}
+    refusals: dict[tuple, dict] = {}
+    limits: dict[tuple, dict] = {}
+    for r in steps:
+        layer = _step_layer(r)
+        if r.get("outcome") == "refused":
+            key = (r.get("raised_in"), r.get("type"), r.get("message"))
+            g = refusals.setdefault(key, {
+                "function": r.get("raised_in", ""), "where": _scrub_path(r.get("raised_where", "")),
+                "type": r.get("type", ""), "message": r.get("message", ""), "steps": [], "modules": [], "layers": []})
+        elif r.get("outcome") == "limit":
+            key = (r.get("raised_in"), r.get("type"), (r.get("message") or "")[:300])
+            g = limits.setdefault(key, {
+                "raised_in": r.get("raised_in", ""), "vllm_function": r.get("vllm_function", ""),
+                "type": r.get("type", ""), "message": (r.get("message") or "")[:300], "rule": r.get("rule", ""),
+                "steps": [], "modules": [], "layers": []})
+        else:
+            continue
+        fn = str(r.get("fn", "")).rsplit(":", 1)[-1]  # Class.method
+        if fn not in g["steps"]:
+            g["steps"].append(fn)
+        g["modules"].append(r.get("in_module") or r.get("module") or "<model>")
+        if layer is not None:
+            g["layers"].append(layer)
+    for g in [*refusals.values(), *limits.values()]:
+        g["count"] = len(g["modules"])
+        g["ranges"] = format_ranges(g["layers"])
+        g["modules"] = g["modules"][:3]  # examples; the count says how many
+    # per layer: the worst outcome of its own steps and of the model-level hooks (which reach into layers)
+    model_worst = max((_WORST[r["outcome"]] for r in steps if r.get("step") == "model"), default=0)
+    per_layer: dict[int, int] = {}
+    for r in steps:
+        layer = r.get("layer")
+        if layer is not None:
+            per_layer[layer] = max(per_layer.get(layer, 0), _WORST[r.get("outcome", "ok")])
+    first = next((r for r in steps if r.get("outcome") == "refused"), None)
+    refused_at = None
+    if first is not None:
+        refused_at = {"function": first.get("raised_in", ""), "where": _scrub_path(first.get("raised_where", "")),
+                      "type": first.get("type", ""), "message": first.get("message", ""),
+                      "step": str(first.get("fn", "")).rsplit(":", 1)[-1], "module": first.get("in_module") or first.get("module") or "",
+                      "layer": _step_layer(first)}
+    err = stage.get("error") or {}
+    spec = _one(f, "postload-model")
+    state_steps = [r for r in steps if r.get("step") == "model-state"]
+    return {"ran": bool(stage.get("ok")), "error": {"type": err.get("type", ""), "message": err.get("message", "")}
+            if not stage.get("ok") else None, "steps": len(steps), **counts,
+            "refusals": list(refusals.values()), "limits": sorted(limits.values(), key=lambda g: -g["count"]),
+            "refused_at": refused_at, "model_worst": model_worst,
+            "layer_worst": {str(k): v for k, v in sorted(per_layer.items())},
+            "specialized_decode": {"requested": spec.get("specialized_decode_requested"),
+                                   "built": spec.get("specialized_decode"),
+                                   "config": spec.get("specialized_decode_config"),
+                                   "step": state_steps[0] if state_steps else None} if spec else None,
+            "_modules": [r for r in f.of_kind("postload-module") if r.get("role", "target") == "target"],
+            "_activation_checks": f.of_kind("activation_check")}
+
+
+def _postload_level(post: dict, layer: int) -> str:
+    worst = max(post["layer_worst"].get(str(layer), 0), post["model_worst"])
+    if worst == _WORST["refused"]:
+        return "construction; vLLM refused at load"
+    if worst == _WORST["limit"]:
+        return "construction; post-load stopped at a simulation limit"
+    return "post-load"
+
+
+def _reading_kernel(facts: dict, what: str, **_) -> str | None:
+    if what == "mega-moe":
+        if "transformed" not in facts:
+            return f"{short(facts.get('experts'))} keeps no post-load state"
+        return ("DeepGEMM MegaMoE weights transformed" if facts["transformed"] else
+                "MegaMoE weights not transformed")
+    if facts.get("moe_kernel") is None:
+        return "no kernel object built"
+    fused = short(facts.get("fused_experts") or facts.get("moe_kernel"))
+    return f"{fused} with {short(facts.get('prepare_finalize'))}" if facts.get("prepare_finalize") else fused
+
+
+def _reading_activation(facts: dict, what: str, checks: dict, **_) -> str | None:
+    if what == "mega-moe":
+        act = facts.get("activation") or "none"
+        allowed = facts.get("format_activations")
+        if allowed is None:
+            return f"{act} (MegaMoE; vLLM records no kernel-support check)"
+        ok = "in" if act in allowed else "NOT in"
+        return f"{act} (MegaMoE; {ok} the experts' declared activations {', '.join(allowed)})"
+    act = short(facts.get("layer_activation"))
+    kernel = facts.get("fused_experts") or facts.get("experts_cls")
+    asked = checks.get(short(kernel)) if kernel else None
+    if asked is None:
+        checked = "vLLM did not ask the kernel about it"
+    else:
+        checked = "vLLM asked the kernel: " + ("supported" if asked else "NOT supported")
+    declared = facts.get("kernel_supports_activation")
+    note = "" if declared in (None, True) or asked is not None else "; the kernel does not declare it"
+    return f"{act} ({short(kernel)}; {checked}{note})"
+
+
+def _reading_tail(facts: dict, what: str, **_) -> str | None:
+    if what != "moe-runner" or "tail_fusion_enabled" not in facts:
+        return None
+    if not facts["tail_fusion_enabled"]:
+        return "off (not enabled at construction)"
+    fused = facts.get("fused_path")
+    if fused is True:
+        limit = facts.get("tail_max_tokens")
+        return "on (fused path holds" + (f"; fused tail up to {limit} tokens)" if limit else ")")
+    if fused is False:
+        return "off (enabled at construction; the fused path does not hold once the MoE kernel exists)"
+    return f"enabled at construction; fused path unknown ({fused})"
+
+
+def _reading_deferred(facts: dict, what: str, **_) -> str | None:
+    if what != "moe-runner" or "defer_requested" not in facts:
+        return None
+    if not facts.get("defer_requested"):
+        return "not requested"
+    if facts.get("defer_effective"):
+        cap = facts.get("defer_max_tokens")
+        return f"deferred (up to {cap} tokens)" if isinstance(cap, int) and cap >= 0 else "deferred (no token cap)"
+    return "requested, not in effect on this deployment"
+
+
+POSTLOAD_READINGS = {"moe_kernel": _reading_kernel, "activation": _reading_activation, "tail_fusion": _reading_tail,
+                     "deferred_finalize": _reading_deferred}
+
+
+def _postload_values(f: EvidenceFile, reading: str, post: dict) -> dict[int, dict]:
+    if reading == "specialized_decode":
+        sd = post.get("specialized_decode")
+        if not sd:
+            return {}
+        if not sd["requested"]:
+            value, level = "not requested", "construction"
+        else:
+            step = sd.get("step") or {}
+            if step.get("outcome") == "ok":
+                value, level = f"built: {short(sd['built'])}", "post-load"
+            elif step.get("outcome") == "refused":
+                value, level = f"refused at load: {step.get('message', '')}", "construction; vLLM refused at load"
+            else:
+                value = f"requested; not built in simulation ({short(step.get('type', ''))})"
+                level = "construction; post-load stopped at a simulation limit"
+        # one model-wide answer, shown on the model's first layer group
+        return {-1: {"value": value, "level": level, "raw": [], "source": "postload.specialized_decode"}}
+    fn = POSTLOAD_READINGS[reading]
+    checks: dict[int, dict] = defaultdict(dict)
+    for r in post["_activation_checks"]:
+        layer = layer_of(r.get("scope"))
+        if layer is not None:
+            checks[layer][short(r.get("cls") or r.get("owner"))] = r.get("result")
+    out: dict[int, dict] = {}
+    for r in post["_modules"]:
+        layer = r.get("layer")
+        if layer is None or layer in out:
+            continue
+        value = fn(r.get("facts") or {}, r.get("what", ""), checks=checks.get(layer, {}))
+        if value is not None:
+            out[layer] = {"value": value, "level": _postload_level(post, layer), "raw": [],
+                          "source": f"postload.{reading}"}
+    return out
+
+
 def _scrub_path(text: str) -> str:
     """Drop the environment's location from a source path (keeps ledgers host-independent)."""
     return re.sub(r"^.*?/site-packages/", "", text)
@@ -213,11 +403,20 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     stages, deepest, failure = _stages(f)
     lanes, candidates = {}, {}
     kinds = _layer_kinds(f, profile)
+    post = _postload(f)
     for lane in profile.lanes:
-        per_layer = _lane_values(f, lane)
-        lanes[lane.id] = collapse({k: v["value"] for k, v in per_layer.items()},
-                                  raw={k: {"source": v.get("source", ""), "fields": v["raw"]}
-                                       for k, v in per_layer.items()})
+        per_layer = _lane_values(f, lane, post)
+        levels = {k: v.get("level", lane.level) for k, v in per_layer.items()}
+        groups = collapse({k: (v["value"], levels[k]) for k, v in per_layer.items()},
+                          raw={k: {"source": v.get("source", ""), "fields": v["raw"]} for k, v in per_layer.items()})
+        for g in groups:  # each row says how far the simulation went for it
+            g["value"], g["level"] = g["value"]
+            if g["layers"] == [-1]:  # a model-wide answer
+                g["ranges"] = "model"
+        lanes[lane.id] = groups
+    if post is not None:  # read into the lanes above; not kept in routing.json
+        post.pop("_modules")
+        post.pop("_activation_checks")
         if lane.candidates_target:
             candidates[lane.id] = _candidates(f, lane.candidates_target)
     targets = f.of_kind("target")
@@ -249,6 +448,8 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "lanes": lanes,
         "candidates": candidates,
         "attention_candidates": _attention_candidates(f),
+        "postload": post,
+        "load_refused": (post or {}).get("refused_at"),
         "raises": raises,
         "probe_errors": [{"where": r.get("where"), "error": r.get("error")} for r in f.of_kind("probe_error")],
         "drift": drift,
@@ -289,6 +490,7 @@ def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> 
     return {"system": system, "layout": layout, "evidence": "none", "status": "INCOMPLETE", "stages": [],
             "depth": "", "failure": {"stage": "process", "type": "", "message": reason, "where": ""},
             "log_tail": log_tail, "layer_kinds": {}, "lanes": {}, "candidates": {}, "attention_candidates": None,
+            "postload": None, "load_refused": None,
             "raises": [], "probe_errors": [], "drift": [], "not_reached": [], "not_applicable": [], "config": {},
             "argv": [],
             "simulated": {}, "stand_in_calls": [], "device": {}, "availability": {}, "fingerprint": {}}
@@ -330,4 +532,5 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
     cells = scrub_paths(cells, dict(sorted((scrub or {}).items(), key=lambda kv: -len(kv[0]))))
     return {"schema": ROUTING_SCHEMA, "model": profile.name, "architecture": profile.architecture,
             "lane_titles": {lane.id: lane.title for lane in profile.lanes},
+            "lane_levels": {lane.id: lane.level for lane in profile.lanes},
             "pin": pin, "run": run or {}, "cells": cells}

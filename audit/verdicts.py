@@ -10,6 +10,9 @@ UNVERIFIED       a lane group no claim covers, or a claim the audit could not ju
                  fails --strict
 RANK_DISAGREE    ranks took different paths (observed mode only; resolve mode sees rank 0)
 CRASH            construction raised before the claimed layers were built
+LOAD_REFUSED     vLLM's own post-load check refused the deployment (it raised about the device or the
+                 config while finalizing weights): a server started this way fails at load, so nothing in
+                 the cell is judged as serving; one row per claim covering the cell (or one for the cell)
 Every verdict carries the evidence level it rests on.
 """
 from __future__ import annotations
@@ -18,9 +21,10 @@ from .expectations import Expectations
 from .labels import derive
 from .routing import format_ranges, short
 
-VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "CRASH", "RANK_DISAGREE", "NOT_EXERCISED", "UNVERIFIED")
+VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "CRASH", "LOAD_REFUSED", "RANK_DISAGREE", "NOT_EXERCISED",
+            "UNVERIFIED")
 #: verdicts that fail the gate (exit 1); SILENT_FALLBACK is a false claim like MISMATCH
-FAILING = ("MISMATCH", "SILENT_FALLBACK", "CRASH", "RANK_DISAGREE")
+FAILING = ("MISMATCH", "SILENT_FALLBACK", "CRASH", "LOAD_REFUSED", "RANK_DISAGREE")
 #: harness lanes that perf databases label (others are not judged)
 JUDGED_LANES = ("moe", "kda.prefill", "kda.decode", "kda.spec_verify", "mla.decode", "mla.prefill")
 _KIND = {"moe": "moe", "kda.prefill": "kda", "kda.decode": "kda", "kda.spec_verify": "kda",
@@ -38,6 +42,9 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
     for cell in routing["cells"]:
         system, layout = cell["system"], cell["layout"]
         level = cell.get("evidence", "none")
+        if cell.get("load_refused"):
+            rows += _load_refusals(cell, exp)
+            continue
         for lane in JUDGED_LANES:
             groups = cell["lanes"].get(lane, [])
             claims = [c for c in exp.claims if c.covers(system, layout, lane)]
@@ -91,6 +98,20 @@ def _no_evidence_why(cell: dict, lane: str) -> str:
     if not cell.get("layer_kinds", {}).get(_KIND[lane]) and cell.get("layer_kinds"):
         return f"not judged: this cell built no {_KIND[lane].upper()} layer"
     return "not judged: no evidence was recorded for this lane"
+
+
+def _load_refusals(cell: dict, exp: Expectations) -> list[dict]:
+    """A cell vLLM refuses at load: every claim covering it fails there, and where it was refused."""
+    r = cell["load_refused"]
+    where = r.get("module") or "the model"
+    why = (f"vLLM refused at load: {r.get('function')} raised {short(r.get('type', ''))}: {r.get('message', '')} "
+           f"(in {where}, during {r.get('step', '')})")
+    base = {"system": cell["system"], "layout": cell["layout"], "evidence": f"{cell.get('evidence', 'none')} (post-load)",
+            "layers": "" if r.get("layer") is None else str(r["layer"]), "verdict": "LOAD_REFUSED", "actual": "",
+            "label": "", "why": why}
+    rows = [{**base, "lane": lane, "claim": c.id, "expected": c.backend or c.kernel_source}
+            for lane in JUDGED_LANES for c in exp.claims if c.covers(cell["system"], cell["layout"], lane)]
+    return rows or [{**base, "lane": "load", "claim": "", "expected": ""}]
 
 
 def _rank_disagreements(cell: dict, exp: Expectations) -> list[dict]:

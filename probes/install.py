@@ -146,6 +146,8 @@ class CheckHooks(patching.Hooks):
     def before(self, args, kwargs):
         depth = getattr(self._depth, "n", 0)
         self._depth.n = depth + 1
+        if not depth:
+            self._depth.cls = args[0] if args else None
         return depth
 
     def after(self, token, args, kwargs, result):
@@ -166,6 +168,39 @@ class CheckHooks(patching.Hooks):
         self.p.rec.emit("candidate", target=self.target_id, scope=_scope(), cls=describe(cls),
                         backend=describe(self.p.current_backend), supported=False,
                         reason="raised " + _exc(exc)["type"], error=_exc(exc))
+
+
+class ActivationCheckHooks(patching.Hooks):
+    """``_supports_activation(activation) -> bool`` of an experts class: whether vLLM asked the class
+    about the layer's activation (SiTU for K3), and its answer. Only the outermost call is recorded
+    (a fallback class asks both of its members)."""
+
+    def __init__(self, probes: "ProbeSet", target_id: str, owner: type):
+        self.p = probes
+        self.target_id = target_id
+        self.owner = describe(owner)
+        self._depth = probes.activation_depth
+
+    def before(self, args, kwargs):
+        depth = getattr(self._depth, "n", 0)
+        self._depth.n = depth + 1
+        return depth
+
+    def after(self, token, args, kwargs, result):
+        self._depth.n = token or 0
+        if token:
+            return
+        # a staticmethod gets (activation,), a classmethod (cls, activation); the class asked is the
+        # one whose is_supported_config is running, if any (a subclass inherits the staticmethod)
+        asked = getattr(self.p.check_depth, "cls", None) if getattr(self.p.check_depth, "n", 0) else None
+        if asked is None and args and isinstance(args[0], type):
+            asked = args[0]
+        activation = args[-1] if args else kwargs.get("activation")
+        self.p.rec.emit("activation_check", target=self.target_id, scope=_scope(), cls=describe(asked),
+                        owner=self.owner, activation=describe(activation), result=describe(result))
+
+    def failed(self, token, args, kwargs, exc):
+        self._depth.n = token or 0
 
 
 _HOOKS = {"scope": ScopeHooks, "select": SelectHooks, "construct": ConstructHooks,
@@ -195,6 +230,7 @@ class ProbeSet:
         #: the MoE backend whose experts classes the oracle is asking right now
         self.current_backend = None
         self.check_depth = threading.local()
+        self.activation_depth = threading.local()
         self._lock = threading.RLock()
 
     # -- installation --------------------------------------------------------------------------
@@ -230,19 +266,22 @@ class ProbeSet:
             self._probe_error(f"install {t.id}", exc)
 
     def watch_support_check(self, cls: type) -> None:
-        """Wrap ``is_supported_config`` where ``cls`` finds it (its defining class), once."""
+        """Wrap ``is_supported_config`` and ``_supports_activation`` where ``cls`` finds them (their
+        defining classes), once each."""
         with self._lock:
-            for klass in cls.__mro__:
-                raw = vars(klass).get("is_supported_config")
-                if raw is None:
-                    continue
-                if not patching.is_wrapped(raw):
-                    patch = patching.wrap_attribute(klass, "is_supported_config", raw,
-                                                    CheckHooks(self, "moe.candidate"), label="moe.candidate",
-                                                    on_error=self._probe_error)
-                    if patch is not None:
-                        self.patches.append(patch)
-                return
+            for attr, hooks in (("is_supported_config", lambda: CheckHooks(self, "moe.candidate")),
+                                ("_supports_activation", None)):
+                for klass in cls.__mro__:
+                    raw = vars(klass).get(attr)
+                    if raw is None:
+                        continue
+                    if not patching.is_wrapped(raw):
+                        h = hooks() if hooks else ActivationCheckHooks(self, "moe.activation_check", klass)
+                        patch = patching.wrap_attribute(klass, attr, raw, h, label=h.target_id,
+                                                        on_error=self._probe_error)
+                        if patch is not None:
+                            self.patches.append(patch)
+                    break
 
     def _probe_error(self, where: str, exc: BaseException) -> None:
         self.rec.emit("probe_error", where=where, error=_exc(exc))

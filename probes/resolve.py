@@ -222,6 +222,16 @@ def _run_stages(plan, cell, rec, Stage) -> None:
         if draft is not None:
             inspect_model(draft, rec)
 
+    if plan.get("postload", True):
+        # after construction's evidence is recorded: post-load changes the modules it reads
+        try:
+            with Stage(rec, "post-load"):
+                from . import postload
+
+                postload.run(model, vllm_config, rec)
+        except _stage_failed():  # the driver itself failed: recorded; construction's evidence stands
+            pass
+
     if plan.get("observe_install"):
         try:
             session = check_observe_targets(rec)
@@ -231,6 +241,12 @@ def _run_stages(plan, cell, rec, Stage) -> None:
             check_phase_attribution(rec, session, model, vllm_config)
         if getattr(getattr(vllm_config, "profiler_config", None), "profiler", None):
             check_profiler(rec, serve_argv(plan, cell), vllm_config, prefix=f"check-{cell['system']['name']}")
+
+
+def _stage_failed():
+    from .agent import StageFailed
+
+    return StageFailed
 
 
 def check_profiler(rec, argv: list[str], vllm_config, *, prefix: str) -> None:

@@ -1,0 +1,269 @@
+"""Resolve mode's post-load stage: vLLM's own weight post-processing, run per step on the meta model.
+
+After construction, vLLM's model loader loads the weights and then calls
+``model_executor.model_loader.utils:process_weights_after_loading``, which runs, in order:
+
+1. every module's ``quant_method.process_weights_after_loading(module)`` (``named_modules`` order;
+   only quant methods that are ``QuantizeMethodBase`` instances);
+2. every deferred attention layer's ``process_weights_after_loading(dtype)``;
+3. the model's own ``process_weights_after_loading()`` (K3: MegaMoE weight finalization).
+
+Then the worker builds its model state; for K3 with ``decode_backend=latency_specialized`` that
+builds the specialized decode (``KimiK3ModelState.__init__`` -> ``build_specialized_decode``).
+
+vLLM stops at the first exception. Here each step runs on its own, so one step that cannot be
+simulated does not hide the decisions of the others; every step's outcome is recorded:
+
+* ``ok``: the step ran to its end on the meta device;
+* ``refused``: vLLM's own code raised (an explicit ``raise`` in a vLLM source file, not an
+  assertion, not caused by another exception): a check about the device or the configuration
+  said no. The message and the raising function are vLLM's. A server stops loading there.
+* ``limit``: the simulation could not go further (an op without a meta implementation, a stand-in,
+  an assertion about real tensors, a compiled extension, a library outside vLLM). Never a verdict.
+
+The loops' order and the names they use are taken from the pinned vLLM's loader module; when that
+module no longer has them, the stage records drift and runs only what it can name.
+
+Imported only inside the pinned environment, after the model was built.
+"""
+from __future__ import annotations
+
+import linecache
+import re
+import time
+import traceback
+
+from . import simulate
+from .recorder import describe
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+#: messages that name the simulation itself, whatever raised them
+_SIMULATION_WORDS = re.compile(r"\bmeta\b|stand-in|is not simulated|CUDA_ERROR|cuInit|no NVIDIA driver|"
+                               r"Found no NVIDIA|libcuda|CUDA driver|NOT_INITIALIZED", re.IGNORECASE)
+LOADER = "vllm.model_executor.model_loader.utils"
+
+
+def _is_vllm_file(path: str) -> bool:
+    return "/site-packages/vllm/" in path or "/dist-packages/vllm/" in path
+
+
+def _frame_name(frame) -> str:
+    code = frame.f_code
+    return f"{frame.f_globals.get('__name__', '?')}:{getattr(code, 'co_qualname', code.co_name)}"
+
+
+def _rel(path: str) -> str:
+    return re.sub(r"^.*?/site-packages/", "", path)
+
+
+def classify(exc: BaseException) -> dict:
+    """``refused`` or ``limit`` for an exception a post-load step raised, with why and where."""
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    inner_frame, inner_line = frames[-1] if frames else (None, 0)
+    vllm_frames = [(f, n) for f, n in frames if _is_vllm_file(f.f_code.co_filename)]
+    out = {"type": f"{type(exc).__module__}:{type(exc).__qualname__}", "message": str(exc)[:2000]}
+    if vllm_frames:
+        f, n = vllm_frames[-1]
+        out["vllm_function"] = _frame_name(f)
+        out["vllm_where"] = f"{_rel(f.f_code.co_filename)}:{n}"
+    if inner_frame is not None:
+        out["raised_in"] = _frame_name(inner_frame)
+        out["raised_where"] = f"{_rel(inner_frame.f_code.co_filename)}:{inner_line}"
+    for f, _ in reversed(frames):  # the innermost layer module on the way (the MoE experts of layer N)
+        owner = f.f_locals.get("self")
+        prefix = getattr(owner, "prefix", None) or getattr(owner, "layer_name", None)
+        if isinstance(prefix, str) and _LAYER_RE.search(prefix):
+            out["in_module"] = prefix
+            out["in_layer"] = _layer(prefix)
+            break
+    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    line = linecache.getline(inner_frame.f_code.co_filename, inner_line).strip() if inner_frame else ""
+    if inner_frame is None or not _is_vllm_file(inner_frame.f_code.co_filename):
+        out.update(outcome="limit", rule="raised outside vLLM (torch, a compiled op, a library, or a stand-in)")
+    elif isinstance(exc, AssertionError):
+        out.update(outcome="limit", rule="an assertion in vLLM about the tensors it was given (meta tensors)")
+    elif not line.startswith("raise"):
+        out.update(outcome="limit", rule="raised by a call inside vLLM's line (an op or extension), not a vLLM check")
+    elif cause is not None:
+        out.update(outcome="limit", rule=f"vLLM re-raised {type(cause).__name__} from a call it made")
+    elif _SIMULATION_WORDS.search(str(exc)):
+        out.update(outcome="limit", rule="vLLM's message names the simulation (meta tensors, the stub driver)")
+    else:
+        out.update(outcome="refused", rule="an explicit raise in vLLM's own code")
+    return out
+
+
+def _layer(name: str) -> int | None:
+    m = _LAYER_RE.search(name or "")
+    return int(m.group(1)) if m else None
+
+
+def _loader_names():
+    """What vLLM's post-load loop uses, from the pinned loader module (drift when missing)."""
+    import importlib
+
+    mod = importlib.import_module(LOADER)
+    names = {}
+    for attr in ("process_weights_after_loading", "QuantizeMethodBase", "is_deferred_attention_layer"):
+        names[attr] = getattr(mod, attr, None)
+    return names
+
+
+def steps(model, model_config) -> tuple[list[tuple], list[str]]:
+    """(kind, module name, module, callable) in the loader's order, and the names it could not find."""
+    names = _loader_names()
+    missing = [k for k, v in names.items() if v is None]
+    out = []
+    qbase, deferred = names["QuantizeMethodBase"], names["is_deferred_attention_layer"]
+    if qbase is not None:
+        for name, module in model.named_modules():
+            qm = getattr(module, "quant_method", None)
+            if isinstance(qm, qbase):
+                out.append(("quant_method", name, module, lambda qm=qm, module=module: qm.process_weights_after_loading(module),
+                            f"{type(qm).__module__}:{type(qm).__qualname__}.process_weights_after_loading"))
+    if deferred is not None:
+        for name, module in model.named_modules():
+            if deferred(module):
+                out.append(("attention", name, module,
+                            lambda module=module: module.process_weights_after_loading(model_config.dtype),
+                            f"{type(module).__module__}:{type(module).__qualname__}.process_weights_after_loading"))
+    if hasattr(model, "process_weights_after_loading"):
+        out.append(("model", "", model, model.process_weights_after_loading,
+                    f"{type(model).__module__}:{type(model).__qualname__}.process_weights_after_loading"))
+    return out, missing
+
+
+def _language_model(model):
+    return model.get_language_model() if hasattr(model, "get_language_model") else model
+
+
+def run(model, vllm_config, rec, *, role: str = "target") -> dict:
+    """Run every post-load step of ``model`` and record each outcome; then record what it built."""
+    import torch
+
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    mc = vllm_config.model_config
+    simulate.SIMULATED["post-load"] = ("vLLM's post-load steps run one by one on the meta model (weights never "
+                                       "loaded; new tensors on the meta device); a step that raised does not stop "
+                                       "the next")
+    todo, missing = steps(model, mc)
+    if missing:
+        rec.emit("postload-drift", role=role, loader=LOADER, missing=missing)
+    lm = _language_model(model)
+    if getattr(lm, "specialized_decode_config", None) is not None and hasattr(lm, "build_specialized_decode"):
+        # what KimiK3ModelState.__init__ does once the weights are loaded
+        todo.append(("model-state", "", lm, lm.build_specialized_decode,
+                     f"{type(lm).__module__}:{type(lm).__qualname__}.build_specialized_decode"))
+    counts = {"ok": 0, "refused": 0, "limit": 0}
+    for kind, name, module, call, fn in todo:
+        t0 = time.perf_counter()
+        record = {"role": role, "step": kind, "module": name, "layer": _layer(name),
+                  "cls": f"{type(module).__module__}:{type(module).__qualname__}", "fn": fn}
+        try:
+            with set_current_vllm_config(vllm_config), set_default_torch_dtype(mc.dtype), \
+                    torch.device("meta"), simulate.meta_device_mode():
+                call()
+        except Exception as exc:  # the outcome is the evidence
+            record.update(classify(exc))
+        else:
+            record["outcome"] = "ok"
+        record["seconds"] = round(time.perf_counter() - t0, 4)
+        counts[record["outcome"]] += 1
+        rec.emit("postload-step", **record)
+    rec.emit("postload", role=role, steps=len(todo), **counts)
+    inspect(model, vllm_config, rec, role=role)
+    return counts
+
+
+# -- what post-load decided ------------------------------------------------------------------------
+
+def _try(fn, default=None):
+    try:
+        return fn()
+    except Exception as exc:
+        return f"<{type(exc).__name__}: {str(exc)[:200]}>" if default is None else default
+
+
+def _unwrap(fn):
+    import inspect as _inspect
+
+    return _inspect.unwrap(fn)
+
+
+def _cls(obj):
+    return None if obj is None else describe(type(obj))
+
+
+def _moe_config_facts(cfg) -> dict:
+    if cfg is None:
+        return {}
+    requested = getattr(cfg, "_defer_moe_finalize", None)
+    if requested is None and isinstance(getattr(cfg, "defer_moe_finalize", None), bool):
+        requested = cfg.defer_moe_finalize  # before 0.33 a field, since then a method
+    return {"defer_requested": requested,
+            "defer_effective": _try(lambda: bool(cfg.use_deferred_moe_finalize)) if hasattr(type(cfg), "use_deferred_moe_finalize") else None,
+            "defer_max_tokens": getattr(cfg, "defer_moe_finalize_max_num_tokens", None),
+            "activation": describe(getattr(cfg, "activation", None))}
+
+
+def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
+    """Read per layer what the post-load path left behind: the MoE kernel objects, the latent tail
+    fusion (whose fused path vLLM re-evaluates once the MoE kernel exists), deferred finalize, the
+    activation each experts kernel is given, and the specialized decode."""
+    for name, module in model.named_modules():
+        layer = _layer(name)
+        if layer is None:
+            continue
+        facts: dict = {}
+        if hasattr(module, "routed_experts") and hasattr(module, "moe_config"):  # an MoE runner
+            facts["runner"] = _cls(module)
+            if hasattr(module, "enable_k3_latent_moe_tail_fusion"):
+                facts["tail_fusion_enabled"] = bool(module.enable_k3_latent_moe_tail_fusion)
+                if callable(getattr(module, "_use_fused_path", None)):
+                    facts["fused_path"] = _try(lambda: bool(module._use_fused_path()))
+                op = getattr(module, "_k3_latent_moe_tail_op", None)
+                contract = getattr(op, "contract", None)
+                facts["tail_op"] = _cls(op)
+                facts["tail_max_tokens"] = getattr(contract, "max_num_tokens", None) if contract is not None else None
+            facts.update(_moe_config_facts(module.moe_config))
+            experts = module.routed_experts
+            qm = getattr(experts, "quant_method", None)
+            kernel = getattr(qm, "moe_kernel", None)
+            facts["quant_method"] = _cls(qm)
+            facts["experts_cls"] = describe(getattr(qm, "experts_cls", None))
+            facts["moe_kernel"] = _cls(kernel)
+            if kernel is not None:
+                fused = getattr(kernel, "fused_experts", None)
+                facts["fused_experts"] = _cls(fused)
+                facts["prepare_finalize"] = _cls(getattr(kernel, "prepare_finalize", None))
+                if callable(getattr(kernel, "output_is_reduced", None)):
+                    facts["output_is_reduced"] = _try(lambda: bool(kernel.output_is_reduced()))
+            act = getattr(experts, "activation", None)
+            facts["layer_activation"] = describe(act)
+            kernel_cls = type(getattr(kernel, "fused_experts", None)) if kernel is not None else \
+                getattr(qm, "experts_cls", None)
+            check = getattr(kernel_cls, "_supports_activation", None) if isinstance(kernel_cls, type) else None
+            if act is not None and callable(check):
+                # the harness's own question, asked of the unwrapped function: not recorded as vLLM's
+                plain = _unwrap(check)
+                facts["kernel_supports_activation"] = _try(lambda: bool(plain(act)))
+            rec.emit("postload-module", role=role, name=name, layer=layer, what="moe-runner", facts=facts)
+        elif type(module).__name__ in ("KimiK3MegaMoEExperts", "DeepGemmMegaMoEExperts"):
+            act = getattr(module, "activation", None)
+            facts["experts"] = _cls(module)
+            facts["activation"] = getattr(act, "name", act) if act is not None else None
+            fmt = getattr(module, "weight_format", None)
+            if fmt is not None and getattr(fmt, "activations", None) is not None:
+                facts["format_activations"] = sorted(fmt.activations)
+            if hasattr(module, "_transformed_l1_weights"):  # classes that transform their weights after load
+                facts["transformed"] = getattr(module, "_transformed_l1_weights", None) is not None
+            rec.emit("postload-module", role=role, name=name, layer=layer, what="mega-moe", facts=facts)
+    lm = _language_model(model)
+    if hasattr(lm, "specialized_decode_config"):
+        cfg = lm.specialized_decode_config
+        rec.emit("postload-model", role=role, specialized_decode_requested=cfg is not None,
+                 specialized_decode_config=describe(vars(cfg)) if cfg is not None and hasattr(cfg, "__dict__") else
+                 (describe(cfg) if cfg is not None else None),
+                 specialized_decode=_cls(getattr(lm, "specialized_decode", None)))

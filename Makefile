@@ -14,6 +14,7 @@ PROFILER ?= 1
 EXPECTATIONS ?=
 BASELINE ?=
 REPLACE ?=
+CACHE   ?= 1
 BIN     := $(VENV)/bin
 
 .PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve lock-add selftest-gpu
@@ -38,7 +39,7 @@ audit: setup
 		--lock $(LOCK) --mode $(MODE) $(if $(SLICE),--slice $(SLICE)) $(if $(filter 0,$(PROFILER)),--no-profiler) \
 		$(if $(PASS_ENV),--pass-env $(PASS_ENV)) $(if $(CLUSTER),--cluster $(CLUSTER)) \
 		$(if $(EXPECTATIONS),--expectations $(EXPECTATIONS)) $(if $(BASELINE),--baseline $(BASELINE)) \
-		$(if $(filter 1,$(REPLACE)),--replace) \
+		$(if $(filter 1,$(REPLACE)),--replace) $(if $(filter 0,$(CACHE)),--no-cache) \
 		|| { rc=$$?; echo "serving-truth audit exited $$rc (see README: exit codes)" >&2; exit $$rc; }
 
 # On a host with one NVIDIA GPU: serve the smallest K3 slice and check that every lane's probes fired.
@@ -78,7 +79,7 @@ diff: setup
 	$(BIN)/serving-truth diff $(FROM) $(TO)
 
 pins: setup
-	$(BIN)/serving-truth pins
+	$(BIN)/serving-truth pins --lock $(LOCK)
 
 test: setup
 	$(BIN)/python -m pytest
@@ -89,3 +90,15 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Observe mode's mechanics below vLLM on any NVIDIA GPU with torch and Triton (no vLLM): trace reader,
+# CUDA-graph hooks, vLLM's own K3 KDA Triton kernels against the kernel-name map (tests/gpu_mechanics).
+# `make k3-kda-src` (here, with the pinned wheel cached) builds build/k3-kda-src, the KDA sources they run.
+GPU_PYTHON ?= python3
+.PHONY: selftest-gpu-mechanics bench-gpu-counting k3-kda-src
+k3-kda-src: setup
+	$(BIN)/python tests/gpu_mechanics/k3_kda_src.py
+selftest-gpu-mechanics:
+	SERVING_TRUTH_REQUIRE_GPU=1 $(GPU_PYTHON) -m pytest -m gpu tests/gpu_mechanics -v -rs
+bench-gpu-counting:
+	$(GPU_PYTHON) benchmarks/bench_gpu_counting.py

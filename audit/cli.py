@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--reports", default="reports", help="reports directory")
     a.add_argument("--parallel", type=int, default=2, help="processes resolving at once (default 2)")
     a.add_argument("--timeout", type=_seconds, default=None, help="give up after this many seconds")
+    a.add_argument("--no-cache", dest="cache", action="store_false",
+                   help="run every cell even when its evidence is cached for the same inputs (resolve mode, "
+                        "local runtime)")
     a.add_argument("--replace", action="store_true",
                    help="let a subset audit (some systems or layouts) replace a fuller reports/<pin>/ "
                         "(by default it is written beside its run)")
@@ -249,9 +252,17 @@ def _pins(args, out) -> int:
     for pin in sorted_pins(lock):  # release order; builds from branches without a release tag last
         t.add_row(pin.name, pin.vllm_version, ", ".join(pin.runtimes),
                   (pin.wheel_sha256[:16] + "…") if pin.wheel_sha256 else pin.image,
-                  {"pypi": "PyPI", "url": pin.wheel_url}.get(pin.wheel_source, "registry" if pin.image else ""))
+                  _pin_source(pin))
     out.print(t)
     return ExitCode.OK
+
+
+def _pin_source(pin) -> str:
+    if pin.wheel_source == "url":
+        from urllib.parse import urlsplit
+
+        return "wheel URL (" + (urlsplit(pin.wheel_url).netloc or "local file") + ")"
+    return "PyPI" if pin.wheel_source == "pypi" else ("registry" if pin.image else "image file")
 
 
 def _env(args, out, err) -> int:
@@ -311,7 +322,7 @@ def _audit(args, out, err) -> int:
                             timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
                             baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
                             cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name,
-                            profiler=args.profiler, replace=args.replace)
+                            profiler=args.profiler, replace=args.replace, cache=args.cache)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
         err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")

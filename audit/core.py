@@ -1,8 +1,10 @@
 """The audit pipeline, without any UI: pin -> runtime -> evidence -> routing -> report files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,8 +13,8 @@ from .errors import AuditError, EvidenceError, ReportWriteError, RunAborted, Run
 from .profiles import KIMI_K3, Profile
 from .fsutil import DirLock, replace_dir, report_dir_for, write_atomic
 from .render import report_files
-from .runtimes import RunRequest, get_runtime, refresh_missing
-from .runtimes.base import Progress, new_run_dir, prune_runs
+from .runtimes import RunRequest, RunResult, get_runtime, refresh_missing
+from .runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs
 from .systems import LAYOUTS, SYSTEMS, select
 
 
@@ -78,7 +80,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               cuda_toolkit: bool = True, baseline: str | None = "auto",
               expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
               wait: bool = True, mode: str = "resolve", slice_name: str = "",
-              profiler: bool = True, replace: bool = False) -> AuditOutcome:
+              profiler: bool = True, replace: bool = False, cache: bool = True) -> AuditOutcome:
     import math
 
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
@@ -112,14 +114,30 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                                   baseline="" if baseline in (None, "auto") else baseline)
     if mode == "observe":
         reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "") + ("" if profiler else " PROFILER=0")
+    cached: dict = {}
+    keys: dict = {}
+    if cache and mode == "resolve" and hasattr(rt, "cache_identity"):
+        keys, cached = _from_cache(rt, request, progress)
+    todo = [c for c in cells if (c[0].name, c[1].name) not in cached]
     try:
-        result = rt.run(request, progress)
+        if todo:
+            result = rt.run(dataclasses.replace(request, cells=todo), progress)
+        else:
+            progress("stage", text=f"all {len(cells)} cell(s) from the evidence cache")
+            first = next(iter(cached.values()))
+            result = RunResult(evidence_dir=request.evidence_dir, missing={},
+                               info={**first.get("info", {}), "date": time.strftime("%Y-%m-%d", time.gmtime())})
     except RunAborted as exc:
         # what was observed goes into an INCOMPLETE ledger beside the run; reports/ stays as it was
         exc.incomplete_ledger = _render_aborted(exc, request, pin=pin, profile=profile, lock_path=lock_path,
                                                 reproduce=reproduce, expectations=expectations)
         raise
     run_info = {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": reproduce}
+    if keys:
+        _to_cache(rt, request, keys, cached, result, run_dir)
+        run_info["cache"] = {"hits": sorted([s, l, e.get("run", "?"), e.get("date", "?")]
+                                            for (s, l), e in cached.items()),
+                             "ran": len(todo)}
     if slice_name:
         s = profile.slices[slice_name]
         run_info["slice"] = {"name": s.name, "layers": s.layers, "kept": s.kept, "cut": s.cut}
@@ -135,6 +153,42 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
 
 
 INCOMPLETE_REPORTS = "incomplete-report"
+
+
+def _from_cache(rt, request: RunRequest, progress: Progress) -> tuple[dict, dict]:
+    """Each cell's cache key, and the cells whose evidence is cached (restored into the run directory)."""
+    from . import evcache
+    from .runtimes.base import model_dir_name, write_model_dirs
+
+    progress("stage", text="looking up cached evidence")
+    identity = rt.cache_identity(request.pin, progress)
+    write_model_dirs(request)
+    plan = {"probes": request.probes, "extra_targets": list(request.extra_targets), "stop_after": request.stop_after,
+            "serve_args": list(request.serve_args), "slice": request.slice, "observe_install": request.observe_install,
+            "harness_env": identity.get("harness_env", []), "redact_env": []}
+    probes = evcache.probes_digest()
+    keys, cached = {}, {}
+    for system, layout in request.cells:
+        cell = {"system": system.as_job(), "layout": layout.as_job()}
+        key, inputs = evcache.cell_key(identity, plan, cell,
+                                       evcache.dir_digest(request.run_dir / model_dir_name(request, layout)), probes)
+        keys[(system.name, layout.name)] = (key, inputs)
+        entry = evcache.lookup(rt.root, key)
+        if entry is not None:
+            evcache.restore(rt.root, key, request.evidence_dir / cell_dir_name(system.name, layout.name))
+            cached[(system.name, layout.name)] = entry
+            progress("cell-done", system=system.name, layout=layout.name)
+    return keys, cached
+
+
+def _to_cache(rt, request: RunRequest, keys: dict, cached: dict, result: RunResult, run_dir: Path) -> None:
+    from . import evcache
+
+    for (s, l), (key, inputs) in keys.items():
+        if (s, l) in cached or (s, l) in result.missing:
+            continue
+        evcache.store(rt.root, key, request.evidence_dir / cell_dir_name(s, l), run=run_dir.name,
+                      date=result.info.get("date", ""), inputs=inputs, info=result.info)
 
 
 def _write_run_json(request: RunRequest, profile: Profile, run_info: dict, missing: dict) -> None:

@@ -191,6 +191,9 @@ def _stages(f: EvidenceFile) -> tuple[list[dict], str, dict | None]:
 _SITE = re.compile(r"(?:/[^\s'\"():,]+)*?/(?:lib/python\d\.\d+/)?site-packages/")
 
 
+_OTHER_RUN = re.compile(r"<cache>/runs/[A-Za-z0-9._+-]+")
+
+
 def scrub_paths(value, prefixes: dict[str, str]):
     """The same value with machine-specific paths replaced (an environment's site-packages by
     ``<env>/site-packages/``, each prefix by its placeholder), so two machines' evidence compares equal."""
@@ -199,7 +202,7 @@ def scrub_paths(value, prefixes: dict[str, str]):
         for prefix, placeholder in prefixes.items():
             if prefix and prefix != "/":
                 value = value.replace(prefix, placeholder)
-        return value
+        return _OTHER_RUN.sub("<run>", value)  # evidence reused from an earlier run names that run's dir
     if isinstance(value, list):
         return [scrub_paths(v, prefixes) for v in value]
     if isinstance(value, dict):

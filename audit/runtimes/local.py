@@ -271,6 +271,16 @@ class LocalRuntime:
         self.verified[str(env)] = summary
         return summary
 
+    def cache_identity(self, pin: Pin, progress: Progress) -> dict:
+        """What identifies this runtime's environment for the evidence cache (audit.evcache): the verified
+        environment built from the pinned wheel, the stub libcuda and the toolkit choice."""
+        env = self.ensure_env(pin, progress)
+        stub = self.ensure_stub(env)
+        marker = json.loads((env / ENV_MARKER).read_text())
+        return {"runtime": self.name, "wheel_sha256": pin.wheel_sha256, "env": marker,
+                "stub_sha256": sha256_file(stub), "cuda_toolkit": self.toolkit_note(env),
+                "harness_env": ["CUDA_HOME"]}
+
     def site_packages(self, env: Path) -> Path:
         found = sorted(env.glob("lib/python*/site-packages"))
         if not found:
@@ -282,7 +292,28 @@ class LocalRuntime:
             raise EnvironmentBuildError(
                 "a real NVIDIA driver is present: resolve mode refuses to stand in for it",
                 step="stub libcuda", hint="on a GPU host, audit with --mode observe")
-        return cudastub.build_stub([self.site_packages(env)], self.root / "stubs")
+        site = self.site_packages(env)
+        # the driver symbols the environment's libraries import: scanning every shared object takes
+        # seconds, so the answer is kept per environment, keyed by what changes when packages are added,
+        # removed or rebuilt (the marker written at build time and site-packages' own change time)
+        st = site.stat()
+        key = hashlib.sha256(((env / ENV_MARKER).read_bytes() if (env / ENV_MARKER).is_file() else b"")
+                             + f"{site}|{st.st_mtime_ns}|{st.st_ctime_ns}".encode()).hexdigest()
+        memo = self.root / "runtime-cache" / env.name / "cuda-symbols.json"
+        try:
+            saved = json.loads(memo.read_text(encoding="utf-8"))
+            symbols = saved["symbols"] if saved.get("key") == key else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            symbols = None
+        if symbols is None:
+            symbols = sorted(cudastub.needed_cuda_symbols([site]))
+            try:
+                from ..fsutil import write_atomic
+
+                write_atomic(memo, json.dumps({"key": key, "symbols": symbols}))
+            except OSError:
+                pass
+        return cudastub.build_stub_for(symbols, self.root / "stubs")
 
     def _env(self, env: Path, stub: Path | None, pythonpath: Path | None = None,
              run_dir: Path | None = None) -> dict:

@@ -1,0 +1,111 @@
+"""The evidence cache: a repeated audit with unchanged inputs reuses each cell's evidence, says so in the
+ledger, and routes exactly as the run it came from; any change of input is a different key."""
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from audit import evcache
+from audit.errors import ExitCode
+from tests.conftest import ROOT
+
+CLI = [sys.executable, "-m", "audit.cli"]
+
+
+def _audit(reports, cache, *extra):
+    env = {**os.environ, "SERVING_TRUTH_EVIDENCE_CACHE": str(cache)}
+    r = subprocess.run([*CLI, "audit", "v0.33.0", "--systems", "b200_sxm", "--layouts", "tp8", "--reports",
+                        str(reports), *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-3000:]
+    return json.loads((reports / "v0.33.0" / "routing.json").read_text()), \
+        (reports / "v0.33.0" / "ledger.md").read_text(), r
+
+
+@pytest.mark.vllm
+def test_a_repeated_audit_reuses_the_evidence_and_routes_the_same(vllm_env, tmp_path):
+    cache = tmp_path / "evcache"
+    first, ledger1, _ = _audit(tmp_path / "a", cache)
+    assert first["run"]["cache"] == {"hits": [], "ran": 1} and "evidence cache |" not in ledger1
+    assert len(list(cache.iterdir())) == 1
+
+    second, ledger2, _ = _audit(tmp_path / "b", cache)
+    hits = second["run"]["cache"]["hits"]
+    assert second["run"]["cache"]["ran"] == 0 and [h[:2] for h in hits] == [["b200_sxm", "tp8"]]
+    assert hits[0][2] != "?" and f"b200_sxm/tp8 from run `{hits[0][2]}`" in ledger2
+    assert second["cells"] == first["cells"]  # the same evidence, the same routing, cell by cell
+    assert second["verdicts"] == first["verdicts"]
+
+    # editing the expectations changes verdicts, never the probes' evidence: still from the cache
+    claims = tmp_path / "claims.toml"
+    claims.write_text((ROOT / "expectations" / "kimi-k3.toml").read_text())
+    (tmp_path / "kernel_source_backends.toml").write_text(
+        (ROOT / "expectations" / "kernel_source_backends.toml").read_text())
+    third, _, _ = _audit(tmp_path / "c", cache, "--expectations", str(claims))
+    assert third["run"]["cache"]["ran"] == 0
+
+    fourth, ledger4, _ = _audit(tmp_path / "d", cache, "--no-cache")
+    assert "cache" not in fourth["run"] and fourth["cells"] == first["cells"]
+
+
+def test_every_input_is_part_of_the_key():
+    identity = {"runtime": "local", "wheel_sha256": "a" * 64, "env": {"torch": "2.14.0"}, "stub_sha256": "b" * 64}
+    plan = {"probes": True, "extra_targets": [], "stop_after": "", "serve_args": ["--load-format", "dummy"],
+            "slice": "", "observe_install": False, "harness_env": ["CUDA_HOME"], "redact_env": []}
+    cell = {"system": {"name": "b200_sxm", "capability": [10, 0]}, "layout": {"name": "tp8", "args": ["-tp", "8"]}}
+    base, _ = evcache.cell_key(identity, plan, cell, "m" * 64, "p" * 64)
+    assert base == evcache.cell_key(copy.deepcopy(identity), dict(plan), copy.deepcopy(cell), "m" * 64, "p" * 64)[0]
+    variants = [
+        ({**identity, "wheel_sha256": "c" * 64}, plan, cell, "m" * 64, "p" * 64),
+        ({**identity, "stub_sha256": "d" * 64}, plan, cell, "m" * 64, "p" * 64),
+        ({**identity, "env": {"torch": "2.14.1"}}, plan, cell, "m" * 64, "p" * 64),
+        (identity, {**plan, "serve_args": ["--load-format", "auto"]}, cell, "m" * 64, "p" * 64),
+        (identity, {**plan, "extra_targets": [{"id": "x"}]}, cell, "m" * 64, "p" * 64),
+        (identity, plan, {**cell, "layout": {"name": "tp8-mtp", "args": []}}, "m" * 64, "p" * 64),
+        (identity, plan, {**cell, "system": {"name": "h100_sxm", "capability": [9, 0]}}, "m" * 64, "p" * 64),
+        (identity, plan, cell, "n" * 64, "p" * 64),  # another model config
+        (identity, plan, cell, "m" * 64, "q" * 64),  # other probes code
+    ]
+    keys = {evcache.cell_key(*v)[0] for v in variants}
+    assert base not in keys and len(keys) == len(variants)
+    # what only changes speed is not an input
+    assert evcache.cell_key(identity, {**plan, "parallel": 8, "learned_imports": ["x"]}, cell, "m" * 64,
+                            "p" * 64)[0] == base
+
+
+def test_probes_digest_follows_the_probes_sources(tmp_path, monkeypatch):
+    import probes
+
+    before = evcache.probes_digest()
+    copy_dir = tmp_path / "probes"
+    copy_dir.mkdir()
+    for p in Path(probes.__file__).parent.glob("*.py"):
+        (copy_dir / p.name).write_text(p.read_text())
+    assert evcache.probes_digest() == before
+    from importlib import resources
+
+    monkeypatch.setattr(resources, "files", lambda name: copy_dir)
+    assert evcache.probes_digest() == before
+    (copy_dir / "targets.py").write_text((copy_dir / "targets.py").read_text() + "\n# changed\n")
+    assert evcache.probes_digest() != before
+
+
+def test_a_damaged_entry_is_a_miss_and_store_is_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(tmp_path / "c"))
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / "evidence-h-1-abc.jsonl").write_text('{"kind": "header", "schema": 1}\n')
+    (cell / "agent.log").write_text("log\n")
+    (cell / "stray.tmp").write_text("x")
+    assert evcache.store(tmp_path, "k1", cell, run="r1", date="2026-12-02", inputs={}, info={"runtime": "x"})
+    assert evcache.lookup(tmp_path, "k1")["run"] == "r1"
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["k1"]
+    dest = tmp_path / "restored"
+    evcache.restore(tmp_path, "k1", dest)
+    assert sorted(p.name for p in dest.iterdir()) == ["agent.log", "evidence-h-1-abc.jsonl"]
+    (tmp_path / "c" / "k1" / "entry.json").write_text("{truncated")
+    assert evcache.lookup(tmp_path, "k1") is None
+    assert evcache.lookup(tmp_path, "missing") is None

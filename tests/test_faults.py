@@ -89,7 +89,10 @@ def audited(vllm_env, tmp_path_factory):
     r = cli("audit", "v0.33.0", *CELLS, "--reports", str(reports), timeout=1800)
     assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-3000:]
     run_dir = Path([l.split("evidence: ", 1)[1] for l in r.stderr.splitlines() if l.startswith("evidence: ")][0])
-    return {"run_dir": run_dir, "reports": reports, "code": r.returncode, "stderr": r.stderr}
+    kept = reports.parent / "run"  # a copy: later audits prune old run directories from the cache
+    shutil.copytree(run_dir, kept, ignore=shutil.ignore_patterns("tmp", "vllm-cache"))
+    return {"run_dir": kept, "original_run_dir": run_dir, "reports": reports, "code": r.returncode,
+            "stderr": r.stderr}
 
 
 @pytest.fixture
@@ -276,7 +279,7 @@ def test_evidence_holds_no_machine_path(audited):
     from audit.runtimes.base import cache_root
 
     text = (audited["reports"] / "v0.33.0" / "routing.json").read_text()
-    assert str(cache_root()) not in text and str(audited["run_dir"]) not in text
+    assert str(cache_root()) not in text and str(audited["original_run_dir"]) not in text
     assert "/site-packages/" not in text.replace("<env>/site-packages/", "")
 
 

@@ -81,6 +81,10 @@ def new_run_dir(pin: Pin, *, root: Path | None = None) -> Path:
     return path
 
 
+#: run directories younger than this are never pruned
+RECENT_S = 3600
+
+
 def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
     """Keep the newest *keep* run directories of this pin (and never another pin's: "v0.33.0" must not
     match "v0.33.0-image-...")."""
@@ -88,7 +92,13 @@ def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
 
     own = re.compile(re.escape(pin.name) + r"-\d{8}T\d{6}Z-\d+$")
     runs = sorted(p for p in (root or cache_root()).joinpath("runs").glob(f"{pin.name}-*") if own.match(p.name))
+    recent = time.time() - RECENT_S
     for old in runs[:-keep]:
+        try:
+            if old.stat().st_mtime > recent:
+                continue  # possibly another audit's, still running or just rendered: never pulled from under it
+        except OSError:
+            continue
         shutil.rmtree(old, ignore_errors=True)
 
 

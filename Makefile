@@ -57,9 +57,11 @@ lock-resolve: setup
 # Pin a vLLM build that is not on PyPI (checked: downloaded, hashed, its own metadata read), e.g.
 #   make lock-add PIN=nightly-0731 COMMIT=<sha>      a commit's wheel from vLLM's per-commit index
 #   make lock-add PIN=nightly-0731 DATE=2026-07-31   main as of that day (the commit is recorded)
+#   make lock-add PIN=nightly-1202 NIGHTLY=1          the commit vLLM's nightly index points at now
 #   make lock-add PIN=rc WHEEL_URL=https://...whl    IMAGE_TAG=repo:tag adds (or pins only) an image
 lock-add: setup
 	$(BIN)/serving-truth lock add $(PIN) --lock $(LOCK) $(if $(COMMIT),--commit $(COMMIT)) $(if $(DATE),--date $(DATE)) \
+		$(if $(filter 1,$(NIGHTLY)),--nightly) \
 		$(if $(WHEEL_URL),--wheel-url $(WHEEL_URL)) $(if $(SHA256),--sha256 $(SHA256)) \
 		$(if $(IMAGE_TAG),--image-tag $(IMAGE_TAG)) $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) \
 		$(if $(VARIANT),--variant $(VARIANT)) $(if $(INDEX_URL),--index-url $(INDEX_URL))

@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("pin", help="the new pin's name, e.g. nightly-0731")
     src = la.add_mutually_exclusive_group()
     src.add_argument("--commit", help="a vLLM commit on main: its wheel from vLLM's per-commit index")
+    src.add_argument("--nightly", action="store_true",
+                     help="the commit vLLM's moving nightly index points at now (the commit is recorded)")
     src.add_argument("--date", dest="as_of", metavar="YYYY-MM-DD",
                      help="main as of the end of that day (UTC): the newest commit with a wheel; the commit is recorded")
     la.add_argument("--wheel-url", help="a wheel by URL (https://, http://, file:///) instead of the index's")
@@ -363,7 +365,8 @@ def _lock_add(args, out, err) -> int:
     from .wheelindex import add_pin
 
     with err.status(f"pinning {args.pin}") as status:
-        fields = add_pin(args.lock, args.pin, commit=args.commit, as_of=args.as_of, wheel_url=args.wheel_url,
+        fields = add_pin(args.lock, args.pin, commit=args.commit, as_of=args.as_of, nightly=args.nightly,
+                         wheel_url=args.wheel_url,
                          image_tag=args.image_tag, vllm_version=args.vllm_version, variant=args.variant,
                          arch=args.arch, python=args.python, sha256=args.sha256, index_url=args.index_url,
                          github=args.github_api, note=args.note, progress=status.update)

@@ -349,6 +349,28 @@ def commits_before(day: str, *, api: str, repo: str = VLLM_REPO, branch: str = "
     return out
 
 
+def nightly_commit(base: str) -> str:
+    """The commit the moving ``nightly/`` directory points at now: its package index links every wheel as
+    ``../../<commit>/<file>`` (the wheels live in the commit's directory)."""
+    pkg = f"{base}/nightly/vllm/"
+    commits = set()
+    raw = _get(pkg + "metadata.json", what="nightly wheel metadata")
+    try:
+        items = json.loads(raw)
+    except ValueError:
+        items = None
+    for item in items if isinstance(items, list) else []:
+        path = item.get("path") if isinstance(item, dict) else None
+        if isinstance(path, str):
+            parts = urllib.parse.urlsplit(urllib.parse.urljoin(pkg, path)).path.split("/")
+            commits.update(p for p in parts[-2:-1] if re.fullmatch(r"[0-9a-f]{40}", p))
+    if len(commits) != 1:
+        raise WheelSourceError(f"{pkg}metadata.json does not link the wheels of exactly one commit "
+                               f"(found {sorted(commits) or 'none'})", url=pkg + "metadata.json",
+                               hint="pin a commit with --commit SHA")
+    return commits.pop()
+
+
 # -- lock add -----------------------------------------------------------------------------------------
 def _toml_str(value: str) -> str:
     return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
@@ -367,13 +389,14 @@ def pin_block(fields: dict) -> str:
 
 
 def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_of: str | None = None,
+            nightly: bool = False,
             wheel_url: str | None = None, image_tag: str | None = None, vllm_version: str | None = None,
             variant: str | None = None, arch: str | None = None, python: str = "3.12", sha256: str | None = None,
             index_url: str | None = None, github: str | None = None, note: str = "",
             cache_root: Path | None = None, progress: Progress = lambda text: None) -> dict:
     """Write a new ``[[pin]]`` for a vLLM build that is not on PyPI, from facts checked here; returns its
     fields. Sources: ``commit`` (vLLM's per-commit index: the wheel for this architecture in the default
-    variant, or ``variant``), ``as_of`` (the newest commit on main at the end of that UTC day that has such a
+    variant, or ``variant``), ``nightly`` (the commit vLLM's moving ``nightly/`` index points at now), ``as_of`` (the newest commit on main at the end of that UTC day that has such a
     wheel), ``wheel_url`` (any wheel; ``commit`` then only records the commit), ``image_tag`` (resolved to a
     digest through the registry, alone or with a wheel). The wheel is downloaded into the cache (where the
     local runtime then finds it), hashed as received, and its own METADATA and ``_version.py`` must agree with
@@ -390,10 +413,11 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
                          hint="choose another name, or delete that [[pin]] first")
     if not lockmod._NAME.match(name):
         raise UsageError(f"pin name {name!r} has characters not allowed in a directory name")
-    if commit and as_of:
-        raise UsageError("give --commit or --date, not both")
-    if not (commit or as_of or wheel_url or image_tag):
-        raise UsageError("nothing to pin", hint="give --commit SHA, --date YYYY-MM-DD, --wheel-url URL or --image-tag")
+    if sum(map(bool, (commit, as_of, nightly))) > 1:
+        raise UsageError("give one of --commit, --date and --nightly")
+    if not (commit or as_of or nightly or wheel_url or image_tag):
+        raise UsageError("nothing to pin",
+                         hint="give --commit SHA, --nightly, --date YYYY-MM-DD, --wheel-url URL or --image-tag")
     if sha256 and not re.fullmatch(r"[0-9a-f]{64}", sha256):
         raise UsageError(f"--sha256 {sha256!r} is not 64 lower-case hex digits")
     if not re.fullmatch(r"3\.\d{1,2}", python):
@@ -405,12 +429,16 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
         raise UsageError(f"--arch {arch!r}: vLLM ships x86_64 and aarch64 wheels")
     fields: dict = {"name": name}
     notes = []
-    wants_wheel = bool(commit or as_of or wheel_url)
+    wants_wheel = bool(commit or as_of or nightly or wheel_url)
     if vllm_version and wants_wheel:
         raise UsageError("--vllm-version is for image-only pins; with a wheel, the wheel says its version")
     api = github_api(github)
 
     chosen: WheelEntry | None = None
+    if nightly:
+        commit = nightly_commit(index_base(index_url))
+        notes.append(f"vLLM's nightly index pointed at commit {commit} on "
+                     f"{datetime.now(timezone.utc).date().isoformat()}")
     if as_of:
         base = index_base(index_url)
         skipped = []

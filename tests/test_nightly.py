@@ -17,7 +17,8 @@ from audit.errors import (DownloadHashMismatch, ExitCode, NoWheelForPlatform, Tr
 from audit.runtimes.local import LocalRuntime, sha256_file
 from audit import wheelindex
 from tests.conftest import ROOT, VLLM_PIN
-from tests.wheel_index_util import IndexServer, closed_port, make_wheel, publish_commit, sha256_of
+from tests.wheel_index_util import (IndexServer, closed_port, make_wheel, publish_commit, publish_nightly,
+                                     sha256_of)
 
 CLI = [sys.executable, "-m", "audit.cli"]
 COMMIT = hashlib.sha1(b"vllm main, 2026-07-31").hexdigest()
@@ -117,6 +118,15 @@ def test_lock_add_main_as_of_a_date_records_the_commit(index, lock_copy, tmp_pat
     assert api and "until=2026-07-31T23%3A59%3A59Z" in api[0] and "sha=main" in api[0]
 
 
+def test_lock_add_nightly_pins_the_commit_the_moving_index_points_at(index, lock_copy, tmp_path):
+    publish_nightly(index.root, COMMIT, [index.wheel])
+    fields = wheelindex.add_pin(lock_copy, "nightly-1202", nightly=True, arch="x86_64", index_url=index.url,
+                                cache_root=tmp_path / "cache")
+    assert fields["vllm_commit"] == COMMIT and f"nightly index pointed at commit {COMMIT}" in fields["note"]
+    # the pin names the commit's own directory, which does not move, never nightly/
+    assert fields["wheel_url"].startswith(f"{index.url}/{COMMIT}/") and "/nightly/" not in fields["wheel_url"]
+
+
 def test_lock_add_short_commit_is_looked_up(index, lock_copy, tmp_path):
     index.commits = [{"sha": COMMIT, "commit": {"committer": {"date": "2026-07-31T18:00:00Z"}}}]
     fields = wheelindex.add_pin(lock_copy, "n", commit=COMMIT[:10], arch="x86_64", index_url=index.url,
@@ -133,6 +143,32 @@ def test_lock_add_wheel_url_and_local_file(index, lock_copy, tmp_path):
                                 cache_root=tmp_path / "cache")
     assert fields["wheel_url"].startswith("file:///") and fields["wheel_sha256"] == sha256_of(index.wheel)
     assert lockmod.load(lock_copy).get("by-file").runtimes == ["local"]
+
+
+def test_lock_add_with_an_image_tag_resolves_it_through_the_registry(index, lock_copy, tmp_path):
+    """--image-tag beside --commit: the tag becomes a digest (and per-platform digests) read from the registry,
+    as `lock resolve` does; the pin has both, and the audit uses the wheel unless docker is asked for."""
+    from tests.registry_util import LocalRegistry
+
+    if not shutil.which("docker-registry"):
+        pytest.skip("docker-registry is not installed (.ci/run installs it)")
+    (tmp_path / "registry").mkdir()
+    reg = LocalRegistry(tmp_path / "registry").start()
+    try:
+        amd = reg.push_image("vllm/vllm-openai", f"nightly-{COMMIT}", "amd64", "nightly")
+        tag = f"{reg.host}/vllm/vllm-openai:nightly-{COMMIT}"
+        fields = wheelindex.add_pin(lock_copy, "nightly-0731", commit=COMMIT, arch="x86_64", image_tag=tag,
+                                    index_url=index.url, cache_root=tmp_path / "cache")
+        image_only = wheelindex.add_pin(lock_copy, "nightly-image", image_tag=tag, vllm_version=DEV,
+                                        cache_root=tmp_path / "cache")
+    finally:
+        reg.stop()
+    pin = lockmod.load(lock_copy).get("nightly-0731")
+    assert pin.image == f"{reg.host}/vllm/vllm-openai@{amd[0]}" and pin.platform_digests == {"linux/amd64": amd[0]}
+    assert pin.image_tag == tag and pin.wheel_url == fields["wheel_url"]
+    assert pin.runtimes == ["local", "docker"] and lockmod.default_runtime(pin) == "local"
+    only = lockmod.load(lock_copy).get("nightly-image")
+    assert only.runtimes == ["docker"] and only.vllm_version == DEV and "as given to lock add" in image_only["note"]
 
 
 # -- bad cases: a clear error, images.lock byte-identical, nothing left in the cache --------------------------
@@ -229,6 +265,7 @@ def test_index_html_only_with_fragments(tmp_path, lock_copy):
     (["lock", "add", "n"], "nothing to pin"),
     (["lock", "add", "n", "--commit", "xyz"], "is not a git sha"),
     (["lock", "add", "n", "--commit", COMMIT, "--date", "2026-07-31"], "not allowed with argument"),
+    (["lock", "add", "n", "--nightly", "--commit", COMMIT], "not allowed with argument"),
     (["lock", "add", "n", "--date", "31/07/2026"], "is not a date"),
     (["lock", "add", "n", "--image-tag", "vllm/vllm-openai:nightly"], "needs --vllm-version"),
     (["lock", "add", "n", "--commit", COMMIT, "--vllm-version", "1.0"], "--vllm-version is for image-only pins"),

@@ -91,6 +91,23 @@ def publish_commit(root: Path, commit: str, wheels: dict[str | None, list[Path]]
             (pkg / "metadata.json").write_text(json.dumps(meta, indent=2))
 
 
+def publish_nightly(root: Path, commit: str, wheels: list[Path]) -> None:
+    """``<root>/nightly/``: the default-variant indexes of *commit*, linking into its directory as vLLM's
+    moving nightly index does (``../../<commit>/<file>``)."""
+    pkg = root / "nightly" / "vllm"
+    pkg.mkdir(parents=True, exist_ok=True)
+    _html(root / "nightly" / "index.html", [("vllm/", "vllm/")])
+    links, meta = [], []
+    for f in wheels:
+        href = _quote(f"../../{commit}/{f.name}")
+        stem = f.name[:-4].split("-")
+        links.append((href, f.name))
+        meta.append({"package_name": "vllm", "version": stem[1], "build_tag": None, "python_tag": stem[-3],
+                     "abi_tag": stem[-2], "platform_tag": stem[-1], "variant": None, "filename": f.name, "path": href})
+    _html(pkg / "index.html", links)
+    (pkg / "metadata.json").write_text(json.dumps(meta, indent=2))
+
+
 def _html(path: Path, links: list[tuple[str, str]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     items = "\n".join(f'    <a href="{href}">{text}</a><br/>' for href, text in links)

@@ -222,7 +222,8 @@ class LocalRuntime:
             except (OSError, ValueError):
                 info = {}
             if info.get("wheel_sha256") == pin.wheel_sha256:
-                self.verify_env(env, pin, self.wheel_path(pin, progress), progress)
+                if self.verified.get(str(env), {}).get("sha256") != pin.wheel_sha256:  # once per runtime (audit)
+                    self.verify_env(env, pin, self.wheel_path(pin, progress), progress)
                 return env
         wheel = self.wheel_path(pin, progress)
         python = find_python(pin.python)

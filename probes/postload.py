@@ -5,8 +5,9 @@ After construction, vLLM's model loader loads the weights and then calls
 
 1. every module's ``quant_method.process_weights_after_loading(module)`` (``named_modules`` order;
    only quant methods that are ``QuantizeMethodBase`` instances);
-2. every deferred attention layer's ``process_weights_after_loading(dtype)``;
-3. the model's own ``process_weights_after_loading()`` (K3: MegaMoE weight finalization).
+2. every deferred attention layer's ``process_weights_after_loading(dtype)`` (0.27 also runs each
+   ``HpcModule``'s ``process_weights_after_loading(model)`` after them);
+3. the model's own ``process_weights_after_loading()`` (K3 before 0.33: MegaMoE weight finalization).
 
 Then the worker builds its model state; for K3 with ``decode_backend=latency_specialized`` that
 builds the specialized decode (``KimiK3ModelState.__init__`` -> ``build_specialized_decode``).
@@ -106,13 +107,21 @@ def _loader_names():
     names = {}
     for attr in ("process_weights_after_loading", "QuantizeMethodBase", "is_deferred_attention_layer"):
         names[attr] = getattr(mod, attr, None)
+    if names["is_deferred_attention_layer"] is None:
+        # before the helper existed (0.27) the loop tested these classes inline, the same way
+        bases = tuple(b for b in (getattr(mod, "AttentionLayerBase", None), getattr(mod, "MMEncoderAttention", None))
+                      if isinstance(b, type))
+        if bases:
+            names["is_deferred_attention_layer"] = \
+                lambda m: isinstance(m, bases) and hasattr(m, "process_weights_after_loading")
+    names["HpcModule"] = getattr(mod, "HpcModule", None)  # 0.27: a loop of its own before the model hook
     return names
 
 
 def steps(model, model_config) -> tuple[list[tuple], list[str]]:
     """(kind, module name, module, callable) in the loader's order, and the names it could not find."""
     names = _loader_names()
-    missing = [k for k, v in names.items() if v is None]
+    missing = [k for k, v in names.items() if v is None and k != "HpcModule"]
     out = []
     qbase, deferred = names["QuantizeMethodBase"], names["is_deferred_attention_layer"]
     if qbase is not None:
@@ -126,6 +135,12 @@ def steps(model, model_config) -> tuple[list[tuple], list[str]]:
             if deferred(module):
                 out.append(("attention", name, module,
                             lambda module=module: module.process_weights_after_loading(model_config.dtype),
+                            f"{type(module).__module__}:{type(module).__qualname__}.process_weights_after_loading"))
+    hpc = names["HpcModule"]
+    if isinstance(hpc, type):
+        for name, module in model.named_modules():
+            if isinstance(module, hpc):
+                out.append(("hpc", name, module, lambda module=module: module.process_weights_after_loading(model),
                             f"{type(module).__module__}:{type(module).__qualname__}.process_weights_after_loading"))
     if hasattr(model, "process_weights_after_loading"):
         out.append(("model", "", model, model.process_weights_after_loading,

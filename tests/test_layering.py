@@ -19,7 +19,7 @@ AUDIT_MODULES = ["audit.errors", "audit.lock", "audit.systems", "audit.evidence"
                  "audit.runtimes", "audit.runtimes.base", "audit.runtimes.local", "audit.tomlpos",
                  "audit.expectations", "audit.labels", "audit.verdicts", "audit.diff", "audit.registry",
                  "audit.runtimes.docker", "audit.runtimes.slurm", "audit.cluster", "audit.observed", "audit.selftest",
-                 "audit.corroborate", "audit.layers"]
+                 "audit.corroborate", "audit.layers", "audit.wheelindex"]
 
 SCRIPT = """
 import json, sys

@@ -30,6 +30,13 @@ def _nowhere() -> str:
     return f"http://127.0.0.1:{closed_port()}"
 
 
+@pytest.fixture(autouse=True)
+def no_network_defaults(monkeypatch):
+    """Whatever a test forgets to pass, the index and the GitHub API default to a port nothing listens on."""
+    monkeypatch.setenv("SERVING_TRUTH_WHEEL_INDEX", _nowhere())
+    monkeypatch.setenv("SERVING_TRUTH_GITHUB_API", _nowhere())
+
+
 @pytest.fixture
 def cli_env(tmp_path):
     """Environment for CLI runs: a private cache, and index/API defaults that reach nothing."""

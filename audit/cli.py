@@ -108,6 +108,16 @@ def _parser() -> argparse.ArgumentParser:
     la.add_argument("--note", default="", help="a note to keep with the pin")
     la.add_argument("--lock", default="images.lock")
 
+    rg = sub.add_parser("regenerate", help="re-audit every pin with a wheel (release order) and rewrite reports/ "
+                                           "and reports/diffs/ (the committed reports)")
+    rg.add_argument("--pins", default="", help="comma list (default: every pin with a wheel)")
+    rg.add_argument("--lock", default="images.lock")
+    rg.add_argument("--reports", default="reports")
+    rg.add_argument("--drop-envs", action="store_true",
+                    help="remove each pin's environment after its audit (~9 GB each), except --keep-env")
+    rg.add_argument("--keep-env", default="v0.33.0", help="the environment --drop-envs keeps (default v0.33.0)")
+    rg.add_argument("--no-cache", dest="cache", action="store_false", help="run every cell")
+
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
     e.add_argument("pin")
     e.add_argument("--lock", default="images.lock")
@@ -160,6 +170,18 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.OK
         if args.command == "env":
             return _env(args, out, err)
+        if args.command == "regenerate":
+            from .core import regenerate_reports
+
+            pins = [p.strip() for p in args.pins.split(",") if p.strip()]
+            with err.status("regenerating reports") as status:
+                done = regenerate_reports(lock_path=args.lock, reports_dir=args.reports, pins=pins or None,
+                                          drop_envs=args.drop_envs, keep_env=args.keep_env, cache=args.cache,
+                                          progress=lambda event, **f: status.update(f.get("text", event)))
+            for o in done:
+                v = ", ".join(f"{k} {n}" for k, n in (o.verdicts or {}).items() if n)
+                out.print(f"{o.pin}: {o.ledger} ({v})")
+            return ExitCode.OK
         if args.command == "clean-containers":
             from .runtimes.docker import sweep
 

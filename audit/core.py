@@ -395,6 +395,36 @@ def _fuller_report(report_dir: Path, cells: list[tuple[str, str]]) -> int | None
     return len(have) if have - set(cells) else None
 
 
+def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
+                       pins: list[str] | None = None, drop_envs: bool = False, keep_env: str = "",
+                       progress: Progress = lambda *a, **k: None, cache: bool = True) -> list[AuditOutcome]:
+    """Audit every pin that has a wheel (or those named), in release order so that each ledger's "changes
+    since" finds the previous pin's fresh report, replacing ``reports/<pin>/``; then write the diff between
+    each pair of consecutive pins under ``reports/diffs/``. With ``drop_envs`` the environment of each pin
+    but ``keep_env`` is removed after its audit (each holds ~9 GB)."""
+    from .diff import write_diff
+    from .runtimes.local import LocalRuntime
+
+    lock = lockmod.load(lock_path)
+    chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and (not pins or p.name in pins)]
+    unknown = sorted(set(pins or ()) - {p.name for p in chosen})
+    if unknown:
+        for name in unknown:
+            lock.get(name)  # an unknown name: UnknownPinError
+        raise UsageError(f"pins without a wheel cannot be regenerated locally: {', '.join(unknown)}")
+    outcomes = []
+    for pin in chosen:
+        progress("stage", text=f"auditing {pin.name}")
+        outcomes.append(run_audit(pin.name, lock_path=lock_path, reports_dir=reports_dir, progress=progress,
+                                  replace=True, cache=cache))
+        if drop_envs and pin.name != keep_env:
+            env = LocalRuntime().env_dir(pin)  # validated: a direct child of <cache>/envs
+            shutil.rmtree(env, ignore_errors=True)
+    for before, after in zip(chosen, chosen[1:]):
+        write_diff(Path(reports_dir), before.name, after.name)
+    return outcomes
+
+
 def clean_cache(keep_envs: bool = True) -> None:
     from .runtimes.base import cache_root
 

@@ -284,7 +284,7 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
             raise err(ctx + "wheel_url needs wheel and wheel_sha256", "wheel_url",
                       hint="the file name and the sha256 of the exact bytes at the URL (serving-truth lock add "
                            "writes all three)")
-        problem = _url_problem(url, wheel)
+        problem = wheel_url_problem(url, wheel)
         if problem:
             raise err(ctx + f"wheel_url {url!r} {problem}", "wheel_url")
     commit = raw.get("vllm_commit", "")
@@ -330,7 +330,7 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
     )
 
 
-def _url_problem(url: str, wheel: str) -> str:
+def wheel_url_problem(url: str, wheel: str) -> str:
     """Why *url* cannot be where *wheel* comes from ("" when it can)."""
     from urllib.parse import unquote, urlsplit
 

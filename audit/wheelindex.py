@@ -415,6 +415,9 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
         raise UsageError(f"pin name {name!r} has characters not allowed in a directory name")
     if sum(map(bool, (commit, as_of, nightly))) > 1:
         raise UsageError("give one of --commit, --date and --nightly")
+    if wheel_url and (as_of or nightly):
+        raise UsageError("--wheel-url pins that wheel; --date and --nightly choose one from the index",
+                         hint="give --commit SHA with --wheel-url to record which commit the wheel is from")
     if not (commit or as_of or nightly or wheel_url or image_tag):
         raise UsageError("nothing to pin",
                          hint="give --commit SHA, --nightly, --date YYYY-MM-DD, --wheel-url URL or --image-tag")
@@ -473,7 +476,7 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
         parts = lockmod.parse_wheel_name(filename)
         if parts is None or parts["dist"].lower() != "vllm":
             raise UsageError(f"{wheel_url} does not name a vLLM wheel file ({filename!r})")
-        problem = lockmod._url_problem(wheel_url, filename)
+        problem = lockmod.wheel_url_problem(wheel_url, filename)
         if problem:
             raise UsageError(f"--wheel-url {wheel_url!r} {problem}")
         announced, source = "", ""

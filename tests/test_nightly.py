@@ -273,6 +273,7 @@ def test_index_html_only_with_fragments(tmp_path, lock_copy):
     (["lock", "add", "n", "--commit", "xyz"], "is not a git sha"),
     (["lock", "add", "n", "--commit", COMMIT, "--date", "2026-07-31"], "not allowed with argument"),
     (["lock", "add", "n", "--nightly", "--commit", COMMIT], "not allowed with argument"),
+    (["lock", "add", "n", "--nightly", "--wheel-url", "https://h/vllm-1.0-cp38-abi3-x.whl"], "--wheel-url pins that wheel"),
     (["lock", "add", "n", "--date", "31/07/2026"], "is not a date"),
     (["lock", "add", "n", "--image-tag", "vllm/vllm-openai:nightly"], "needs --vllm-version"),
     (["lock", "add", "n", "--commit", COMMIT, "--vllm-version", "1.0"], "--vllm-version is for image-only pins"),

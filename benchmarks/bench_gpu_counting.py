@@ -15,9 +15,8 @@ an upper bound for that step.
 Bare and wrapped steps alternate in rounds; each step is timed wall-clock from launch to
 ``torch.cuda.synchronize()``. The wrapped step runs every entry through ``Counters.counting_wrapper``
 and sets the layer scope per layer, as observe mode's scope wrappers do. It prints the median step
-times, their difference and ratio (and the spread of the per-round differences), and, as a steadier
-figure, the wrapper and scope costs per call measured on this machine's CPU times the calls per step,
-over the bare step.
+times, their difference and ratio, and, as a steadier figure, the wrapper cost per call measured on
+this machine's CPU times the calls per step, over the bare step.
 """
 from __future__ import annotations
 
@@ -116,19 +115,14 @@ def time_steps(torch, step, n) -> list[float]:
     return out
 
 
-def per_call_overhead_ns(n=200_000) -> tuple[float, float]:
-    """(wrapper's added cost per entry call, cost of one layer-scope ``set_layer``) on this CPU, best of 5,
-    as bench_counting.py measures them."""
+def per_call_overhead_ns(n=200_000) -> float:
+    """The wrapper's added cost per call on this CPU (best of 5), as bench_counting.py measures it."""
     c = Counters()
     c.set_layer(7)
 
     def f(i):
         return i
     w = c.counting_wrapper(f, "x")
-
-    def scoped(i):
-        c.set_layer(7)
-        return i
 
     def best(fn):
         b = float("inf")
@@ -138,15 +132,14 @@ def per_call_overhead_ns(n=200_000) -> tuple[float, float]:
                 fn(i)
             b = min(b, (time.perf_counter_ns() - t0) / n)
         return b
-    bare = best(f)
-    return best(w) - bare, best(scoped) - bare
+    return best(w) - best(f)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--k3-kda-src", default=str(ROOT / "build" / "k3-kda-src"))
     ap.add_argument("--json", help="also write the figures to this file")
     a = ap.parse_args()
@@ -163,26 +156,23 @@ def main() -> int:
         bare_step()
         wrapped_step()
     counters.reset()
-    bare, wrapped, round_diffs = [], [], []
+    bare, wrapped = [], []
     for r in range(a.rounds):
         first, second = (bare_step, wrapped_step) if r % 2 == 0 else (wrapped_step, bare_step)
         t1, t2 = time_steps(torch, first, a.steps), time_steps(torch, second, a.steps)
-        tb, tw = (t1, t2) if first is bare_step else (t2, t1)
-        bare.extend(tb)
-        wrapped.extend(tw)
-        round_diffs.append((statistics.median(tw) - statistics.median(tb)) * 1e6)
+        (bare if first is bare_step else wrapped).extend(t1)
+        (wrapped if first is bare_step else bare).extend(t2)
     calls_per_step = KDA_LAYERS + MLA_LAYERS + MOE_LAYERS
     counted = sum(r["calls"] for r in counters.snapshot()["eager"])
     assert counted == calls_per_step * len(wrapped), (counted, calls_per_step, len(wrapped))
     b, w = statistics.median(bare), statistics.median(wrapped)
-    ns, scope_ns = per_call_overhead_ns()
-    est_us = (ns * calls_per_step + scope_ns * len(plan)) / 1000
+    ns = per_call_overhead_ns()
+    est_us = ns * calls_per_step / 1000
     fig = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
            "python": sys.version.split()[0], "batch": a.batch, "kda_entry": kda_what,
            "calls_per_step": calls_per_step, "steps_each": len(bare),
            "bare_step_ms": b * 1e3, "wrapped_step_ms": w * 1e3, "difference_us": (w - b) * 1e6,
-           "ratio_measured": (w - b) / b, "round_differences_us": round_diffs,
-           "wrapper_ns_per_call_cpu": ns, "set_layer_ns_cpu": scope_ns, "estimated_added_us": est_us,
+           "ratio_measured": (w - b) / b, "wrapper_ns_per_call_cpu": ns, "estimated_added_us": est_us,
            "ratio_estimated": est_us / (b * 1e6), "bare_step_ms_p10_p90": [sorted(bare)[len(bare) // 10] * 1e3,
                                                                              sorted(bare)[len(bare) * 9 // 10] * 1e3]}
     print(f"GPU {fig['gpu']}, torch {fig['torch']} (CUDA {fig['cuda']}), Python {fig['python']}")
@@ -193,10 +183,8 @@ def main() -> int:
           f"p90 {fig['bare_step_ms_p10_p90'][1]:.3f})")
     print(f"wrapped step (median):  {fig['wrapped_step_ms']:.3f} ms")
     print(f"difference:             {fig['difference_us']:+.1f} us per step -> ratio {100 * fig['ratio_measured']:+.2f}%")
-    print(f"per-round differences:  {min(round_diffs):+.1f} .. {max(round_diffs):+.1f} us "
-          f"(median {statistics.median(round_diffs):+.1f} us)")
-    print(f"wrapper cost on this CPU: {ns:.1f} ns per call x {calls_per_step} + set_layer {scope_ns:.1f} ns x "
-          f"{len(plan)} layers = {est_us:.1f} us per step -> {100 * fig['ratio_estimated']:.2f}% of the bare step")
+    print(f"wrapper cost on this CPU: {ns:.1f} ns per call x {calls_per_step} = {est_us:.1f} us per step -> "
+          f"{100 * fig['ratio_estimated']:.2f}% of the bare step")
     if a.json:
         Path(a.json).write_text(json.dumps(fig, indent=1) + "\n")
     return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__
+from . import __version__, dispatch
 from .errors import RenderError
 from .fsutil import replace_dir
 from .routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
@@ -200,6 +200,11 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "lane_titles": lane_titles,
         "kind_titles": {"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
                         "mtp": "MTP draft (separate draft model)"},
+        # --- dispatch tiers (audit/dispatch.py, templates/dispatch.md.j2) ---
+        "dispatch_tables": dispatch.ledger_tables(cells),
+        "dispatch_errors": dispatch.stage_errors(cells),
+        "dispatch_level": dispatch.LEVEL_TEXT,
+        "dispatch_unsimulated": dispatch.unsimulated(cells),
     }
 
 

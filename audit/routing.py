@@ -9,6 +9,7 @@ import re
 from collections import defaultdict
 
 from .corroborate import corroborate
+from .dispatch import cell_tiers as dispatch_tiers
 from .evidence import EvidenceFile
 from .layers import format_ranges
 from .observed import merge as merge_observed
@@ -465,6 +466,8 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "device": sim.get("device", {}),
         "availability": _one(f, "availability"),
         "fingerprint": _one(f, "fingerprint"),
+        # --- dispatch tiers (audit/dispatch.py): per-call choices by token count, None if not resolved ---
+        "dispatch": dispatch_tiers(f),
     }
 
 

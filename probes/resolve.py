@@ -232,6 +232,11 @@ def _run_stages(plan, cell, rec, Stage) -> None:
         except _stage_failed():  # the driver itself failed: recorded; construction's evidence stands
             pass
 
+    if plan.get("dispatch", True):  # per-call dispatch tiers (probes/dispatch.py); records, never raises
+        from . import dispatch
+
+        dispatch.run([("target", model), ("draft", draft)], vllm_config, rec)
+
     if plan.get("observe_install"):
         try:
             session = check_observe_targets(rec)

@@ -13,13 +13,13 @@ from tests.conftest import ROOT
 PROBE_MODULES = ["probes", "probes.recorder", "probes.patching", "probes.targets", "probes.install",
                  "probes.agent", "probes.simulate", "probes.resolve", "probes.inventory", "probes.elfscan",
                  "probes.plugin", "probes.counting", "probes.observe", "probes.workload", "probes.observe_agent",
-                 "probes.traces", "probes.kernel_names", "probes.lifecycle"]
+                 "probes.traces", "probes.kernel_names", "probes.lifecycle", "probes.dispatch"]
 AUDIT_MODULES = ["audit.errors", "audit.lock", "audit.systems", "audit.evidence", "audit.routing",
                  "audit.profiles", "audit.render", "audit.fsutil", "audit.cudastub", "audit.core",
                  "audit.runtimes", "audit.runtimes.base", "audit.runtimes.local", "audit.tomlpos",
                  "audit.expectations", "audit.labels", "audit.verdicts", "audit.diff", "audit.registry",
                  "audit.runtimes.docker", "audit.runtimes.slurm", "audit.cluster", "audit.observed", "audit.selftest",
-                 "audit.corroborate", "audit.layers", "audit.wheelindex"]
+                 "audit.corroborate", "audit.layers", "audit.wheelindex", "audit.dispatch"]
 
 SCRIPT = """
 import json, sys

@@ -1,0 +1,124 @@
+"""Dispatch tiers: what vLLM picks per call, by token count, read from a cell's ``dispatch`` records.
+
+The probe side (``probes/dispatch.py``) calls the pinned vLLM's own per-call dispatch functions on the
+built modules at representative token counts and records, per lane and module group, the choice at
+each workload. Here those records become a compact table per cell and lane (``routing.json``'s
+``dispatch``) and, across cells, one table per lane for the ledger. Never imports vLLM.
+"""
+from __future__ import annotations
+
+from .evidence import EvidenceFile
+from .layers import format_ranges
+
+#: lane id -> title, in the order the ledger shows them
+LANE_TITLES = {
+    "latent_tail": "Latent MoE tail tier",
+    "shared_overlap": "Shared experts stream overlap",
+    "moe_experts": "Routed experts per-call variant",
+    "mla": "MLA attention path",
+    "low_latency_gemm": "K3 low-latency BF16 GEMMs",
+}
+LEVEL_TEXT = ("dispatch: resolved; vLLM's own per-call dispatch function ran on the built modules for a batch "
+              "of that many tokens (meta tensors, simulated platform); no kernel ran")
+PHASE_ORDER = {"decode": 0, "prefill": 1, "verify": 2}
+
+
+def workload_key(w: dict) -> str:
+    """``decode 8`` (tokens in the batch); verify widths also say the requests (``verify 32 (8x4)``)."""
+    if w["phase"] == "verify":
+        return f"verify {w['tokens']} ({w['requests']}x{w['tokens'] // max(1, w['requests'])})"
+    return f"{w['phase']} {w['tokens']}"
+
+
+def cell_tiers(f: EvidenceFile) -> dict | None:
+    """The cell's ``dispatch`` entry for routing.json, or None when the stage did not run."""
+    stage = f.of_kind("dispatch-stage")
+    if not stage:
+        return None
+    st = stage[-1]
+    lanes: dict[str, list[dict]] = {}
+    for r in f.of_kind("dispatch"):
+        tiers = {workload_key(t): t["choice"] for t in r.get("tiers", [])}
+        lanes.setdefault(r["lane"], []).append({
+            "role": r.get("role", "target"), "group": r.get("group", ""), "layers": r.get("layers", []),
+            "ranges": format_ranges(r.get("layers", [])) or "model", "level": r.get("level", "dispatch"),
+            "source": r.get("source", ""), "tiers": tiers})
+    for rows in lanes.values():
+        rows.sort(key=lambda g: (g["role"] != "target", g["layers"][:1], g["group"]))
+    return {"workloads": [workload_key(w) for w in st.get("workloads", [])],
+            "lanes": dict(sorted(lanes.items(), key=lambda kv: _lane_order(kv[0]))),
+            "errors": st.get("errors", {})}
+
+
+def _lane_order(lane: str) -> tuple:
+    keys = list(LANE_TITLES)
+    return (keys.index(lane) if lane in keys else len(keys), lane)
+
+
+def _column_order(key: str) -> tuple:
+    phase, _, rest = key.partition(" ")
+    return (PHASE_ORDER.get(phase, 9), int(rest.split(" ")[0]) if rest.split(" ")[0].isdigit() else 0)
+
+
+def ledger_tables(cells: list[dict]) -> list[dict]:
+    """One table per lane across cells: rows with the same group, layers and tiers are merged and
+    list their cells; columns are every workload any cell resolved (``—`` where a cell has none)."""
+    by_lane: dict[str, dict] = {}
+    for c in cells:
+        d = c.get("dispatch")
+        if not d:
+            continue
+        name = f"{c['system']}/{c['layout']}"
+        for lane, rows in d.get("lanes", {}).items():
+            t = by_lane.setdefault(lane, {"rows": {}, "columns": set(), "levels": set(), "sources": set()})
+            for g in rows:
+                t["columns"].update(g["tiers"])
+                t["levels"].add(g["level"])
+                t["sources"].add(g["source"])
+                key = (g["role"], g["group"], g["ranges"], tuple(sorted(g["tiers"].items())))
+                row = t["rows"].setdefault(key, {"role": g["role"], "group": g["group"], "ranges": g["ranges"],
+                                                 "tiers": g["tiers"], "level": g["level"], "cells": []})
+                if name not in row["cells"]:
+                    row["cells"].append(name)
+    out = []
+    for lane in sorted(by_lane, key=_lane_order):
+        t = by_lane[lane]
+        columns = sorted(t["columns"], key=_column_order)
+        rows = sorted(t["rows"].values(), key=lambda r: (r["role"] != "target", r["group"], r["ranges"], r["cells"]))
+        out.append({"lane": lane, "title": LANE_TITLES.get(lane, lane), "columns": columns,
+                    "levels": sorted(t["levels"]), "sources": sorted(t["sources"]),
+                    "rows": [{**r, "spans": spans(r["tiers"])} for r in rows]})
+    return out
+
+
+def spans(tiers: dict[str, str]) -> list[dict]:
+    """Consecutive token counts of one phase with the same choice, as one span:
+    ``{"span": "decode 1-64", "choice": ...}``, in phase and token order."""
+    out: list[dict] = []
+    for key in sorted(tiers, key=_column_order):
+        phase, _, rest = key.partition(" ")
+        last = out[-1] if out else None
+        if last is not None and last["phase"] == phase and last["choice"] == tiers[key]:
+            last["last"] = rest
+        else:
+            out.append({"phase": phase, "first": rest, "last": rest, "choice": tiers[key]})
+    return [{"span": f"{s['phase']} {s['first']}" + (f"–{s['last']}" if s["last"] != s["first"] else ""),
+             "choice": s["choice"]} for s in out]
+
+
+def unsimulated(cells: list[dict]) -> str:
+    """What the ledger's limits sentence says about per-call dispatch (the wording before dispatch
+    tiers existed when no cell resolved them)."""
+    if any(c.get("dispatch") for c in cells):
+        return ("per-call choices only a GPU makes (autotuned tactics, measured timings, device-side "
+                "schedulers; the\n[Dispatch tiers](#dispatch-tiers) name them)")
+    return "per-batch dispatch (token-count tiers, per-call sub-kernels such as FlashInfer\nMLA's decode kernel choice)"
+
+
+def stage_errors(cells: list[dict]) -> list[dict]:
+    """Lanes whose resolution raised, per cell (stated in the ledger, never a verdict)."""
+    out = []
+    for c in cells:
+        for lane, err in ((c.get("dispatch") or {}).get("errors") or {}).items():
+            out.append({"cell": f"{c['system']}/{c['layout']}", "lane": lane, "error": err})
+    return out

@@ -1,0 +1,131 @@
+"""Dispatch tiers against the real vLLM wheel pinned in images.lock (v0.33.0), in resolve mode.
+
+The session's ``probed_run`` (tests/conftest.py) is the baseline; one more run of a single cell
+plants a changed dispatch threshold into the pinned vLLM (a post-import hook loaded from a
+``sitecustomize`` in the run directory, the agent's PYTHONPATH: the environment itself is untouched)
+and the tier table must follow it.
+"""
+import textwrap
+
+import pytest
+
+from audit import evidence, routing
+from audit.profiles import KIMI_K3
+from audit.render import render_ledger
+from audit.runtimes import RunRequest
+from audit.systems import LAYOUTS, SYSTEMS
+from tests.test_probes_vllm import cells_of, k3_layers
+
+pytestmark = pytest.mark.vllm
+
+DECODES = ["decode 1", "decode 8", "decode 64", "decode 256"]
+PREFILLS = ["prefill 512", "prefill 2048", "prefill 8192"]
+#: the tail operator's token bound, planted lower than the wheel's (128) in the planted run
+PLANTED_MAX = 8
+PLANT = textwrap.dedent(f'''
+    # planted by tests/test_dispatch_vllm.py: lower K3's latent-MoE tail-fusion token bound
+    from probes.patching import PostImportHooks
+
+    def _plant(mod):
+        mod._MAX_NUM_TOKENS = {PLANTED_MAX}
+
+    PostImportHooks().register("vllm.models.kimi_k3.nvidia.ops.latent_moe_tail", _plant)
+''')
+
+
+def _cell(run, system, layout):
+    return routing.build_cell(cells_of(run)[(system, layout)], KIMI_K3)
+
+
+def _only(rows):
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+@pytest.fixture(scope="session")
+def planted_run(vllm_env, tmp_path_factory):
+    rt, pin, _ = vllm_env
+    run_dir = tmp_path_factory.mktemp("planted")
+    (run_dir / "sitecustomize.py").write_text(PLANT, encoding="utf-8")
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS["b200_sxm"], LAYOUTS["tp8"])], run_dir=run_dir)
+    return req, rt.run(req, lambda *a, **k: None)
+
+
+def test_tail_tiers_on_sm100(probed_run):
+    """SM 10.0 TP8: the fused tail with deferred finalize up to the tail operator's bound (128), the
+    all-reduce overlap tier up to VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD (256), then column parallel."""
+    cell = _cell(probed_run, "b200_sxm", "tp8")
+    d = cell["dispatch"]
+    assert d["errors"] == {}
+    assert d["workloads"] == DECODES + PREFILLS
+    tail = _only(d["lanes"]["latent_tail"])
+    assert tail["layers"] == k3_layers()["moe"] and tail["level"] == "dispatch"
+    assert tail["source"].endswith("LatentMoERunner._select_tail_tier")
+    assert tail["tiers"] == {"decode 1": "TAIL_FUSION (deferred top-k finalize)",
+                             "decode 8": "TAIL_FUSION (deferred top-k finalize)",
+                             "decode 64": "TAIL_FUSION (deferred top-k finalize)",
+                             "decode 256": "ALLREDUCE_OVERLAP", "prefill 512": "COLUMN_PARALLEL",
+                             "prefill 2048": "COLUMN_PARALLEL", "prefill 8192": "COLUMN_PARALLEL"}
+    experts = _only(d["lanes"]["moe_experts"])
+    assert all(v.startswith("needs GPU: autotuned") for v in experts["tiers"].values())
+    assert [k for k, v in experts["tiers"].items() if v.endswith("top-k finalize deferred")] == DECODES[:3]
+
+
+def test_tail_tiers_without_tail_fusion_on_sm90(probed_run):
+    """SM 9.0 has no tail fusion: small batches take the all-reduce overlap tier, never tier 0."""
+    tail = _only(_cell(probed_run, "h100_sxm", "tp8")["dispatch"]["lanes"]["latent_tail"])
+    assert {k: v for k, v in tail["tiers"].items()} == {
+        **{k: "ALLREDUCE_OVERLAP" for k in DECODES}, **{k: "COLUMN_PARALLEL" for k in PREFILLS}}
+
+
+def test_mla_path_by_batch(probed_run):
+    """The MLA metadata builder's split decides decode kernel versus prefill backend per batch;
+    FA3 MLA's builder sends prefill chunks of up to 512 tokens down the decode kernel."""
+    h100 = _cell(probed_run, "h100_sxm", "tp8")["dispatch"]["lanes"]["mla"]
+    row = _only([r for r in h100 if r["role"] == "target"])
+    assert row["layers"] == k3_layers()["mla"]
+    assert "(threshold 512)" in row["source"]
+    assert all(row["tiers"][k].startswith("decode path: needs GPU: FA3 MLA decode") for k in DECODES + ["prefill 512"])
+    assert all(row["tiers"][k] == "prefill path: FlashAttnPrefillBackend" for k in PREFILLS[1:])
+    b200 = _only(_cell(probed_run, "b200_sxm", "tp8")["dispatch"]["lanes"]["mla"])
+    assert all(b200["tiers"][k].startswith("decode path: FlashInfer MLA decode") or
+               b200["tiers"][k].startswith("decode path: needs GPU: autotuned (FlashInfer MLA") for k in DECODES)
+    assert all(b200["tiers"][k].startswith("prefill path: ") for k in PREFILLS)
+
+
+def test_mtp_verify_width(probed_run):
+    """With MTP (3 speculative tokens) the verify batches (B x 4 tokens) are resolved too; MLA runs
+    them as multi-token decodes on the ragged FlashInfer path, and the draft's layer has its own rows."""
+    d = _cell(probed_run, "b200_sxm", "tp8-mtp")["dispatch"]
+    verify = ["verify 4 (1x4)", "verify 32 (8x4)", "verify 256 (64x4)", "verify 1024 (256x4)"]
+    assert d["workloads"] == DECODES + PREFILLS + verify
+    mla = [r for r in d["lanes"]["mla"] if r["role"] == "target"]
+    assert mla and all("ragged multi-token queries" in r["tiers"][v] for r in mla for v in verify)
+    assert any(r["role"] == "draft" for rows in d["lanes"].values() for r in rows)
+    tail = next(r for r in d["lanes"]["latent_tail"] if r["role"] == "target")
+    assert tail["tiers"]["verify 32 (8x4)"].startswith("TAIL_FUSION")
+    assert tail["tiers"]["verify 256 (64x4)"] == "ALLREDUCE_OVERLAP"
+    assert tail["tiers"]["verify 1024 (256x4)"] == "COLUMN_PARALLEL"
+
+
+def test_planted_threshold_changes_the_tier_table(probed_run, planted_run):
+    """Lowering the tail operator's bound in the pinned vLLM (128 -> 8) moves decode 64 off the
+    fused tail (and off deferred finalize) in the tier table, routing.json and the ledger."""
+    req, result = planted_run
+    assert result.missing == {}
+    planted = routing.build_cell(evidence.read_dir(result.evidence_dir)[0], KIMI_K3)
+    before = _only(_cell(probed_run, "b200_sxm", "tp8")["dispatch"]["lanes"]["latent_tail"])["tiers"]
+    after = _only(planted["dispatch"]["lanes"]["latent_tail"])["tiers"]
+    assert before["decode 64"] == "TAIL_FUSION (deferred top-k finalize)"
+    assert after["decode 64"] == "ALLREDUCE_OVERLAP"
+    assert after["decode 8"] == before["decode 8"] == "TAIL_FUSION (deferred top-k finalize)"
+    assert {k: v for k, v in after.items() if k != "decode 64"} == {k: v for k, v in before.items() if k != "decode 64"}
+    experts = _only(planted["dispatch"]["lanes"]["moe_experts"])["tiers"]
+    assert not experts["decode 64"].endswith("top-k finalize deferred")
+    pin = {"name": "v0.33.0", "vllm_version": "0.33.0"}
+    ledger = render_ledger(routing.build_routing(evidence.read_dir(result.evidence_dir), KIMI_K3, pin=pin,
+                                                 expected=[("b200_sxm", "tp8")]),
+                           profile_title="Kimi-K3", reproduce="x")
+    section = ledger.split("### Latent MoE tail tier", 1)[1].split("\n### ", 1)[0]
+    assert ("**decode 1–8**: TAIL_FUSION (deferred top-k finalize); **decode 64–256**: ALLREDUCE_OVERLAP; "
+            "**prefill 512–8192**: COLUMN_PARALLEL") in section

@@ -159,8 +159,11 @@ class UnsafeLockPath(EnvironmentBuildError):
 class WheelSourceError(EnvironmentBuildError):
     """A wheel that is not on PyPI could not be found or fetched (vLLM's per-commit index, a wheel URL)."""
 
-    def __init__(self, message: str, *, url: str, step: str = "wheel index", hint: str | None = None):
+    def __init__(self, message: str, *, url: str, step: str = "wheel index", hint: str | None = None,
+                 status: int | None = None):
         self.url = url
+        #: the HTTP status the server answered, when it answered one (404: not there)
+        self.status = status
         super().__init__(message, step=step, hint=hint)
 
 

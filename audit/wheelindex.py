@@ -85,8 +85,9 @@ def _open(url: str, *, what: str, step: str, accept: str = ""):
     except urllib.error.HTTPError as exc:
         exc.close()
         if exc.code == 404:
-            raise WheelSourceError(f"{what}: {url} not found (HTTP 404)", url=url, step=step) from None
-        raise WheelSourceError(f"{what}: {url} answered HTTP {exc.code}", url=url, step=step) from None
+            raise WheelSourceError(f"{what}: {url} not found (HTTP 404)", url=url, step=step, status=404) from None
+        raise WheelSourceError(f"{what}: {url} answered HTTP {exc.code}", url=url, step=step,
+                               status=exc.code) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         raise WheelSourceError(f"{what}: cannot reach {url}: {reason}", url=url, step=step,
@@ -154,7 +155,7 @@ def read_commit_index(base: str, commit: str, variant: str | None = None) -> tup
         parser.feed(_get(pkg + "index.html", what="package index").decode("utf-8", "replace"))
         html_links = parser.links
     except WheelSourceError as exc:
-        if "HTTP 404" not in exc.message:
+        if exc.status != 404:
             raise
     for href in html_links or []:
         frag = urllib.parse.urlsplit(href).fragment
@@ -165,7 +166,7 @@ def read_commit_index(base: str, commit: str, variant: str | None = None) -> tup
     try:
         raw = _get(pkg + "metadata.json", what="wheel metadata")
     except WheelSourceError as exc:
-        if "HTTP 404" not in exc.message:
+        if exc.status != 404:
             raise
         raw = None
     entries: list[WheelEntry] = []
@@ -200,6 +201,7 @@ def read_commit_index(base: str, commit: str, variant: str | None = None) -> tup
     else:
         raise WheelSourceError(
             f"no wheel index for commit {commit} at {pkg} (neither metadata.json nor index.html; HTTP 404)", url=pkg,
+            status=404,
             hint="vLLM publishes wheels for commits on main once their release build has finished; a PR commit has "
                  "none. Check the full commit sha, the variant, and --index-url")
     return pkg, entries
@@ -396,8 +398,8 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
             cache_root: Path | None = None, progress: Progress = lambda text: None) -> dict:
     """Write a new ``[[pin]]`` for a vLLM build that is not on PyPI, from facts checked here; returns its
     fields. Sources: ``commit`` (vLLM's per-commit index: the wheel for this architecture in the default
-    variant, or ``variant``), ``nightly`` (the commit vLLM's moving ``nightly/`` index points at now), ``as_of`` (the newest commit on main at the end of that UTC day that has such a
-    wheel), ``wheel_url`` (any wheel; ``commit`` then only records the commit), ``image_tag`` (resolved to a
+    variant, or ``variant``), ``nightly`` (the commit vLLM's moving ``nightly/`` index points at now),
+    ``as_of`` (the newest commit on main at the end of that UTC day that has such a wheel), ``wheel_url`` (any wheel; ``commit`` then only records the commit), ``image_tag`` (resolved to a
     digest through the registry, alone or with a wheel). The wheel is downloaded into the cache (where the
     local runtime then finds it), hashed as received, and its own METADATA and ``_version.py`` must agree with
     its file name and the commit. images.lock is written once, atomically, at the end; on any error it is
@@ -451,7 +453,7 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
                 pkg, entries = read_commit_index(base, sha, variant)
                 chosen = pick_wheel(entries, arch=arch, python=python, url=pkg, commit=sha)
             except WheelSourceError as exc:
-                if "HTTP 404" not in exc.message and not isinstance(exc, NoWheelForPlatform):
+                if exc.status != 404 and not isinstance(exc, NoWheelForPlatform):
                     raise
                 skipped.append(sha[:12])
                 continue

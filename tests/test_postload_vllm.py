@@ -1,0 +1,176 @@
+"""The post-load stage against the real vLLM 0.30.0 wheel (its MegaMoE device check runs after loading).
+
+vLLM 0.30.0 builds MegaMoE experts on every SM and checks the device only when the model's post-load
+hook finalizes their weights. Resolve mode must show that refusal (vLLM's own message and raising
+function, a LOAD_REFUSED verdict), must not invent one where vLLM's check passes, and must follow a
+change planted in the pinned vLLM's gate.
+"""
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from audit import evidence, expectations, lock, routing, verdicts
+from audit.profiles import KIMI_K3
+from audit.render import render_ledger
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.vllm
+
+PIN = "v0.30.0"
+GATE = "vllm.models.deepseek_v4.nvidia.model:DeepseekV4MegaMoEExperts._check_runtime_supported"
+
+#: a change planted in the pinned vLLM as it is imported: the MegaMoE device gate also admits SM 9.x.
+#: It rewrites the module's source in memory (same file name and line numbers); the wheel is untouched.
+PLANT = textwrap.dedent('''
+    import importlib.abc, importlib.util, sys
+
+    TARGET = "vllm.models.deepseek_v4.nvidia.model"
+    OLD = "if torch.cuda.get_device_capability(device)[0] != 10:"
+    NEW = "if torch.cuda.get_device_capability(device)[0] not in (9, 10):"
+
+    class Plant(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            if name != TARGET:
+                return None
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    self.origin = spec.origin
+                    return importlib.util.spec_from_file_location(name, spec.origin, loader=self)
+            return None
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            with open(self.origin, encoding="utf-8") as fh:
+                source = fh.read()
+            if source.count(OLD) != 1:
+                raise RuntimeError("the planted change no longer applies to this vLLM")
+            exec(compile(source.replace(OLD, NEW), self.origin, "exec"), module.__dict__)
+
+    sys.meta_path.insert(0, Plant())
+''')
+
+
+@pytest.fixture(scope="module")
+def env030():
+    from audit.runtimes.local import LocalRuntime
+
+    pin = lock.load(ROOT / "images.lock").get(PIN)
+    rt = LocalRuntime()
+    env = rt.ensure_env(pin, lambda *a, **k: None)
+    return rt, pin, env
+
+
+def _run(env030, tmp_path_factory, name, cells, *, plant=False, **kw):
+    from audit.runtimes import RunRequest
+    from audit.systems import LAYOUTS, SYSTEMS
+
+    rt, pin, _ = env030
+    run_dir = tmp_path_factory.mktemp(name)
+    if plant:  # the agent's PYTHONPATH is the run directory: Python runs this at start, before vLLM
+        (run_dir / "sitecustomize.py").write_text(PLANT, encoding="utf-8")
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in cells],
+                     run_dir=run_dir, parallel=2, **kw)
+    result = rt.run(req, lambda *a, **k: None)
+    assert result.missing == {}
+    files = evidence.read_dir(result.evidence_dir)
+    pin_info = {"name": PIN, "vllm_version": pin.vllm_version, "wheel": pin.wheel, "wheel_sha256": pin.wheel_sha256,
+                "image": "", "platform_digests": {}, "vllm_commit": "", "python": pin.python}
+    r = routing.build_routing(files, KIMI_K3, pin=pin_info, expected=list(cells))
+    verdicts.attach(r, expectations.load(ROOT / "expectations" / "kimi-k3.toml"), display_path="kimi-k3.toml")
+    return {"routing": r, "files": files, "cells": {(c["system"], c["layout"]): c for c in r["cells"]},
+            "ledger": render_ledger(r, profile_title="Kimi-K3", reproduce="x")}
+
+
+@pytest.fixture(scope="module")
+def probed(env030, tmp_path_factory):
+    return _run(env030, tmp_path_factory, "postload", [("h100_sxm", "dep8"), ("b200_sxm", "dep8")])
+
+
+@pytest.fixture(scope="module")
+def planted(env030, tmp_path_factory):
+    return _run(env030, tmp_path_factory, "planted", [("h100_sxm", "dep8")], plant=True)
+
+
+@pytest.fixture(scope="module")
+def bare(env030, tmp_path_factory):
+    """The same simulation without any probe (the post-load stage still runs)."""
+    return _run(env030, tmp_path_factory, "bare", [("h100_sxm", "dep8")], probes=False)
+
+
+def first_moe_layer() -> int:
+    return json.loads(KIMI_K3.config_text())["text_config"]["first_k_dense_replace"]
+
+
+def test_vllm_refuses_megamoe_at_load_on_sm90(probed, env030):
+    cell = probed["cells"][("h100_sxm", "dep8")]
+    # construction accepts it (what the committed ledgers showed) ...
+    assert cell["status"] == "COMPLETE"
+    assert [g["value"] for g in cell["lanes"]["moe"]] == ["MegaMoE KimiK3MegaMoEExperts"]
+    # ... and vLLM's post-load check refuses it, in the first MoE layer, from the model's own hook
+    r = cell["load_refused"]
+    assert r["function"] == GATE and r["type"] == "builtins:NotImplementedError"
+    assert r["layer"] == first_moe_layer() and r["module"].endswith(f"layers.{first_moe_layer()}.block_sparse_moe.experts")
+    assert r["step"] == "KimiK3ForConditionalGeneration.process_weights_after_loading"
+    # the message and the place are vLLM's own: the recorded line of the installed wheel raises it
+    rt, _, env = env030
+    path, line = r["where"].rsplit(":", 1)
+    source = (rt.site_packages(env) / path).read_text(encoding="utf-8").splitlines()
+    assert source[int(line) - 1].strip() == f'raise NotImplementedError("{r["message"]}")'
+    assert cell["postload"]["refused"] == 1 and cell["postload"]["limit"] == 0
+    # every claim on the cell fails there, and the gate counts it
+    rows = [v for v in probed["routing"]["verdicts"]["rows"] if (v["system"], v["layout"]) == ("h100_sxm", "dep8")]
+    assert rows and {v["verdict"] for v in rows} == {"LOAD_REFUSED"}
+    assert all(GATE in v["why"] and r["message"] in v["why"] for v in rows)
+    assert "LOAD_REFUSED" in verdicts.FAILING
+    # the ledger says so where a reader looks first, and in the matrix
+    ledger = probed["ledger"]
+    assert "> **vLLM refuses to load in 1 cell(s):** h100_sxm/dep8 (`" + GATE in ledger
+    assert f"REFUSED by vLLM (layer {first_moe_layer()}): NotImplementedError: {r['message']}" in ledger
+
+
+def test_no_refusal_where_the_check_passes(probed):
+    """On SM 10.0 the gate passes; DeepGEMM's weight transform then needs a device: a stated limit,
+    never a verdict, and the rows it stopped keep the construction level."""
+    cell = probed["cells"][("b200_sxm", "dep8")]
+    post = cell["postload"]
+    assert cell["load_refused"] is None and post["refused"] == 0
+    assert post["limit"] >= 1 and all(g["rule"] for g in post["limits"])
+    assert not any(v["verdict"] == "LOAD_REFUSED" for v in probed["routing"]["verdicts"]["rows"]
+                   if v["system"] == "b200_sxm")
+    levels = {g["level"] for g in cell["lanes"]["moe.kernel"]}
+    assert levels == {"construction; post-load stopped at a simulation limit"}
+    # steps that ran to their end are post-load evidence; the MegaMoE experts ran under SiTU
+    assert post["ok"] == post["steps"] - post["limit"]
+    assert {g["value"] for g in cell["lanes"]["moe.activation"]} == {
+        "situ (MegaMoE; vLLM records no kernel-support check)"}
+
+
+def test_planted_gate_change_changes_the_ledger(probed, planted):
+    before, after = probed["cells"][("h100_sxm", "dep8")], planted["cells"][("h100_sxm", "dep8")]
+    assert before["load_refused"] is not None
+    # with the gate admitting SM 9.x, vLLM no longer refuses; post-load goes on until the simulation stops
+    assert after["load_refused"] is None and after["postload"]["refused"] == 0 and after["postload"]["limit"] >= 1
+    assert not any(v["verdict"] == "LOAD_REFUSED" for v in planted["routing"]["verdicts"]["rows"])
+    assert "vLLM refuses to load" not in planted["ledger"]
+    assert "REFUSED by vLLM" not in planted["ledger"]
+    # construction did not change: only what vLLM decides after loading moved
+    assert after["lanes"]["moe"] == before["lanes"]["moe"]
+
+
+def test_postload_outcomes_do_not_depend_on_the_probes(probed, bare):
+    """Every post-load step ends the same way (outcome, exception type, message, raising function)
+    with and without the probes installed."""
+    def steps(run):
+        f = next(f for f in run["files"] if f.cell == ("h100_sxm", "dep8"))
+        return [(r["step"], r["module"], r["fn"], r["outcome"], r.get("type"), r.get("message"), r.get("raised_in"))
+                for r in f.of_kind("postload-step")]
+
+    assert steps(probed) == steps(bare) and len(steps(bare)) > 100
+    assert bare["cells"][("h100_sxm", "dep8")]["load_refused"] == probed["cells"][("h100_sxm", "dep8")]["load_refused"]

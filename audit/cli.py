@@ -301,6 +301,7 @@ def _env(args, out, err) -> int:
         stub = rt.ensure_stub(env)
     out.print(str(env))
     err.print(f"stub libcuda: {stub}")
+    err.print("environment: " + _escape(rt.verified[str(env)]["text"]))
     return ExitCode.OK
 
 

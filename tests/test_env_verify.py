@@ -157,3 +157,32 @@ def test_the_real_environment_verifies(vllm_env):
     took = time.monotonic() - t0
     assert summary["files"] > 5000 and summary["skipped"] == 0
     assert took < 60, f"verifying took {took:.1f}s"
+
+
+def test_a_hostile_lock_is_bad_input_before_anything_is_touched(tmp_path):
+    """The reproduction of issue 12 item 5 through the command line: exit 2 with file:line and a hint; the
+    planted directory outside the cache is still there and its interpreter never ran."""
+    import os
+    import sys
+
+    from tests.conftest import ROOT
+
+    cache = tmp_path / "cache"
+    outside = tmp_path / "x"
+    (outside / "bin").mkdir(parents=True)
+    sentinel = tmp_path / "ran"
+    (outside / "bin" / "python").write_text(f"#!/bin/sh\ntouch {sentinel}\n")
+    (outside / "bin" / "python").chmod(0o755)
+    (outside / ENV_MARKER).write_text(json.dumps({"wheel_sha256": "a" * 64}))
+    lock = tmp_path / "images.lock"
+    lock.write_text('schema = 1\n\n[[pin]]\nname = "evil"\n'
+                    f'vllm_version = "0.33.0-cp312-x/../../../../{outside.name}"\n'
+                    'wheel = "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"\n'
+                    f'wheel_sha256 = "{"a" * 64}"\n')
+    for args in (["audit", "evil"], ["env", "evil"]):
+        r = subprocess.run([sys.executable, "-m", "audit.cli", *args, "--lock", str(lock)], cwd=ROOT,
+                           capture_output=True, text=True, env={**os.environ, "SERVING_TRUTH_CACHE": str(cache)})
+        assert r.returncode == ExitCode.USAGE, r.stderr
+        assert f"{lock}:5: pin 'evil': vllm_version" in r.stderr and "is not a PEP 440 version" in r.stderr
+        assert "hint:" in r.stderr
+    assert (outside / ENV_MARKER).exists() and not sentinel.exists() and not (cache / "envs").exists()

@@ -331,6 +331,9 @@ def _reading_tail(facts: dict, what: str, **_) -> str | None:
     if not facts["tail_fusion_enabled"]:
         return "off (not enabled at construction)"
     fused = facts.get("fused_path")
+    if "moe_kernel" in facts and facts["moe_kernel"] is None and fused is True:
+        # the fused path reads the MoE kernel built at load: without it, only construction's answer is known
+        return "enabled at construction; fused path not re-read (no MoE kernel was built)"
     if fused is True:
         limit = facts.get("tail_max_tokens")
         return "on (fused path holds" + (f"; fused tail up to {limit} tokens)" if limit else ")")
@@ -346,7 +349,10 @@ def _reading_deferred(facts: dict, what: str, **_) -> str | None:
         return "not requested"
     if facts.get("defer_effective"):
         cap = facts.get("defer_max_tokens")
-        return f"deferred (up to {cap} tokens)" if isinstance(cap, int) and cap >= 0 else "deferred (no token cap)"
+        text = f"deferred (up to {cap} tokens)" if isinstance(cap, int) and cap >= 0 else "deferred (no token cap)"
+        if "moe_kernel" in facts and facts["moe_kernel"] is None:  # experts built at load may lower the cap
+            text += "; cap as at construction (no MoE kernel was built)"
+        return text
     return "requested, not in effect on this deployment"
 
 

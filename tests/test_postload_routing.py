@@ -1,0 +1,114 @@
+"""Host side of the post-load stage: routing's lanes and levels, the load_refused finding, the
+LOAD_REFUSED verdict and the ledger, from evidence records shaped as probes/postload.py writes them
+(tests/test_postload_vllm.py checks the same path against the real wheel)."""
+from pathlib import Path
+
+from audit import routing, verdicts
+from audit.evidence import EvidenceFile
+from audit.expectations import Claim, Expectations
+from audit.profiles import KIMI_K3
+from audit.render import render_ledger
+
+TRT = "vllm.model_executor.layers.fused_moe.experts.trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsMonolithic"
+GATE = "vllm.models.deepseek_v4.nvidia.model:DeepseekV4MegaMoEExperts._check_runtime_supported"
+PIN = {"name": "v0.30.0", "vllm_version": "0.30.0", "wheel": "w.whl", "wheel_sha256": "0" * 64, "image": "",
+       "platform_digests": {}, "vllm_commit": "", "python": "3.12"}
+
+
+def _file(system, layout, records):
+    stages = [{"kind": "stage", "stage": s, "ok": True} for s in routing.STAGE_ORDER if s != "construct-draft"]
+    return EvidenceFile(path=Path(f"{system}.jsonl"),
+                        header={"kind": "header", "mode": "resolve", "cell": {"system": system, "layout": layout}},
+                        records=stages + [{"kind": "stage", "stage": "post-load", "ok": True}] + records)
+
+
+def _step(layer, outcome, **kw):
+    name = f"language_model.model.layers.{layer}.block_sparse_moe.experts.routed_experts" if layer is not None else ""
+    return {"kind": "postload-step", "role": "target", "step": "quant_method" if layer is not None else "model",
+            "module": name, "layer": layer, "fn": "vllm.x:Mxfp4MoEMethod.process_weights_after_loading",
+            "outcome": outcome, **kw}
+
+
+def _runner(layer, **facts):
+    base = {"runner": "vllm.models.kimi_k3.nvidia.latent_moe_runner:LatentMoERunner", "tail_fusion_enabled": True,
+            "fused_path": True, "tail_max_tokens": 128, "defer_requested": True, "defer_effective": True,
+            "defer_max_tokens": 128, "layer_activation": "MoEActivation.SITU", "experts_cls": TRT,
+            "quant_method": "vllm.x:Mxfp4MoEMethod", "moe_kernel": None}
+    return {"kind": "postload-module", "role": "target", "name": f"language_model.model.layers.{layer}.mlp.experts",
+            "layer": layer, "what": "moe-runner", "facts": {**base, **facts}}
+
+
+def test_levels_follow_how_far_post_load_went():
+    limit = {"raised_in": "flashinfer.utils:get_compute_capability", "type": "builtins:ValueError",
+             "message": "device must be a cuda device", "rule": "raised outside vLLM"}
+    f = _file("b200_sxm", "tp8", [
+        _step(1, "limit", **limit), _step(2, "ok"),
+        _runner(1),  # the kernel was not built: the fused path was never re-read
+        _runner(2, moe_kernel="vllm.x:FusedMoEKernel", fused_experts=TRT, prepare_finalize="vllm.x:NoEP",
+                fused_path=False),
+        {"kind": "activation_check", "scope": "language_model.model.layers.1.mlp.experts", "cls": TRT,
+         "owner": TRT, "activation": "MoEActivation.SITU", "result": True},
+        {"kind": "postload-model", "role": "target", "specialized_decode_requested": False},
+    ])
+    cell = routing.build_cell(f, KIMI_K3)
+    by_layer = lambda lane: {l: (g["value"], g["level"]) for g in cell["lanes"][lane] for l in g["layers"]}
+    tail = by_layer("moe.tail_fusion")
+    assert tail[1] == ("enabled at construction; fused path not re-read (no MoE kernel was built)",
+                       "construction; post-load stopped at a simulation limit")
+    assert tail[2] == ("off (enabled at construction; the fused path does not hold once the MoE kernel exists)",
+                       "post-load")
+    act = by_layer("moe.activation")
+    assert act[1][0] == "SITU (TrtLlmMxfp4ExpertsMonolithic; vLLM asked the kernel: supported)"
+    assert act[2][0] == "SITU (TrtLlmMxfp4ExpertsMonolithic; vLLM did not ask the kernel about it)"
+    assert by_layer("moe.kernel")[2] == ("TrtLlmMxfp4ExpertsMonolithic with NoEP", "post-load")
+    assert by_layer("moe.deferred_finalize")[2] == ("deferred (up to 128 tokens)", "post-load")
+    assert cell["lanes"]["decode.specialized"][0]["ranges"] == "model"
+    # a limit is stated, never a finding
+    assert cell["load_refused"] is None
+    assert cell["postload"]["limits"][0]["raised_in"] == limit["raised_in"] and cell["postload"]["limits"][0]["count"] == 1
+    assert "_modules" not in cell["postload"]  # raw records are read into lanes, not kept in routing.json
+
+
+def _refused_routing():
+    refused = _file("h100_sxm", "dep8", [
+        _step(1, "ok"),
+        _step(None, "refused", fn="vllm.m:KimiK3ForConditionalGeneration.process_weights_after_loading",
+              raised_in=GATE, raised_where="<env>/site-packages/vllm/models/deepseek_v4/nvidia/model.py:338",
+              type="builtins:NotImplementedError", message="DeepGEMM MegaMoE requires SM100 GPUs.",
+              in_module="language_model.model.layers.1.block_sparse_moe.experts", in_layer=1),
+    ])
+    fine = _file("b200_sxm", "dep8", [_step(1, "ok")])
+    return routing.build_routing([refused, fine], KIMI_K3, pin=PIN, expected=[("h100_sxm", "dep8"), ("b200_sxm", "dep8")])
+
+
+def test_refusal_is_a_failing_verdict_with_where():
+    r = _refused_routing()
+    cell = next(c for c in r["cells"] if c["system"] == "h100_sxm")
+    assert cell["load_refused"] == {
+        "function": GATE, "where": "vllm/models/deepseek_v4/nvidia/model.py:338",
+        "type": "builtins:NotImplementedError", "message": "DeepGEMM MegaMoE requires SM100 GPUs.",
+        "step": "KimiK3ForConditionalGeneration.process_weights_after_loading",
+        "module": "language_model.model.layers.1.block_sparse_moe.experts", "layer": 1}
+    claim = Claim(id="moe-dep", lane="w4a8_mxfp4_mxfp8", harness_lane="moe", layouts=("dep8",),
+                  systems=("h100_sxm", "b200_sxm"), backend="deepgemm", source="test")
+    exp = lambda claims: Expectations(path=Path("e.toml"), model="kimi-k3", framework="vllm",
+                                      architecture=KIMI_K3.architecture, claims=tuple(claims))
+    for exp, claims in ((exp([claim]), ["moe-dep"]), (exp([]), [""])):
+        rows = [v for v in verdicts.judge(r, exp) if v["system"] == "h100_sxm"]
+        assert [(v["verdict"], v["claim"]) for v in rows] == [("LOAD_REFUSED", c) for c in claims]
+        assert GATE in rows[0]["why"] and "layers.1.block_sparse_moe.experts" in rows[0]["why"]
+        assert rows[0]["layers"] == "1"
+        assert verdicts.summary(rows)["LOAD_REFUSED"] == 1 and "LOAD_REFUSED" in verdicts.FAILING
+        # the cell the gate passes is judged as before
+        assert not any(v["verdict"] == "LOAD_REFUSED" for v in verdicts.judge(r, exp) if v["system"] == "b200_sxm")
+
+
+def test_ledger_says_where_vllm_refused():
+    text = render_ledger(_refused_routing(), profile_title="Kimi-K3", reproduce="x")
+    assert f"> **vLLM refuses to load in 1 cell(s):** h100_sxm/dep8 (`{GATE}` raised `NotImplementedError`" in text
+    matrix = next(l for l in text.splitlines() if l.startswith("| Weights load (post-load) |"))
+    assert "REFUSED by vLLM (layer 1): NotImplementedError: DeepGEMM MegaMoE requires SM100 GPUs." in matrix
+    assert "no refusal; all 1 steps ran" in matrix
+    section = text.split("## Post-load", 1)[1].split("\n## ", 1)[0]
+    assert "| h100_sxm | dep8 | 2 | 1 | 1 | 0 |" in section
+    assert "during `KimiK3ForConditionalGeneration.process_weights_after_loading`" in section

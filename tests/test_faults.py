@@ -143,6 +143,32 @@ def test_a_killed_cell_makes_the_run_incomplete_and_render_refuses_it(audited, r
 
 
 @pytest.mark.vllm
+def test_a_killed_sm_process_is_named_as_the_cause(audited, tmp_path, cache_root):
+    before_runs = set((cache_root / "runs").glob("*"))
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", "--systems", "h100_sxm,b200_sxm", "--layouts", "tp8",
+                             "--reports", str(tmp_path / "r"), "--no-cache"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
+        assert run is not None
+        log = run / "evidence" / "b200_sxm--tp8" / "agent.log"
+        cells = wait_for(lambda: log.exists() and pids_writing(log), 300)
+        assert cells, "the b200_sxm/tp8 cell never started"
+        sm = int(Path(f"/proc/{cells[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+        os.kill(sm, signal.SIGKILL)
+        _, err = proc.communicate(timeout=1200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == ExitCode.RUN_FAILED, err[-3000:]
+    assert "(b200_sxm/tp8)" in err
+    ledger = Path([l.split(": ", 1)[1] for l in err.splitlines()
+                   if l.startswith("an INCOMPLETE ledger of what was observed: ")][0]).read_text()
+    assert "ended: killed by signal 9 (SIGKILL)" in ledger
+    assert wait_for(lambda: not agents_of(run), 20)
+
+
+@pytest.mark.vllm
 def test_sigkill_of_the_harness_takes_every_agent_process_with_it(audited, tmp_path, cache_root):
     before_runs = set((cache_root / "runs").glob("*"))
     proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(tmp_path / "r")], cwd=ROOT,

@@ -424,11 +424,11 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
             if g["layers"] == [-1]:  # a model-wide answer
                 g["ranges"] = "model"
         lanes[lane.id] = groups
+        if lane.candidates_target:
+            candidates[lane.id] = _candidates(f, lane.candidates_target)
     if post is not None:  # read into the lanes above; not kept in routing.json
         post.pop("_modules")
         post.pop("_activation_checks")
-        if lane.candidates_target:
-            candidates[lane.id] = _candidates(f, lane.candidates_target)
     targets = f.of_kind("target")
     drift = [{"target": t["target"], "title": t.get("title", ""), "required": t.get("required", True),
               "attempts": t.get("attempts", [])} for t in targets if t.get("status") == "drift"]

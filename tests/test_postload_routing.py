@@ -49,8 +49,11 @@ def test_levels_follow_how_far_post_load_went():
         {"kind": "activation_check", "scope": "language_model.model.layers.1.mlp.experts", "cls": TRT,
          "owner": TRT, "activation": "MoEActivation.SITU", "result": True},
         {"kind": "postload-model", "role": "target", "specialized_decode_requested": False},
+        {"kind": "candidate", "target": "moe.candidate", "scope": "language_model.model.layers.1.mlp.experts",
+         "cls": TRT, "backend": "Mxfp4MoeBackend.TRTLLM", "supported": True, "reason": None},
     ])
     cell = routing.build_cell(f, KIMI_K3)
+    assert cell["candidates"]["moe"][0]["layers"] == [1]  # construction's evidence is kept beside post-load's
     by_layer = lambda lane: {l: (g["value"], g["level"]) for g in cell["lanes"][lane] for l in g["layers"]}
     tail = by_layer("moe.tail_fusion")
     assert tail[1] == ("enabled at construction; fused path not re-read (no MoE kernel was built)",

@@ -215,6 +215,14 @@ POSTLOAD_STAGE = "post-load"
 _WORST = {"ok": 0, "limit": 1, "refused": 2}
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _plain(text) -> str:
+    """A message as a ledger can show it: terminal colour codes dropped, whitespace collapsed."""
+    return " ".join(_ANSI.sub("", str(text or "")).split())
+
+
 def _step_layer(r: dict) -> int | None:
     return r.get("layer") if r.get("layer") is not None else r.get("in_layer")
 
@@ -225,7 +233,8 @@ def _postload(f: EvidenceFile) -> dict | None:
     stage = next((r for r in f.of_kind("stage") if r["stage"] == POSTLOAD_STAGE), None)
     if stage is None:
         return None
-    steps = [r for r in f.of_kind("postload-step") if r.get("role", "target") == "target"]
+    steps = [{**r, "message": _plain(r.get("message"))} if "message" in r else r
+             for r in f.of_kind("postload-step") if r.get("role", "target") == "target"]
     counts = {k: sum(1 for r in steps if r.get("outcome") == k) for k in _WORST}
     refusals: dict[tuple, dict] = {}
     limits: dict[tuple, dict] = {}

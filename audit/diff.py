@@ -10,6 +10,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from . import dispatch
 from .errors import UsageError
 
 DIFF_SCHEMA = 1
@@ -117,10 +118,16 @@ def diff_routings(old: dict, new: dict) -> dict:
             before, after = va.get(key, "—"), vb.get(key, "—")
             if before != after and not (cell in stopped and "—" in (before, after)):
                 add(verdict_changes, (key[0] or "(no claim)", before, after), cell)
+    # --- dispatch tiers (audit/dispatch.py): a per-call choice that moved at some token counts ---
+    dispatch_changes: dict[tuple, dict] = {}
+    for cell in common:
+        for what, before, after, layers in dispatch.diff_cells(old_cells[cell].get("dispatch"),
+                                                               new_cells[cell].get("dispatch")):
+            add(dispatch_changes, (what, before, after), cell, layers)
     only_old = sorted(set(old_cells) - set(new_cells))
     only_new = sorted(set(new_cells) - set(old_cells))
     changes = (rows(path_changes, "path") + rows(cand_changes, "candidates") + rows(cell_changes, "cell")
-               + rows(verdict_changes, "verdict"))
+               + rows(verdict_changes, "verdict") + rows(dispatch_changes, "dispatch"))
     return {
         "schema": DIFF_SCHEMA,
         "from": {"pin": old["pin"].get("name"), "vllm_version": old["pin"].get("vllm_version")},

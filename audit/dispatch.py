@@ -122,3 +122,50 @@ def stage_errors(cells: list[dict]) -> list[dict]:
         for lane, err in ((c.get("dispatch") or {}).get("errors") or {}).items():
             out.append({"cell": f"{c['system']}/{c['layout']}", "lane": lane, "error": err})
     return out
+
+
+def diff_cells(a: dict | None, b: dict | None):
+    """(what, before, after, layers) for every choice that moved between two audits of one cell;
+    workloads next to each other (in the cell's order) with the same move fold into one span. Nothing
+    when either audit did not resolve dispatch tiers (an older report says nothing, not "—")."""
+    if not a or not b:
+        return
+    order = list(dict.fromkeys([*a.get("workloads", []), *b.get("workloads", [])]))
+
+    def per_layer(d: dict) -> dict[tuple, str]:
+        out = {}
+        for lane, rows in d.get("lanes", {}).items():
+            for r in rows:
+                for layer in r["layers"] or [-1]:
+                    for workload, choice in r["tiers"].items():
+                        out[(lane, r["role"], r["group"], layer, workload)] = choice
+        return out
+
+    pa, pb = per_layer(a), per_layer(b)
+    moved: dict[tuple, set] = {}
+    for key in sorted(set(pa) | set(pb), key=str):
+        before, after = pa.get(key, "—"), pb.get(key, "—")
+        if before != after:
+            lane, role, group, layer, workload = key
+            moved.setdefault((lane, role, group, workload, before, after), set()).add(layer)
+    folded: dict[tuple, list[str]] = {}
+    for (lane, role, group, workload, before, after), layers in moved.items():
+        folded.setdefault((lane, role, group, before, after, tuple(sorted(layers))), []).append(workload)
+    for (lane, role, group, before, after, layers), workloads in sorted(folded.items(), key=str):
+        span = _fold(sorted(workloads, key=lambda w: order.index(w) if w in order else len(order)), order)
+        what = f"{LANE_TITLES.get(lane, lane)} · `{group}`{' (draft)' if role != 'target' else ''} at {span}"
+        yield what, before, after, [layer for layer in layers if layer >= 0]
+
+
+def _fold(workloads: list[str], order: list[str]) -> str:
+    """``decode 1``, ``decode 8``, ``decode 256`` (with 64 between them unchanged) -> ``decode 1–8, decode 256``."""
+    runs: list[list[str]] = []
+    for w in workloads:
+        prev = runs[-1][-1] if runs else None
+        adjacent = (prev is not None and prev in order and w in order and order.index(w) == order.index(prev) + 1
+                    and prev.split(" ")[0] == w.split(" ")[0])
+        if adjacent:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return ", ".join(r[0] if len(r) == 1 else f"{r[0]}–{r[-1].split(' ', 1)[1]}" for r in runs)

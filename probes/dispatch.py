@@ -120,12 +120,14 @@ def _capture(module, name: str):
 # Each lane: (models, vllm_config, works) -> iterable of (role, module name, tiers, source), where
 # tiers is [{"phase", "tokens", "requests", "choice"}] in workload order.
 
+def _runner_base():
+    return _optional("vllm.model_executor.layers.fused_moe.runner.moe_runner_interface:MoERunnerInterface") or ()
+
+
 def _runners(model):
-    base = _optional("vllm.model_executor.layers.fused_moe.runner.moe_runner_interface:MoERunnerInterface")
-    if base is None:
-        return
+    base = _runner_base()
     for name, module in model.named_modules():
-        if isinstance(module, base):
+        if base and isinstance(module, base):
             yield name, module
 
 
@@ -150,16 +152,24 @@ def lane_latent_tail(models, vllm_config, works):
                 elif not fused:
                     choice = "native runner path (no fused tail: _use_fused_path() is False)"
                 else:
-                    hidden = transform.up_proj.weight.shape[0]
-                    latent = transform.up_proj.weight.shape[1]
-                    defer = getattr(runner.moe_config, "should_defer_moe_finalize", None)
-                    if defer is not None and defer(w.tokens):
-                        choice = "TAIL_FUSION (deferred top-k finalize)"
-                    else:
-                        tier = select(_meta(w.tokens, latent), _meta(w.tokens, hidden))
-                        choice = getattr(tier, "name", str(tier))
+                    try:
+                        choice = _tail_choice(runner, select, transform, w.tokens)
+                    except Exception as exc:
+                        choice = f"not resolved: {_err(exc)}"
                 tiers.append(choice)
             yield role, name, tiers, f"{runner_cls.__module__}:{runner_cls.__qualname__}._select_tail_tier"
+
+
+def _tail_choice(runner, select, transform, tokens: int) -> str:
+    # _fused_forward first asks whether this call may leave the top-k reduction to the tail (then it
+    # runs tier 0 directly); deferral is only ever requested without hidden-dim padding, the other
+    # condition of that branch. Otherwise the tier selector decides from the output's row count.
+    hidden, latent = transform.up_proj.weight.shape[0], transform.up_proj.weight.shape[1]
+    defer = getattr(runner.moe_config, "should_defer_moe_finalize", None)
+    if defer is not None and defer(tokens):
+        return "TAIL_FUSION (deferred top-k finalize)"
+    tier = select(_meta(tokens, latent), _meta(tokens, hidden))
+    return getattr(tier, "name", str(tier))
 
 
 def lane_shared_overlap(models, vllm_config, works):
@@ -235,15 +245,17 @@ def _marlin_block(runner, experts, tokens: int, vllm_config) -> str:
 
 
 #: experts classes whose per-call kernel variant a GPU decides
-_TRTLLM = "FlashInfer's AutoTuner picks the TRTLLM-Gen tactic per token bucket"
+_TRTLLM = "FlashInfer's AutoTuner picks the TRTLLM-Gen tactic"
 _GPU_EXPERTS = {
     "TrtLlmMxfp4ExpertsMonolithic": _TRTLLM,
     "TrtLlmMxfp4ExpertsModular": _TRTLLM,
     "TrtLlmNvFp4ExpertsMonolithic": _TRTLLM,
     "DeepGemmFP4Experts": "DeepGEMM's runtime picks the grouped GEMM's configuration per call",
-    "DeepGemmMegaMoEExperts": "DeepGEMM's get_block_m_for_mega_moe reads the device's symmetric buffer",
-    "KimiK3MegaMoEExperts": "DeepGEMM's MegaMoE scheduler picks BLOCK_M on the device",
+    "DeepGemmMegaMoEExperts": "BLOCK_M from DeepGEMM's MegaMoE scheduler, sized by a symmetric buffer allocated on the device",
+    "KimiK3MegaMoEExperts": "BLOCK_M from DeepGEMM's MegaMoE scheduler, sized by a symmetric buffer allocated on the device",
 }
+#: MegaMoE experts are a module of their own, with no MoE runner around them
+_MEGAMOE = ("DeepGemmMegaMoEExperts", "KimiK3MegaMoEExperts")
 #: experts classes whose per-call variant this stage resolves
 _RESOLVERS = {
     "HummingIndexedExperts": _humming_block,
@@ -268,7 +280,7 @@ def lane_moe_experts(models, vllm_config, works):
                     bucket = _optional("vllm.model_executor.layers.fused_moe.utils:fi_moe_largest_bucket")
                     if bucket is not None and _GPU_EXPERTS[cname] is _TRTLLM:
                         with contextlib.suppress(Exception):
-                            choice += f", tuned up to {bucket(runner.moe_config)} tokens"
+                            choice += f", tuned to {bucket(runner.moe_config)} tokens"
                     choice += ")"
                     defer = getattr(runner.moe_config, "should_defer_moe_finalize", None)
                     if defer is not None and defer(w.tokens):
@@ -286,6 +298,12 @@ def lane_moe_experts(models, vllm_config, works):
                     choice = f"no per-call variant known to this stage for {cname}"
                 tiers.append(choice)
             yield role, name, tiers, source
+        for name, module in model.named_modules():
+            cls = type(module)
+            if cls.__name__ in _MEGAMOE and not (_runner_base() and isinstance(module, _runner_base())):
+                why = _GPU_EXPERTS[cls.__name__]
+                yield role, name, [f"needs GPU: chosen on the device ({why})"] * len(works), \
+                    f"{cls.__module__}:{cls.__qualname__}"
 
 
 def _mla_layers(model):

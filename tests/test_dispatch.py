@@ -55,3 +55,21 @@ def test_ledger_section_merges_cells_and_states_errors():
 
 def test_ledger_without_dispatch_has_no_section():
     assert "## Dispatch tiers" not in render.render_ledger(load(), profile_title="Kimi-K3", reproduce="x")
+
+
+def test_diff_names_moved_tiers():
+    from audit import diff
+
+    before, after = load(), load()
+    before["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]))
+    after["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T1", "T1", "T2", "T2", "T1"]))
+    d = diff.diff_routings(before, after)
+    rows = [c for c in d["changes"] if c["kind"] == "dispatch"]
+    assert [(r["field"], r["before"], r["after"], r["layers"]) for r in rows] == [
+        ("Latent MoE tail tier · `block_sparse_moe.experts` at decode 64", "T0", "T1", "1-3"),
+        ("Latent MoE tail tier · `block_sparse_moe.experts` at prefill 8192", "T2", "T1", "1-3")]
+    text = diff.render_diff(d)
+    assert "## Dispatch tiers" in text and "| Latent MoE tail tier · `block_sparse_moe.experts` at decode 64 | T0 | T1 |" in text
+    assert diff.diff_routings(before, before)["empty"]
+    assert dispatch._fold(["decode 1", "decode 8", "decode 256"], ["decode 1", "decode 8", "decode 64", "decode 256"]) \
+        == "decode 1–8, decode 256"

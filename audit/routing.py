@@ -234,7 +234,7 @@ def _postload(f: EvidenceFile) -> dict | None:
     if stage is None:
         return None
     steps = [{**r, "message": _plain(r.get("message"))} if "message" in r else r
-             for r in f.of_kind("postload-step") if r.get("role", "target") == "target"]
+             for r in f.of_kind("postload-step")]  # the target's steps, then a speculative draft's
     counts = {k: sum(1 for r in steps if r.get("outcome") == k) for k in _WORST}
     refusals: dict[tuple, dict] = {}
     limits: dict[tuple, dict] = {}
@@ -264,7 +264,11 @@ def _postload(f: EvidenceFile) -> dict | None:
         g["ranges"] = format_ranges(g["layers"])
         g["modules"] = g["modules"][:3]  # examples; the count says how many
     # per layer: the worst outcome of its own steps and of the model-level hooks (which reach into layers)
-    model_worst = max((_WORST[r["outcome"]] for r in steps if r.get("step") == "model"), default=0)
+    model_worst: dict[str, int] = {}  # per model (target, draft): its own hook reaches into its layers
+    for r in steps:
+        if r.get("step") == "model":
+            role = r.get("role", "target")
+            model_worst[role] = max(model_worst.get(role, 0), _WORST[r.get("outcome", "ok")])
     per_layer: dict[int, int] = {}
     for r in steps:
         layer = r.get("layer")
@@ -276,9 +280,9 @@ def _postload(f: EvidenceFile) -> dict | None:
         refused_at = {"function": first.get("raised_in", ""), "where": _scrub_path(first.get("raised_where", "")),
                       "type": first.get("type", ""), "message": first.get("message", ""),
                       "step": str(first.get("fn", "")).rsplit(":", 1)[-1], "module": first.get("in_module") or first.get("module") or "",
-                      "layer": _step_layer(first)}
+                      "layer": _step_layer(first), "model": first.get("role", "target")}
     err = stage.get("error") or {}
-    spec = _one(f, "postload-model")
+    spec = next((r for r in f.of_kind("postload-model") if r.get("role", "target") == "target"), {})
     state_steps = [r for r in steps if r.get("step") == "model-state"]
     return {"ran": bool(stage.get("ok")), "error": {"type": err.get("type", ""), "message": err.get("message", "")}
             if not stage.get("ok") else None, "steps": len(steps), **counts,
@@ -289,12 +293,12 @@ def _postload(f: EvidenceFile) -> dict | None:
                                    "built": spec.get("specialized_decode"),
                                    "config": spec.get("specialized_decode_config"),
                                    "step": state_steps[0] if state_steps else None} if spec else None,
-            "_modules": [r for r in f.of_kind("postload-module") if r.get("role", "target") == "target"],
+            "_modules": f.of_kind("postload-module"),
             "_activation_checks": f.of_kind("activation_check")}
 
 
-def _postload_level(post: dict, layer: int) -> str:
-    worst = max(post["layer_worst"].get(str(layer), 0), post["model_worst"])
+def _postload_level(post: dict, layer: int, role: str = "target") -> str:
+    worst = max(post["layer_worst"].get(str(layer), 0), post["model_worst"].get(role, 0))
     if worst == _WORST["refused"]:
         return "construction; vLLM refused at load"
     if worst == _WORST["limit"]:
@@ -400,7 +404,7 @@ def _postload_values(f: EvidenceFile, reading: str, post: dict) -> dict[int, dic
             continue
         value = fn(r.get("facts") or {}, r.get("what", ""), checks=checks.get(layer, {}))
         if value is not None:
-            out[layer] = {"value": value, "level": _postload_level(post, layer), "raw": [],
+            out[layer] = {"value": value, "level": _postload_level(post, layer, r.get("role", "target")), "raw": [],
                           "source": f"postload.{reading}"}
     return out
 

@@ -152,14 +152,15 @@ def _language_model(model):
     return model.get_language_model() if hasattr(model, "get_language_model") else model
 
 
-def run(model, vllm_config, rec, *, role: str = "target") -> dict:
-    """Run every post-load step of ``model`` and record each outcome; then record what it built."""
+def run(model, vllm_config, rec, *, role: str = "target", model_config=None) -> dict:
+    """Run every post-load step of ``model`` and record each outcome; then record what it built.
+    ``model_config`` is the one the loader passes (the draft's own for a speculative draft)."""
     import torch
 
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    mc = vllm_config.model_config
+    mc = model_config or vllm_config.model_config
     simulate.SIMULATED["post-load"] = ("vLLM's post-load steps run one by one on the meta model (weights never "
                                        "loaded; new tensors on the meta device); a step that raised does not stop "
                                        "the next")

@@ -229,6 +229,9 @@ def _run_stages(plan, cell, rec, Stage) -> None:
                 from . import postload
 
                 postload.run(model, vllm_config, rec)
+                if draft is not None:  # vLLM's drafter loader post-processes the draft the same way
+                    postload.run(draft, _draft_config(vllm_config, spec), rec, role="draft",
+                                 model_config=spec.draft_model_config)
         except _stage_failed():  # the driver itself failed: recorded; construction's evidence stands
             pass
 
@@ -358,6 +361,11 @@ def check_observe_targets(rec) -> None:
     return session
 
 
+def _draft_config(vllm_config, spec):
+    """The VllmConfig vLLM's drafter loader builds the draft under (the draft's overrides applied)."""
+    return spec.apply_draft_overrides(vllm_config) if hasattr(spec, "apply_draft_overrides") else vllm_config
+
+
 def _construct_draft(vllm_config, spec, *, create_with, simulate):
     """Build the speculative draft model the way vLLM's drafter loader does (draft overrides, the
     draft's model config, the "eagle_head" model tag), stopping before weights are loaded."""
@@ -366,7 +374,7 @@ def _construct_draft(vllm_config, spec, *, create_with, simulate):
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    draft_cfg = spec.apply_draft_overrides(vllm_config) if hasattr(spec, "apply_draft_overrides") else vllm_config
+    draft_cfg = _draft_config(vllm_config, spec)
     try:
         from vllm.compilation.backends import set_model_tag
     except ImportError:  # older releases

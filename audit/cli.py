@@ -309,7 +309,7 @@ def _audit(args, out, err) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .core import run_audit
-    from .systems import LAYOUTS, SYSTEMS, select
+    from .systems import LAYOUTS, SYSTEMS, cells_of, select
 
     from .lock import load
     from .runtimes import get_runtime
@@ -330,7 +330,7 @@ def _audit(args, out, err) -> int:
 
     get_runtime(args.runtime, pass_env=pass_env, cluster=args.cluster, lock_dir=Path(args.lock).resolve().parent
                 ).check(load(args.lock).get(args.pin))  # bad input fails before any work
-    n = len(select("system", args.systems, SYSTEMS)) * len(select("layout", args.layouts, LAYOUTS))
+    n = len(cells_of(select("system", args.systems, SYSTEMS), select("layout", args.layouts, LAYOUTS)))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:
         task = bar.add_task(f"audit {args.pin}", total=n)

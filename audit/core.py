@@ -15,7 +15,7 @@ from .fsutil import DirLock, replace_dir, report_dir_for, write_atomic
 from .render import report_files
 from .runtimes import RunRequest, RunResult, get_runtime, refresh_missing
 from .runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs
-from .systems import LAYOUTS, SYSTEMS, select
+from .systems import LAYOUTS, SYSTEMS, cells_of, select
 
 
 @dataclass
@@ -100,7 +100,10 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit, lock_dir=Path(lock_path).resolve().parent,
                      pass_env=list(pass_env), cluster=cluster, wait=wait)
     rt.check(pin)
-    cells = [(s, l) for s in sys_sel for l in lay_sel]
+    cells = cells_of(sys_sel, lay_sel)
+    if not cells:
+        raise UsageError("no (system, layout) pair to audit: " + ", ".join(
+            f"{l.name} is for {l.scope}" for l in lay_sel if l.scope), hint="add a system the layout exists on")
     run_dir = new_run_dir(pin, root=getattr(rt, "run_root", None))
     if mode not in ("resolve", "observe"):
         raise UsageError(f"unknown mode {mode!r}", hint="resolve (no GPU) or observe (serves on real GPUs)")

@@ -102,14 +102,16 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     for layout in known_layouts:
         rows = []
         if any(by.get((s.name, layout.name), {}).get("postload") for s in systems):
-            rows.append(["Weights load (post-load)"] + [_load_summary(by.get((s.name, layout.name))) for s in systems])
+            rows.append(["Weights load (post-load)"] + [
+                _load_summary(by.get((s.name, layout.name))) if layout.applies_to(s) else f"n/a ({layout.scope})"
+                for s in systems])
         for lane in lane_ids:
             level = lane_levels.get(lane, "construction")
             row = [lane_titles.get(lane, lane) + ("" if level == "construction" else f" ({level})")]
             for s in systems:
                 c = by.get((s.name, layout.name))
                 if c is None:
-                    row.append("not audited")
+                    row.append(f"n/a ({layout.scope})" if not layout.applies_to(s) else "not audited")
                 elif c["status"] == "INCOMPLETE":
                     row.append("INCOMPLETE")
                 else:

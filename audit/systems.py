@@ -54,14 +54,28 @@ class Layout:
     #: states them. Empty for every layout that serves the published config as is.
     config_patch: tuple[tuple[str, object], ...] = ()
     note: str = ""
+    #: SM capabilities this layout exists on ((10, 0), ...); empty: every system
+    capabilities: tuple[tuple[int, int], ...] = ()
+
+    def applies_to(self, system: "System") -> bool:
+        return not self.capabilities or tuple(system.capability) in self.capabilities
+
+    @property
+    def scope(self) -> str:
+        """'' or e.g. 'SM 10.0, 10.3 only' (what the ledger says where the layout does not apply)."""
+        return ("SM " + ", ".join(f"{a}.{b}" for a, b in self.capabilities) + " only") if self.capabilities else ""
 
     def as_job(self) -> dict:
-        return {"name": self.name, "title": self.title, "serve_args": list(self.serve_args),
-                "world_size": self.world_size, "config_patch": [list(kv) for kv in self.config_patch],
-                "note": self.note}
+        job = {"name": self.name, "title": self.title, "serve_args": list(self.serve_args),
+               "world_size": self.world_size, "config_patch": [list(kv) for kv in self.config_patch],
+               "note": self.note}
+        if self.capabilities:
+            job["capabilities"] = [list(c) for c in self.capabilities]
+        return job
 
 
 MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
+SPECIALIZED_DECODE = '{"decode_backend": "latency_specialized"}'
 
 
 LAYOUTS: dict[str, Layout] = {l.name: l for l in (
@@ -74,7 +88,19 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
            config_patch=(("text_config.num_nextn_predict_layers", 1),),
            note="The published config has num_nextn_predict_layers = 0, with which vLLM cannot start MTP "
                 "(it divides by it). This layout serves a copy with one MTP layer, the only change."),
+    Layout("dp8-ep", "DP8 + EP8, default MoE backend (plain expert parallel)",
+           ("--data-parallel-size", "8", "--enable-expert-parallel"), 8),
+    Layout("tp8-specdec", "single-node TP8 + K3 specialized decode (--additional-config decode_backend)",
+           ("--tensor-parallel-size", "8", "--additional-config", SPECIALIZED_DECODE), 8,
+           capabilities=((10, 0), (10, 3)),
+           note="K3's latency-specialized decode is built after the weights load and runs only inside FULL "
+                "CUDA graphs; vLLM offers it on SM 10.x, so this layout is audited there only."),
 )}
+
+
+def cells_of(systems: list, layouts: list) -> list:
+    """The (system, layout) pairs an audit covers: every pair whose layout exists on that system."""
+    return [(s, l) for s in systems for l in layouts if l.applies_to(s)]
 
 
 def select(kind: str, names: str | list[str] | None, table: dict) -> list:

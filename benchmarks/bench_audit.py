@@ -5,7 +5,7 @@
 Floor: one process of the pinned environment that loads the stub driver, installs the simulated
 platform, imports vLLM and builds one Kimi-K3 VllmConfig from `vllm serve` arguments (b200_sxm,
 TP8) -- the least any resolve audit must pay per process that imports vLLM. Audit: the full audit of
-the pin (8 systems x 3 layouts), exactly what `make audit` runs, rendered into a scratch directory.
+the pin (every system x layout pair), exactly what `make audit` runs, rendered into a scratch directory.
 Both reuse the cached environment (building it is a one-time cost and is not timed here).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from audit.core import run_audit  # noqa: E402
 from audit.profiles import KIMI_K3  # noqa: E402
 from audit.runtimes import RunRequest  # noqa: E402
 from audit.runtimes.local import LocalRuntime  # noqa: E402
-from audit.systems import LAYOUTS, SYSTEMS  # noqa: E402
+from audit.systems import LAYOUTS, SYSTEMS, cells_of  # noqa: E402
 
 
 class PeakRSS(threading.Thread):
@@ -85,7 +85,7 @@ def main() -> int:
         rt.run(req, lambda *a, **k: None)
         floor = time.perf_counter() - t0
 
-        cells = len(SYSTEMS) * len(LAYOUTS)
+        cells = len(cells_of(list(SYSTEMS.values()), list(LAYOUTS.values())))
         sms = len({s.capability for s in SYSTEMS.values()})
         os.environ["SERVING_TRUTH_EVIDENCE_CACHE"] = str(Path(tmp) / "evidence-cache")  # cold: every cell runs
         watch = PeakRSS()

@@ -350,7 +350,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
 
         changes = diff_routings(load_routing(Path(reports_dir), baseline), routing)
     files_out = report_files(routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"],
-                             changes=changes)
+                             changes=changes, label_map=exp.label_map if exp is not None else None)
     try:
         with DirLock(report_dir):
             replace_dir(report_dir, files_out)

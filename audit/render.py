@@ -224,15 +224,20 @@ def routing_json(routing: dict) -> str:
     return json.dumps(routing, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def report_files(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None) -> dict[str, str]:
-    """Everything a report directory holds, rendered (nothing is written)."""
+def report_files(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None,
+                 label_map: dict[str, str] | None = None) -> dict[str, str]:
+    """Everything a report directory holds, rendered (nothing is written): the ledger, routing.json and
+    labels.json (the perf-database labels the evidence gives, see audit.perflabels)."""
+    from .perflabels import labels_json
+
     ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
-    return {"routing.json": routing_json(routing), "ledger.md": ledger}
+    return {"routing.json": routing_json(routing), "ledger.md": ledger, "labels.json": labels_json(routing, label_map)}
 
 
 def write_report(report_dir: Path, routing: dict, *, profile_title: str, reproduce: str,
-                 changes: dict | None = None) -> list[Path]:
+                 changes: dict | None = None, label_map: dict[str, str] | None = None) -> list[Path]:
     """Render first, then replace the whole report directory as one unit (see fsutil.replace_dir)."""
-    files = report_files(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
+    files = report_files(routing, profile_title=profile_title, reproduce=reproduce, changes=changes,
+                         label_map=label_map)
     replace_dir(report_dir, files)
     return [report_dir / name for name in sorted(files)]

@@ -264,7 +264,7 @@ def test_concurrent_renders_of_one_pin_never_mix_their_files(run_copy, tmp_path)
     codes = [p.wait(timeout=600) for p in procs]
     assert set(codes) <= {ExitCode.OK, ExitCode.FINDINGS} and len(set(codes)) == 1, [p.stderr.read() for p in procs]
     assert sorted(p.name for p in reports.iterdir()) == [".v0.33.0.lock", "v0.33.0"]
-    assert sorted(p.name for p in (reports / "v0.33.0").iterdir()) == ["ledger.md", "routing.json"]
+    assert sorted(p.name for p in (reports / "v0.33.0").iterdir()) == ["labels.json", "ledger.md", "routing.json"]
     alone = tmp_path / "alone"
     assert cli("render", str(run_copy), "--reports", str(alone)).returncode == codes[0]
     assert snapshot(alone / "v0.33.0") == snapshot(reports / "v0.33.0")

@@ -1,0 +1,108 @@
+"""Labels a perf database can take: per (system, layout, phase, token-count tier), the kernel lane and
+``kernel_source`` label the audit's evidence gives, in that database's own vocabulary.
+
+Verdicts judge a perf database's hand-written labels; this file lets it take them from the audit
+instead (``reports/<pin>/labels.json``). Every row carries the evidence level it rests on and the
+layers it covers; what the harness cannot name stays ``unknown``, never guessed. Pure data in, pure
+data out: the same routing always gives the same file.
+"""
+from __future__ import annotations
+
+import json
+
+from .expectations import PERF_LANES, sm_family
+from .labels import derive
+from .systems import SYSTEMS
+
+LABELS_SCHEMA = 1
+#: harness lane -> (perf-db lane, phase); the MoE lane's perf lane depends on the activation precision
+HARNESS_LANES = {
+    "moe": (None, "prefill+decode"),
+    "kda.prefill": ("kda.context", "prefill"),
+    "kda.decode": ("kda.generation", "decode"),
+    "kda.spec_verify": ("kda.verify", "spec-verify"),
+    "mla.decode": ("mla.decode", "decode"),
+    "mla.prefill": ("mla.prefill", "prefill"),
+}
+#: dispatch lanes (audit.dispatch) whose per-call choices refine a harness lane, by tier prefix
+DISPATCH_FOR = {
+    "moe": (("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", "")),
+    "mla.decode": (("mla", "decode"),),
+    "mla.prefill": (("mla", "prefill"),),
+}
+_UNKNOWN_PRECISION = ("unknown: the harness has no table entry for this backend's activation precision")
+
+
+def moe_perf_lane(group: dict) -> str:
+    """``w4a16_mxfp4`` (BF16 activations) or ``w4a8_mxfp4_mxfp8`` (FP8 activations) for a MoE lane group,
+    from the backend vLLM chose: the member's own suffix where it has one (``..._MXFP8``, ``..._BF16``),
+    else facts from vLLM's source (Marlin is weight-only; DeepGEMM FP4 experts and MegaMoE quantize
+    activations to FP8), else unknown."""
+    raw = group.get("raw") or {}
+    fields = raw.get("fields") or []
+    if raw.get("source") == "moe.mega_moe_experts":
+        return "w4a8_mxfp4_mxfp8"
+    backend = str(fields[0]).rsplit(".", 1)[-1] if fields else ""
+    if backend.endswith("_MXFP8"):
+        return "w4a8_mxfp4_mxfp8"
+    if backend.endswith("_BF16") or backend in ("MARLIN", "BATCHED_MARLIN"):
+        return "w4a16_mxfp4"
+    if backend == "DEEPGEMM_MXFP4":
+        return "w4a8_mxfp4_mxfp8"
+    return "unknown"
+
+
+def _tiers(cell: dict, lane: str, layers: list[int]) -> dict:
+    """Per dispatch lane, the choice at each workload of the group overlapping *layers*."""
+    dispatch = (cell.get("dispatch") or {}).get("lanes") or {}
+    out = {}
+    for dlane, prefix in DISPATCH_FOR.get(lane, ()):
+        for g in dispatch.get(dlane, []):
+            if g.get("role", "target") != "target" or (g.get("layers") and not set(g["layers"]) & set(layers)):
+                continue
+            tiers = {k: v for k, v in sorted(g.get("tiers", {}).items()) if not prefix or k.startswith(prefix)}
+            if tiers:
+                out[dlane] = {"level": g.get("level", "dispatch"), "tiers": tiers}
+            break
+    return out
+
+
+def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict:
+    """The labels file for one audit (see module doc)."""
+    rows, skipped = [], []
+    for cell in routing["cells"]:
+        system, layout = cell["system"], cell["layout"]
+        if cell.get("status") == "INCOMPLETE":
+            skipped.append({"system": system, "layout": layout, "why": "the cell did not finish"})
+            continue
+        sysobj = SYSTEMS.get(system)
+        for lane, (perf_lane, phase) in HARNESS_LANES.items():
+            for g in cell.get("lanes", {}).get(lane, []):
+                if str(g.get("value", "")).startswith("not exercised"):
+                    skipped.append({"system": system, "layout": layout, "lane": lane, "why": g["value"]})
+                    continue
+                label, family, how = derive(lane, g, label_map or {})
+                plane = perf_lane or moe_perf_lane(g)
+                row = {"system": system, "sm": sm_family(sysobj) if sysobj else "", "layout": layout,
+                       "lane": plane, "harness_lane": lane, "phase": g.get("phase", phase),
+                       "tokens": "all", "layers": g["ranges"], "kernel_source": label, "backend": family,
+                       "how": how if plane != "unknown" else _UNKNOWN_PRECISION,
+                       "value": g["value"], "evidence": g.get("evidence", cell.get("evidence", "none"))}
+                tiers = _tiers(cell, lane, g["layers"])
+                if tiers:
+                    row["dispatch"] = tiers
+                rows.append(row)
+    rows.sort(key=lambda r: (r["lane"], r["system"], r["layout"], r["phase"], r["layers"]))
+    return {"schema": LABELS_SCHEMA, "model": routing.get("model"), "architecture": routing.get("architecture"),
+            "pin": {k: routing.get("pin", {}).get(k) for k in ("name", "vllm_version", "wheel_sha256")},
+            "vocabulary": {"lanes": sorted(set(PERF_LANES)),
+                           "note": "lane and kernel_source as the perf database's expectations write them; "
+                                   "'unknown' where the harness cannot name one"},
+            "rows": rows, "not_labelled": skipped}
+
+
+def labels_json(routing: dict, label_map: dict[str, str] | None = None) -> str:
+    return json.dumps(build_labels(routing, label_map), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+__all__ = ["build_labels", "labels_json", "moe_perf_lane"]

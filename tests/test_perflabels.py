@@ -1,0 +1,50 @@
+"""labels.json: the perf-database labels each (system, layout, phase, tier) gets from the evidence, in
+the database's own vocabulary, checked on the routing of real audits."""
+import json
+
+from audit.expectations import PERF_LANES, load, load_label_map
+from audit.perflabels import build_labels, labels_json, moe_perf_lane
+from audit.verdicts import judge
+from tests.conftest import ROOT
+
+DATA = ROOT / "tests" / "data"
+
+
+def routing(pin):
+    return json.loads((DATA / f"routing-{pin}.json").read_text())
+
+
+def test_labels_use_the_perf_database_vocabulary_and_agree_with_the_verdicts():
+    exp = load(ROOT / "expectations" / "kimi-k3.toml")
+    r = routing("v0.33.0")
+    doc = build_labels(r, exp.label_map)
+    assert doc["rows"] and set(r["lane"] for r in doc["rows"]) <= set(PERF_LANES) | {"unknown"}
+    # each judged verdict row with a derived label says the same label as labels.json for that cell/layers
+    verdict_labels = {(v["system"], v["layout"], v["lane"], v["layers"]): v["label"] for v in judge(r, exp)
+                      if v.get("label")}
+    label_rows = {(l["system"], l["layout"], l["harness_lane"], l["layers"]): l["kernel_source"] for l in doc["rows"]}
+    shared = set(verdict_labels) & set(label_rows)
+    assert len(shared) > 20 and all(verdict_labels[k] == label_rows[k] for k in shared)
+    # the Marlin claim's lane: Marlin rows are w4a16, TRT-LLM MXFP8 rows are w4a8
+    moe = [l for l in doc["rows"] if l["harness_lane"] == "moe"]
+    assert {l["lane"] for l in moe if "MARLIN" in l["value"]} == {"w4a16_mxfp4"}
+    assert {l["lane"] for l in moe if "MXFP8" in l["value"] or "MegaMoE" in l["value"]} == {"w4a8_mxfp4_mxfp8"}
+    assert all(l["evidence"] for l in doc["rows"])
+
+
+def test_labels_are_deterministic_and_never_invent_a_lane():
+    r = routing("v0.30.0")
+    assert labels_json(r) == labels_json(json.loads(json.dumps(r)))
+    unknown = {"raw": {"source": "moe.routed", "fields": ["Mxfp4MoeBackend.SOMETHING_NEW", "x:Y", "z:Mxfp4MoEMethod"]}}
+    assert moe_perf_lane(unknown) == "unknown"
+    assert moe_perf_lane({"raw": {"fields": ["Mxfp4MoeBackend.FLASHINFER_TRTLLM_MXFP4_BF16"]}}) == "w4a16_mxfp4"
+
+
+def test_incomplete_and_not_exercised_groups_are_listed_not_labelled():
+    r = routing("v0.33.0")
+    r["cells"][0]["status"] = "INCOMPLETE"
+    doc = build_labels(r, load_label_map(ROOT / "expectations" / "kernel_source_backends.toml"))
+    first = r["cells"][0]
+    assert not [l for l in doc["rows"] if (l["system"], l["layout"]) == (first["system"], first["layout"])]
+    assert {"system": first["system"], "layout": first["layout"], "why": "the cell did not finish"} in doc["not_labelled"]
+    assert any(s.get("lane") == "kda.spec_verify" for s in doc["not_labelled"])

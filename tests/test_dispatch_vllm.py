@@ -51,6 +51,26 @@ def planted_run(vllm_env, tmp_path_factory):
     return req, rt.run(req, lambda *a, **k: None)
 
 
+@pytest.fixture(scope="session")
+def marlin_run(vllm_env, tmp_path_factory):
+    """SM 8.9 TP8, where the routed experts are Marlin's (a cell the shared probed run lacks)."""
+    rt, pin, _ = vllm_env
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS["l40s"], LAYOUTS["tp8"])],
+                     run_dir=tmp_path_factory.mktemp("marlin"))
+    return req, rt.run(req, lambda *a, **k: None)
+
+
+def test_marlin_block_size_by_batch(marlin_run):
+    """fused_marlin_moe picks block_size_m from M * top-k / experts per call; resolve mode calls it on
+    the built layer's weights with meta activations and stops it at its first kernel."""
+    req, result = marlin_run
+    cell = routing.build_cell(evidence.read_dir(result.evidence_dir)[0], KIMI_K3)
+    experts = _only(cell["dispatch"]["lanes"]["moe_experts"])
+    assert experts["source"].endswith("marlin_moe:MarlinExperts") and experts["layers"] == k3_layers()["moe"]
+    sizes = [int(experts["tiers"][k].removeprefix("block_size_m=")) for k in DECODES + PREFILLS]
+    assert sizes == sorted(sizes) and sizes[0] == 8 and sizes[-1] == 64 and len(set(sizes)) > 2
+
+
 def test_tail_tiers_on_sm100(probed_run):
     """SM 10.0 TP8: the fused tail with deferred finalize up to the tail operator's bound (128), the
     all-reduce overlap tier up to VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD (256), then column parallel."""
@@ -93,6 +113,19 @@ def test_mla_path_by_batch(probed_run):
     assert all(b200["tiers"][k].startswith("prefill path: ") for k in PREFILLS)
 
 
+def test_dep8_megamoe_and_full_head_count(probed_run):
+    """DP8 + EP with MegaMoE: the experts' BLOCK_M is a device decision (stated, not guessed); MLA runs
+    all 96 heads per rank, which trtllm-gen cannot tile, so vLLM pins FlashInfer's cute-dsl decode."""
+    d = _cell(probed_run, "b200_sxm", "dep8")["dispatch"]
+    assert d["errors"] == {}
+    experts = _only(d["lanes"]["moe_experts"])
+    assert experts["source"].endswith(":DeepGemmMegaMoEExperts") and experts["layers"] == k3_layers()["moe"]
+    assert all(v.startswith("needs GPU: chosen on the device") for v in experts["tiers"].values())
+    assert "latent_tail" not in d["lanes"]  # no MoE runner, so no latent tail to choose
+    mla = _only(d["lanes"]["mla"])
+    assert all(mla["tiers"][k] == "decode path: FlashInfer MLA decode backend=cute-dsl" for k in DECODES)
+
+
 def test_mtp_verify_width(probed_run):
     """With MTP (3 speculative tokens) the verify batches (B x 4 tokens) are resolved too; MLA runs
     them as multi-token decodes on the ragged FlashInfer path, and the draft's layer has its own rows."""
@@ -122,10 +155,21 @@ def test_planted_threshold_changes_the_tier_table(probed_run, planted_run):
     assert {k: v for k, v in after.items() if k != "decode 64"} == {k: v for k, v in before.items() if k != "decode 64"}
     experts = _only(planted["dispatch"]["lanes"]["moe_experts"])["tiers"]
     assert not experts["decode 64"].endswith("top-k finalize deferred")
-    pin = {"name": "v0.33.0", "vllm_version": "0.33.0"}
+    pin = {"name": "v0.33.0", "vllm_version": "0.33.0", "wheel": "", "wheel_sha256": "", "image": "",
+           "platform_digests": {}, "vllm_commit": "", "python": "3.12"}
     ledger = render_ledger(routing.build_routing(evidence.read_dir(result.evidence_dir), KIMI_K3, pin=pin,
                                                  expected=[("b200_sxm", "tp8")]),
                            profile_title="Kimi-K3", reproduce="x")
     section = ledger.split("### Latent MoE tail tier", 1)[1].split("\n### ", 1)[0]
     assert ("**decode 1–8**: TAIL_FUSION (deferred top-k finalize); **decode 64–256**: ALLREDUCE_OVERLAP; "
             "**prefill 512–8192**: COLUMN_PARALLEL") in section
+
+
+def test_dispatch_tiers_are_the_same_without_probes(probed_run, bare_run):
+    """The probes change nothing vLLM's dispatch functions answer: every cell's tier table is the same
+    in the bare run (same simulation, no probe installed)."""
+    probed, bare = cells_of(probed_run), cells_of(bare_run)
+    for key in probed:
+        p, b = routing.build_cell(probed[key], KIMI_K3), routing.build_cell(bare[key], KIMI_K3)
+        assert p["dispatch"] == b["dispatch"], key
+    assert any(routing.build_cell(f, KIMI_K3)["dispatch"] for f in probed.values())

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from audit.errors import AuditError, StubBuildError, UsageError
-from probes.elfscan import (  # noqa: F401 (re-exported)
+from probes.core.elfscan import (  # noqa: F401 (re-exported)
     LIBCUDA_SONAME, _VERSION_SUFFIX, _ElfFile, _NotElf64, _read_dynamic_info, _strip_version, needed_cuda_symbols,
 )
 

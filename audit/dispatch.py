@@ -1,6 +1,6 @@
 """Dispatch tiers: what vLLM picks per call, by token count, read from a cell's ``dispatch`` records.
 
-The probe side (``probes/dispatch.py``) calls the pinned vLLM's own per-call dispatch functions on the
+The probe side (``probes/resolve/dispatch.py``) calls the pinned vLLM's own per-call dispatch functions on the
 built modules at representative token counts and records, per lane and module group, the choice at
 each workload. Here those records become a compact table per cell and lane (``routing.json``'s
 ``dispatch``) and, across cells, one table per lane for the ledger. Never imports vLLM.

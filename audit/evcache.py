@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 CACHE_SCHEMA = 1
@@ -37,10 +36,11 @@ def cache_dir(root: Path) -> Path:
 
 def probes_digest() -> str:
     """sha256 over the probes package's sources (what runs inside the serving process)."""
+    from .runtimes.base import probe_sources
+
     h = hashlib.sha256()
-    for entry in sorted(resources.files("probes").iterdir(), key=lambda e: e.name):
-        if entry.name.endswith(".py"):
-            h.update(entry.name.encode() + b"\0" + entry.read_bytes() + b"\0")
+    for rel, data in probe_sources():
+        h.update(rel.encode() + b"\0" + data + b"\0")
     return h.hexdigest()
 
 

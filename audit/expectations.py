@@ -154,7 +154,7 @@ def load(path: str | Path) -> Expectations:
                           hint=f'e.g. {key} = ["all"]' if key != "forbidden" else 'e.g. forbidden = ["cutlass"]')
             if not value and key != "forbidden":
                 raise err(f"claim {raw.get('id', '?')!r}: {key} is empty, so the claim would judge nothing", key,
-                          hint=f'name at least one, or ["all"]')
+                          hint='name at least one, or ["all"]')
         layouts = raw.get("layouts", ["all"])
         if layouts == ["all"]:
             layouts = list(LAYOUTS)

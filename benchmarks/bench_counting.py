@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from probes.counting import Counters  # noqa: E402
+from probes.observe.counting import Counters  # noqa: E402
 
 CALLS_PER_STEP = 92 + 70 + 23
 

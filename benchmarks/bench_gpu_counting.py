@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from probes.counting import Counters  # noqa: E402
+from probes.observe.counting import Counters  # noqa: E402
 
 KDA_LAYERS, MLA_LAYERS, MOE_LAYERS = 70, 23, 92
 H, D = 12, 128

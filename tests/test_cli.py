@@ -59,7 +59,7 @@ def test_pins_lists_the_lock():
 
 def _agents_of(run_dir_root: Path) -> list[str]:
     out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "probes.agent" in line and str(run_dir_root) in line]
+    return [line for line in out.splitlines() if "probes.resolve.agent" in line and str(run_dir_root) in line]
 
 
 @pytest.mark.vllm

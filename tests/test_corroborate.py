@@ -1,4 +1,4 @@
-"""torch.profiler corroboration on the host: trace kernel counts (as probes.traces records them) against
+"""torch.profiler corroboration on the host: trace kernel counts (as probes.observe.traces records them) against
 the probes' counts, per lane, and the ledger's section. Evidence files are written by the probes' own
 recorder; the trace summaries are this project's record format (what the observe agent emits), so they
 are built here directly. Reading real traces written by vLLM's worker profiler is tested in
@@ -6,7 +6,7 @@ test_observe_vllm.py; the map's patterns against the pinned build in test_kernel
 import gzip
 import json
 
-from probes.recorder import Recorder
+from probes.core.recorder import Recorder
 
 MAP = [  # entries as the observe agent records them (kernel-map): the real map's patterns for these paths
     {"path": "Marlin", "lane": "moe", "pattern": r"marlin_moe_wna16", "origin": "library:vllm/_moe_C*.so",
@@ -104,7 +104,7 @@ def test_a_kernel_of_a_path_the_probes_missed_and_a_path_without_kernels_disagre
 
 
 def test_no_traces_and_unreadable_traces_are_said_plainly(tmp_path):
-    from probes.traces import summarize
+    from probes.observe.traces import summarize
 
     d = tmp_path / "traces"
     d.mkdir()
@@ -132,7 +132,7 @@ def test_no_traces_and_unreadable_traces_are_said_plainly(tmp_path):
 
 
 def test_trace_names_parse_as_vllm_writes_them():
-    from probes.traces import parse_trace_name
+    from probes.observe.traces import parse_trace_name
 
     got = parse_trace_name("decode-bs48_dp1_pp0_tp0_dcp0_ep1_rank1.1764620000000000000.pt.trace.json.gz")
     assert got == {"worker": "decode-bs48_dp1_pp0_tp0_dcp0_ep1_rank1", "prefix": "decode-bs48", "rank": 1,

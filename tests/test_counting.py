@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from probes.counting import Counters
+from probes.observe.counting import Counters
 
 
 def kernel(x, *, scale=2):
@@ -77,8 +77,8 @@ def test_graph_hooks_count_replays_that_ran_and_keep_exceptions(tmp_path):
     capture_begin and capture_end are membership; a replay that raises propagates and is not counted."""
     import types
 
-    from probes.observe import ObserveSession
-    from probes.recorder import Recorder
+    from probes.observe.session import ObserveSession
+    from probes.core.recorder import Recorder
 
     class Graph:
         broken = False

@@ -24,7 +24,7 @@ PREFILLS = ["prefill 512", "prefill 2048", "prefill 8192"]
 PLANTED_MAX = 8
 PLANT = textwrap.dedent(f'''
     # planted by tests/test_dispatch_vllm.py: lower K3's latent-MoE tail-fusion token bound
-    from probes.patching import PostImportHooks
+    from probes.core.patching import PostImportHooks
 
     def _plant(mod):
         mod._MAX_NUM_TOKENS = {PLANTED_MAX}

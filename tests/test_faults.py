@@ -55,7 +55,7 @@ def agents_of(run_dir: Path | None = None) -> list[int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"probes.agent" in argv and (run_dir is None or any(str(run_dir).encode() in a for a in argv)):
+        if b"probes.resolve.agent" in argv and (run_dir is None or any(str(run_dir).encode() in a for a in argv)):
             out.append(int(pid))
     return out
 

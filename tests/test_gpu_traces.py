@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from probes.kernel_names import KERNEL_NAMES, matches
-from probes.traces import read_trace, summarize
+from probes.observe.kernel_names import KERNEL_NAMES, matches
+from probes.observe.traces import read_trace, summarize
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu-traces"
 BOOK = json.loads((DATA / "traces.json").read_text())

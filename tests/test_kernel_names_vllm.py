@@ -1,4 +1,4 @@
-"""The kernel-name map (probes.kernel_names) against the real pinned build: every kernel path observe
+"""The kernel-name map (probes.observe.kernel_names) against the real pinned build: every kernel path observe
 mode counts has entries, each entry's kernel is present in the v0.33.0 wheel where the map says it
 comes from, and a kernel found for one path is not also claimed by another path of its lane unless the
 map says the two share it."""
@@ -8,14 +8,14 @@ import subprocess
 
 import pytest
 
-from probes.kernel_names import KERNEL_NAMES, ORIGIN_KINDS
-from probes.observe import KERNELS
+from probes.observe.kernel_names import KERNEL_NAMES, ORIGIN_KINDS
+from probes.observe.session import KERNELS
 from tests.conftest import ROOT
 
 SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from probes.kernel_names import check_build
+from probes.observe.kernel_names import check_build
 print(json.dumps(check_build(roots=sys.path[1:], example_chars=None, examples=None)))
 """
 
@@ -89,7 +89,7 @@ DOCUMENTED = {
 def test_documented_kernel_names_map_to_their_paths_only():
     """Across every lane: a kernel name is claimed by exactly the paths documented for it (shared kernels
     by all their sharers, helpers by none)."""
-    from probes.kernel_names import matches
+    from probes.observe.kernel_names import matches
 
     got = {name: {e.path for e in matches(KERNEL_NAMES, name)} for name in DOCUMENTED}
     assert {n: p for n, p in got.items() if p != DOCUMENTED[n]} == {}

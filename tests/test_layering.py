@@ -1,5 +1,6 @@
-"""The layout rules: probes/ is stdlib-only until it patches vLLM; audit/ never imports vLLM or torch;
-rich lives only in the CLI; evidence schema versions are checked on read."""
+"""The layout rules: probes/ is stdlib-only until it patches vLLM, its core imports neither mode, observe never
+imports resolve and no probes module imports another in a cycle; audit/ never imports vLLM or torch; rich
+lives only in the CLI; evidence schema versions are checked on read."""
 import json
 import subprocess
 import sys
@@ -10,16 +11,20 @@ from audit import evidence
 from audit.errors import EvidenceError
 from tests.conftest import ROOT
 
-PROBE_MODULES = ["probes", "probes.recorder", "probes.patching", "probes.targets", "probes.install",
-                 "probes.agent", "probes.simulate", "probes.resolve", "probes.inventory", "probes.elfscan",
-                 "probes.plugin", "probes.counting", "probes.observe", "probes.workload", "probes.observe_agent",
-                 "probes.traces", "probes.kernel_names", "probes.lifecycle", "probes.dispatch"]
-AUDIT_MODULES = ["audit.errors", "audit.lock", "audit.systems", "audit.evidence", "audit.routing",
-                 "audit.profiles", "audit.render", "audit.fsutil", "audit.cudastub", "audit.core",
-                 "audit.runtimes", "audit.runtimes.base", "audit.runtimes.local", "audit.tomlpos",
-                 "audit.expectations", "audit.labels", "audit.verdicts", "audit.diff", "audit.registry",
-                 "audit.runtimes.docker", "audit.runtimes.slurm", "audit.cluster", "audit.observed", "audit.selftest",
-                 "audit.corroborate", "audit.layers", "audit.wheelindex", "audit.dispatch"]
+def _modules(package: str) -> list[str]:
+    """Every module of a package of this repository, found on disk (a new module is covered at once)."""
+    base = ROOT / package
+    out = []
+    for p in sorted(base.rglob("*.py")):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        out.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return out
+
+
+PROBE_MODULES = _modules("probes")
+#: the CLI is the one place rich may be imported
+AUDIT_MODULES = [m for m in _modules("audit") if m != "audit.cli"]
+
 
 SCRIPT = """
 import json, sys
@@ -61,3 +66,47 @@ def test_evidence_schema_is_in_step_and_checked(tmp_path):
     with pytest.raises(EvidenceError) as e:
         evidence.read_file(path)
     assert e.value.line == 2
+
+
+def _probe_imports() -> dict[str, set[str]]:
+    """module -> the probes modules it imports (at the top or inside functions), read from the source."""
+    import ast
+
+    graph = {}
+    for mod in PROBE_MODULES:
+        path = ROOT / (mod.replace(".", "/") + ".py")
+        if not path.exists():
+            path = ROOT / mod.replace(".", "/") / "__init__.py"
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("probes"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    deps.add(full if full in PROBE_MODULES else node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("probes")}
+        graph[mod] = deps - {mod}
+    return graph
+
+
+def test_probes_layers_flow_one_way_without_cycles():
+    graph = _probe_imports()
+    assert {"probes.core.recorder", "probes.resolve.agent", "probes.observe.agent"} <= set(graph)
+    for mod, deps in graph.items():
+        if mod.startswith("probes.core"):
+            assert all(d == "probes" or d.startswith("probes.core") for d in deps), (mod, deps)
+        if mod.startswith("probes.observe"):
+            assert not any(d.startswith("probes.resolve") for d in deps), (mod, deps)
+    state: dict[str, int] = {}
+
+    def visit(mod, path):
+        state[mod] = 1
+        for dep in graph.get(mod, ()):
+            assert state.get(dep) != 1, "import cycle: " + " -> ".join(path + [dep])
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[mod] = 2
+
+    for mod in graph:
+        if mod not in state:
+            visit(mod, [mod])

@@ -19,7 +19,7 @@ def dry_request(vllm_env, tmp_path_factory):
     from audit.profiles import KIMI_K3
     from audit.runtimes import RunRequest
     from audit.systems import LAYOUTS, SYSTEMS
-    from probes.workload import serve_argv
+    from probes.observe.workload import serve_argv
 
     rt, pin, _ = vllm_env
     req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in CELLS],
@@ -77,7 +77,7 @@ def test_the_slice_keeps_every_layer_kind(dry_run_routing):
 
 
 def test_observe_targets_exist_in_the_wheel_and_wrap_the_chosen_kernels(dry_run):
-    from probes.observe import GRAPH_HOOKS, KERNELS, SCOPES
+    from probes.observe.session import GRAPH_HOOKS, KERNELS, SCOPES
 
     for key in CELLS:
         (status,) = dry_run[key]["observe-status"]
@@ -117,7 +117,7 @@ def test_vllm_serve_loads_the_probe_plugin(vllm_env, tmp_path):
 
     from audit.profiles import KIMI_K3
     from audit.runtimes.base import stage_probes
-    from probes.workload import serve_argv
+    from probes.observe.workload import serve_argv
 
     rt, pin, env = vllm_env
     stub = rt.ensure_stub(env)
@@ -145,8 +145,8 @@ def test_profiler_settings_pass_vllms_checks_and_its_trace_is_read(dry_request, 
     """The workload's --profiler-config goes through vLLM's parser into its ProfilerConfig, passes the
     worker's validation under the simulated CUDA platform and enables the /start_profile and
     /stop_profile routes; one real session of vLLM's worker profiler (CPU activity: no GPU here),
-    named as a worker names it, writes a trace that probes.traces reads back with its prefix and rank."""
-    from probes.traces import summarize
+    named as a worker names it, writes a trace that probes.observe.traces reads back with its prefix and rank."""
+    from probes.observe.traces import summarize
 
     for key in CELLS:
         (check,) = dry_run[key]["observe-profiler-check"]
@@ -178,7 +178,7 @@ def test_observe_agent_records_the_map_and_its_profiler_wiring_without_a_gpu(vll
     from audit.runtimes import RunRequest
     from audit.runtimes.base import observe_env, stage_probes, write_model_dirs, write_plan
     from audit.systems import SYSTEMS, Layout
-    from probes.kernel_names import KERNEL_NAMES
+    from probes.observe.kernel_names import KERNEL_NAMES
 
     rt, pin, env = vllm_env
     stub = rt.ensure_stub(env)
@@ -191,7 +191,7 @@ def test_observe_agent_records_the_map_and_its_profiler_wiring_without_a_gpu(vll
     out.mkdir(parents=True)
     plan = write_plan(req, model_dir=str(tmp_path / "model"), stub_libcuda="", out_dir=str(req.evidence_dir))
     run_env = {**rt._env(env, stub, tmp_path, tmp_path), **observe_env(str(out), "b200_sxm--tp1")}
-    r = subprocess.run([str(env / "bin" / "python"), "-m", "probes.observe_agent", str(plan), "0"], env=run_env,
+    r = subprocess.run([str(env / "bin" / "python"), "-m", "probes.observe.agent", str(plan), "0"], env=run_env,
                        cwd=str(tmp_path), capture_output=True, text=True, timeout=900)
     assert r.returncode == 1, r.stderr[-3000:]  # the workload failed: no GPU
     recs = {}

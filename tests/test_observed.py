@@ -11,8 +11,8 @@ from tests.conftest import ROOT
 RANK_SCRIPT = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from probes.recorder import Recorder
-from probes.observe import Kernel, ObserveSession
+from probes.core.recorder import Recorder
+from probes.observe.session import Kernel, ObserveSession
 
 rank = int(os.environ["RANK"])
 rec = Recorder(os.environ["SERVING_TRUTH_OUT"], role="worker",

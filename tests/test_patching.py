@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from probes import patching
+from probes.core import patching
 from tests.conftest import ROOT
 
 
@@ -170,9 +170,9 @@ def write_pkg(root):
 ORDER_SCRIPT = textwrap.dedent('''
     import importlib, json, sys
     sys.path[:0] = [sys.argv[1], sys.argv[2]]
-    from probes.recorder import Recorder
-    from probes.targets import Target
-    from probes.install import ProbeSet
+    from probes.core.recorder import Recorder
+    from probes.core.targets import Target
+    from probes.core.install import ProbeSet
     order = sys.argv[3]
     t = (Target("t.choose", "select", ("tgt.sel:choose",)),)
     if order == "import-then-patch":
@@ -213,7 +213,7 @@ def test_post_import_hook_patches_before_consumers_bind(tmp_path):
     script = textwrap.dedent('''
         import sys
         sys.path[:0] = [sys.argv[1], sys.argv[2]]
-        from probes.patching import PostImportHooks
+        from probes.core.patching import PostImportHooks
         seen = []
         hooks = PostImportHooks()
         hooks.register("tgt.sel", lambda m: seen.append(
@@ -232,9 +232,9 @@ def test_missing_target_is_drift_not_crash(tmp_path):
     script = textwrap.dedent('''
         import json, sys
         sys.path[:0] = [sys.argv[1], sys.argv[2]]
-        from probes.recorder import Recorder
-        from probes.targets import Target
-        from probes.install import ProbeSet
+        from probes.core.recorder import Recorder
+        from probes.core.targets import Target
+        from probes.core.install import ProbeSet
         t = (Target("gone.attr", "select", ("tgt.sel:renamed_choose",)),
              Target("gone.module", "select", ("tgt.removed:choose",)),
              Target("never.imported", "select", ("json.tool:main",)))

@@ -1,5 +1,5 @@
 """Host side of the post-load stage: routing's lanes and levels, the load_refused finding, the
-LOAD_REFUSED verdict and the ledger, from evidence records shaped as probes/postload.py writes them
+LOAD_REFUSED verdict and the ledger, from evidence records shaped as probes/resolve/postload.py writes them
 (tests/test_postload_vllm.py checks the same path against the real wheel)."""
 from pathlib import Path
 

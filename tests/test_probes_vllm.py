@@ -115,9 +115,9 @@ def test_wrapper_contract_holds_on_real_vllm(probed_run):
 IDENTITY = textwrap.dedent('''
     import inspect, json, sys
     sys.path.insert(0, sys.argv[1])
-    from probes import simulate
-    from probes.recorder import Recorder
-    from probes.install import ProbeSet
+    from probes.resolve import simulate
+    from probes.core.recorder import Recorder
+    from probes.core.install import ProbeSet
     simulate.load_stub_libcuda(sys.argv[2])
     simulate.set_simulated({"name": "h100_sxm", "device_name": "NVIDIA H100 80GB HBM3", "capability": [9, 0],
                             "total_memory_gib": 80, "sm_count": 132, "arch": "amd64"}, 8)

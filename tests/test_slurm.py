@@ -227,7 +227,7 @@ def test_pyxis_command_lines_for_a_digest_and_a_squashfs(tmp_path):
         "--container-mounts=/shared/runs/r1:/shared/runs/r1:ro,/shared/runs/r1/evidence:/shared/runs/r1/evidence:rw",
         "--no-container-mount-home", "--no-container-remap-root", "--no-container-entrypoint",
         "--container-workdir=/tmp", "--export=HF_HUB_OFFLINE,LD_LIBRARY_PATH",
-        "python3", "-m", "probes.agent", "/shared/runs/r1/p.json"]
+        "python3", "-m", "probes.resolve.agent", "/shared/runs/r1/p.json"]
     gb200 = pyxis_srun_args(pin=pin, placement=prof.placement("gb200"), run_dir=run_dir, plan="p.json", env=env)
     assert gb200[2] == f"--container-image={sqsh}"
     # with per-platform digests, an arm64 system pulls its own manifest
@@ -294,9 +294,9 @@ def test_observe_job_scripts_ask_for_gpus_and_run_the_observe_agent(tmp_path):
                            log=Path("/shared/runs/r1/jobs/x.log"), env=env, python="/env/bin/python")
     assert "#SBATCH --partition=b200" in script and "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --nodes=1" in script
-    assert script.rstrip().endswith("/env/bin/python -m probes.observe_agent /shared/runs/r1/p.json 0")
+    assert script.rstrip().endswith("/env/bin/python -m probes.observe.agent /shared/runs/r1/p.json 0")
     assert "SERVING_TRUTH_MODE=observe" in script
     req.mode = "resolve"
     resolve = rt.job_script(req, SYSTEMS["b200_sxm"], LAYOUTS["dep8"], plan=Path("/p.json"), log=Path("/x.log"),
                             env={}, python="/env/bin/python")
-    assert "gpus" not in resolve and resolve.rstrip().endswith("-m probes.agent /p.json")
+    assert "gpus" not in resolve and resolve.rstrip().endswith("-m probes.resolve.agent /p.json")

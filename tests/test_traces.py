@@ -1,4 +1,4 @@
-"""probes.traces: direct versus in-graph attribution of kernel events, on hand-written Kineto events.
+"""probes.observe.traces: direct versus in-graph attribution of kernel events, on hand-written Kineto events.
 
 Real traces recorded on an H200 are read in test_gpu_traces.py; these cases pin down the rules one by
 one: a kernel launched by a graph replay carries the correlation id of the ``cudaGraphLaunch`` (runtime
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from probes.traces import GRAPH_LAUNCH, attribute, read_trace, summarize
+from probes.observe.traces import GRAPH_LAUNCH, attribute, read_trace, summarize
 
 
 def api(name, corr, cat="cuda_runtime"):

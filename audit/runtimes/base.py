@@ -102,18 +102,33 @@ def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def probe_sources() -> list[tuple[str, bytes]]:
+    """Every source file of the probes package and its subpackages, as (path relative to it, bytes),
+    sorted: what a run stages and what the evidence cache keys on."""
+    out = []
+
+    def walk(node, prefix: str) -> None:
+        for entry in node.iterdir():
+            if entry.is_dir() and entry.name != "__pycache__":
+                walk(entry, f"{prefix}{entry.name}/")
+            elif entry.name.endswith(".py"):
+                out.append((prefix + entry.name, entry.read_bytes()))
+
+    walk(resources.files("probes"), "")
+    return sorted(out)
+
+
 def stage_probes(run_dir: Path) -> Path:
     """Copy the probes package into the run directory: the exact probes a run used stay with it."""
-    src = resources.files("probes")
     dest = run_dir / "probes"
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    for entry in src.iterdir():
-        if entry.name.endswith(".py"):
-            (dest / entry.name).write_text(entry.read_text(encoding="utf-8"), encoding="utf-8")
-    # the metadata that makes vLLM load probes.plugin in every process it starts (observe mode)
-    from probes.plugin import dist_info_files
+    for rel, data in probe_sources():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_bytes(data)
+    # the metadata that makes vLLM load probes.observe.plugin in every process it starts (observe mode)
+    from probes.observe.plugin import dist_info_files
 
     from .. import __version__
 
@@ -204,7 +219,7 @@ def learn_imports(cache_dir: Path, evidence_dir: Path) -> None:
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str,
                learned: list[str] = (), where: Callable[[Path | str], str] = str,
                harness_env: list[str] = (), redact_env: list[str] = (), name: str = "plan.json") -> Path:
-    """``plan.json`` for ``probes.agent``. *where* maps a host path to the path the agent sees
+    """``plan.json`` for ``probes.resolve.agent``. *where* maps a host path to the path the agent sees
     (identity for the local runtime, the mount point inside a container)."""
     plan = {
         "schema": 1,

@@ -24,7 +24,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from probes.lifecycle import WATCHDOG_ENV
+from probes.core.lifecycle import WATCHDOG_ENV
 
 from .. import cudastub
 from ..errors import (DockerUnavailable, ImageDigestMismatch, ImageError, ProbeRunError, RunExited,
@@ -225,7 +225,7 @@ class DockerRuntime:
                           with_stub: bool, lifeline: bool = False) -> dict:
         """``lifeline``: the container's standard input stays open while this process holds an attached
         socket (stdin once); when the harness dies the socket closes, the daemon closes the container's
-        stdin, and the agent ends its process group (probes.lifecycle): no container outlives the harness."""
+        stdin, and the agent ends its process group (probes.core.lifecycle): no container outlives the harness."""
         environment = self._environment(image, with_stub=with_stub)
         extra = {}
         if lifeline:
@@ -250,12 +250,12 @@ class DockerRuntime:
         )
 
     def _inventory(self, request: RunRequest, image, ref: str) -> dict:
-        """Run ``probes.inventory`` in the image: what it holds and which driver symbols it imports."""
+        """Run ``probes.core.inventory`` in the image: what it holds and which driver symbols it imports."""
         from docker.types import Mount
 
         mounts = [Mount(RUN_MOUNT, str(request.run_dir), type="bind", read_only=True)]
         kw = self._container_kwargs(request, image, ref, role="inventory", mounts=mounts, with_stub=False)
-        container = self.client.containers.create(command=["-m", "probes.inventory", "--cuda-symbols"], **kw)
+        container = self.client.containers.create(command=["-m", "probes.core.inventory", "--cuda-symbols"], **kw)
         try:
             container.start()
             status = container.wait(timeout=600)
@@ -326,7 +326,7 @@ class DockerRuntime:
         kw = self._container_kwargs(request, image, ref, role="agent", mounts=mounts, with_stub=True, lifeline=True)
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells inside {ref[:60]}")
-        container = self.client.containers.create(command=["-m", "probes.agent", where(plan)], **kw)
+        container = self.client.containers.create(command=["-m", "probes.resolve.agent", where(plan)], **kw)
         log = run_dir / "agent.log"
         code = self._run_container(container, request, progress, log)
         missing = collect_missing(request, fallback_log=log)
@@ -381,7 +381,7 @@ class DockerRuntime:
                       ipc_mode="host")
             kw["tmpfs"] = {"/tmp": "rw,nosuid,nodev,size=64g,mode=1777"}
             progress("stage", text=f"serving {system.name}/{layout.name} inside {ref[:60]}")
-            container = self.client.containers.create(command=["-m", "probes.observe_agent", where(plan), str(i)], **kw)
+            container = self.client.containers.create(command=["-m", "probes.observe.agent", where(plan), str(i)], **kw)
             log = request.evidence_dir / cell / "agent.log"
             self._run_container(container, dataclasses.replace(request, cells=[(system, layout)]), progress, log)
         return RunResult(evidence_dir=request.evidence_dir, missing=collect_missing(request), info={

@@ -25,7 +25,7 @@ import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from probes.lifecycle import WATCHDOG_ENV
+from probes.core.lifecycle import WATCHDOG_ENV
 
 from .. import cudastub
 from ..errors import (DownloadHashMismatch, EnvironmentBuildError, EnvironmentModified, RuntimeUnsupportedError,
@@ -362,7 +362,7 @@ class LocalRuntime:
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
         with open(log, "wb") as fh:
-            proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.agent", str(plan)],
+            proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.resolve.agent", str(plan)],
                                     stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                     env={**self._env(env, stub, request.run_dir, request.run_dir), **LIFELINE},
                                     cwd=str(request.run_dir), start_new_session=True)
@@ -406,7 +406,7 @@ class LocalRuntime:
                 run_env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
             progress("stage", text=f"serving {system.name}/{layout.name} on this host's GPUs")
             with open(out / "agent.log", "wb") as fh:
-                proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.observe_agent", str(plan), str(i)],
+                proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.observe.agent", str(plan), str(i)],
                                         stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                         env={**run_env, **LIFELINE}, cwd=str(request.run_dir),
                                         start_new_session=True)
@@ -444,7 +444,7 @@ class LocalRuntime:
 
 
 #: the agent's standard input stays open as its lifeline: when this process dies, the agent's whole
-#: process group ends (probes.lifecycle), so no SM or cell process outlives the harness
+#: process group ends (probes.core.lifecycle), so no SM or cell process outlives the harness
 LIFELINE = {WATCHDOG_ENV: "stdin"}
 
 

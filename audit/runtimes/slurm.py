@@ -28,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from probes.lifecycle import WATCHDOG_ENV
+from probes.core.lifecycle import WATCHDOG_ENV
 
 from ..cluster import ClusterProfile, Placement
 from ..errors import EnvironmentBuildError, RuntimeUnsupportedError, UsageError
@@ -103,7 +103,7 @@ def enroot_uri(image_ref: str) -> str:
 
 def agent_command_args(observe: bool, plan) -> list[str]:
     """The agent a job runs: the resolve agent, or the observe agent serving the job's one cell."""
-    return ["-m", "probes.observe_agent", str(plan), "0"] if observe else ["-m", "probes.agent", str(plan)]
+    return ["-m", "probes.observe.agent", str(plan), "0"] if observe else ["-m", "probes.resolve.agent", str(plan)]
 
 
 def agent_command(request: RunRequest, plan) -> list[str]:
@@ -264,7 +264,7 @@ class SlurmRuntime:
                     env = container_env(request.run_dir, stub)
                 if observe:  # the plugin in every process vLLM starts; evidence per cell
                     env.update(observe_env(str(request.evidence_dir / cell), cell))
-                if self.wait:  # a job whose harness died ends itself (probes.lifecycle)
+                if self.wait:  # a job whose harness died ends itself (probes.core.lifecycle)
                     env[WATCHDOG_ENV] = f"heartbeat:{heartbeat_stale_s():.0f}:{request.run_dir / HEARTBEAT_FILE}"
                 log = jobs_dir / f"{cell}.log"
                 script = jobs_dir / f"{cell}.sbatch"

@@ -1,9 +1,9 @@
 """Observe mode's mechanics below vLLM, on a real NVIDIA GPU (torch + Triton, no vLLM).
 
-1. The trace reader (probes.traces) on real torch.profiler traces: eager launches are direct, the
+1. The trace reader (probes.observe.traces) on real torch.profiler traces: eager launches are direct, the
    kernels of full-graph replays are in-graph, and piecewise graphs with an eager segment between them
    split exactly; with GPU activity only (how observe mode configures vLLM's workers) and with CPU too.
-2. The observe probes' CUDA-graph hooks (probes.observe, probes.counting) on real
+2. The observe probes' CUDA-graph hooks (probes.observe.session, probes.observe.counting) on real
    ``torch.cuda.CUDAGraph`` capture and replay: a call during capture is graph membership (and the GPU
    agrees: the captured kernel did not run), replays are counted per graph, a replay that raises is
    not counted. A float tensor bumped by the counted kernel is the GPU's own count of executions.
@@ -42,7 +42,7 @@ def _warm(mk, torch):
 
 
 def _read(path):
-    from probes.traces import read_trace
+    from probes.observe.traces import read_trace
 
     got = read_trace(str(path))
     return got, {k: tuple(v) for k, v in got["kernels"].items()}
@@ -152,7 +152,7 @@ def test_piecewise_graphs_with_an_eager_segment_between_them(gpu, mk, tracebook)
 
 
 def test_summarize_reads_the_directory_as_the_observe_agent_does(gpu, mk, tracebook):
-    from probes.traces import summarize
+    from probes.observe.traces import summarize
 
     _warm(mk, gpu)
     x = gpu.zeros(N, device="cuda")
@@ -169,9 +169,9 @@ def test_summarize_reads_the_directory_as_the_observe_agent_does(gpu, mk, traceb
 def session(gpu):
     """An ObserveSession whose graph hooks are installed on torch's real CUDAGraph class the way a serving
     process installs them (post-import hooks; torch.cuda.graphs is already imported), undone after."""
-    from probes.observe import GRAPH_HOOKS, ObserveSession
-    from probes.patching import SENTINEL
-    from probes.recorder import Recorder
+    from probes.observe.session import GRAPH_HOOKS, ObserveSession
+    from probes.core.patching import SENTINEL
+    from probes.core.recorder import Recorder
 
     cls = gpu.cuda.graphs.CUDAGraph
     saved = {n: vars(cls)[n] for n in ("capture_begin", "capture_end", "replay")}

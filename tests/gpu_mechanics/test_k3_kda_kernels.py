@@ -1,5 +1,5 @@
 """vLLM 0.33.0's own Kimi-K3 KDA Triton kernels on a real GPU: the names torch.profiler records for them
-map, through probes/kernel_names.py, to exactly the kernel path the observe probes count them as.
+map, through probes/observe/kernel_names.py, to exactly the kernel path the observe probes count them as.
 
 The sources are the wheel's files, unchanged (tests/gpu_mechanics/k3_kda_src.py; nothing of vLLM is in
 this repository). The observe session is installed before they are imported, as in a serving process,
@@ -25,9 +25,9 @@ def kda(gpu, k3_kda_src):
     wrappers and graph hooks are installed first; the module is then imported from the wheel's sources."""
     import sys
 
-    from probes.kernel_names import _Build
-    from probes.observe import KERNELS, ObserveSession
-    from probes.recorder import Recorder
+    from probes.observe.kernel_names import _Build
+    from probes.observe.session import KERNELS, ObserveSession
+    from probes.core.recorder import Recorder
 
     import k3_kda_src as src
 
@@ -55,7 +55,7 @@ def _calls(session, path) -> int:
 
 
 def _mapped(kernels):
-    from probes.kernel_names import KERNEL_NAMES, matches
+    from probes.observe.kernel_names import KERNEL_NAMES, matches
 
     return {name: sorted({e.path for e in matches(KERNEL_NAMES, name)}) for name in kernels}
 
@@ -111,7 +111,7 @@ CASES = {  # path -> (entry function, inputs)
 
 @pytest.mark.parametrize("path", list(CASES))
 def test_eager_entry_kernels_map_to_exactly_their_path(gpu, kda, tracebook, path):
-    from probes.traces import read_trace
+    from probes.observe.traces import read_trace
 
     session, mod, jit = kda
     fn_name, make = CASES[path]
@@ -136,7 +136,7 @@ def test_eager_entry_kernels_map_to_exactly_their_path(gpu, kda, tracebook, path
 def test_packed_decode_replayed_from_a_full_graph(gpu, kda, tracebook):
     """The FULL decode graph case: the entry is captured once (membership, no execution), replayed under
     the profiler; the trace's replayed kernels map to the path the probes recorded as in that graph."""
-    from probes.traces import read_trace
+    from probes.observe.traces import read_trace
 
     torch = gpu
     session, mod, jit = kda

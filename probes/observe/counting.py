@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from .patching import SENTINEL
+from probes.core.patching import SENTINEL
 
 PHASES = ("prefill", "decode", "spec-verify", "mixed", "unknown")
 PHASE_INDEX = {p: i for i, p in enumerate(PHASES)}

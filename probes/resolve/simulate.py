@@ -301,7 +301,7 @@ def install_node_topology(hooks) -> None:
             return [r // GPUS_PER_NODE == node for r in ranks]
 
         mod.in_the_same_node_as = in_the_same_node_as
-        from .patching import rebind
+        from probes.core.patching import rebind
 
         rebind(original, in_the_same_node_as, ("vllm",), skip=mod)
 
@@ -324,7 +324,7 @@ def install_meta_device_args(hooks) -> None:
     for module, qualname, arg in META_DEVICE_ARGS:
 
         def patch(mod, qualname=qualname, arg=arg):
-            from .patching import resolve
+            from probes.core.patching import resolve
 
             try:
                 owner, name, raw = resolve(mod, qualname)

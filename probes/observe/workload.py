@@ -15,7 +15,7 @@ Prompts are token ids (``--skip-tokenizer-init``): no tokenizer or weights are d
 Corroboration (optional, on by default in observe mode): the server also gets vLLM's own
 ``--profiler-config`` for the torch profiler, and each phase runs inside one profiling session
 (``/start_profile`` with the phase's name as the trace prefix, ``/stop_profile`` after), so every
-worker writes one Chrome trace per phase (read by :mod:`probes.traces`). A session that vLLM refuses
+worker writes one Chrome trace per phase (read by :mod:`probes.observe.traces`). A session that vLLM refuses
 is recorded and the phase runs unprofiled: the probes stay the primary evidence.
 Standard library only; running needs GPUs.
 """

@@ -1,11 +1,11 @@
 """Observe-mode agent: serve one cell's model slice with ``vllm serve`` on real GPUs.
 
-    python -m probes.observe_agent PLAN.json CELL_INDEX
+    python -m probes.observe.agent PLAN.json CELL_INDEX
 
 Runs inside the pinned environment or image, with the probes' plugin visible to vLLM
 (``VLLM_PLUGINS=serving_truth``, the staged dist-info on ``PYTHONPATH``) and ``SERVING_TRUTH_OUT``
 naming this cell's evidence directory, so every process vLLM starts (API server, engine core, each
-worker) records its own counts. This process starts the server through :mod:`probes.workload`, sends
+worker) records its own counts. This process starts the server through :mod:`probes.observe.workload`, sends
 the phases' requests and records what each did (its own evidence file has no counts).
 
 Corroboration (unless the plan says ``"profile": false``): before serving, the kernel-name map is
@@ -24,20 +24,21 @@ TRACE_DIR = "traces"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .agent import read_plan
+    from probes.core.plan import read_plan
 
     argv = sys.argv[1:] if argv is None else argv
-    plan = read_plan(argv, "python -m probes.observe_agent PLAN.json CELL_INDEX", nargs=2)
+    plan = read_plan(argv, "python -m probes.observe.agent PLAN.json CELL_INDEX", nargs=2)
     if plan is None:
         return 2
-    from .lifecycle import watch_parent
+    from probes.core.lifecycle import watch_parent
 
     watch_parent()
     cell = plan["cells"][int(argv[1])]
     os.environ["SERVING_TRUTH_MODE"] = "observe"
     os.environ["SERVING_TRUTH_CELL"] = f"{cell['system']['name']}--{cell['layout']['name']}"
     os.environ.setdefault("VLLM_PLUGINS", "serving_truth")
-    from . import plugin, workload
+    from probes.observe import plugin
+    from probes.observe import workload
 
     plugin.register()
     rec = plugin.recorder()
@@ -71,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def record_kernel_map(rec) -> None:
     """The kernel-name map this run reads traces with, and what of it this build contains."""
-    from .kernel_names import check_build
-    from .observe import KERNELS
+    from probes.observe.kernel_names import check_build
+    from probes.observe.session import KERNELS
 
     lane_of = {k.path: k.lane for k in KERNELS}
     try:
@@ -85,7 +86,7 @@ def record_kernel_map(rec) -> None:
 
 def record_traces(rec, trace_dir: str) -> None:
     """Kernel launch counts of every trace vLLM's workers wrote (none if the profiler did not run)."""
-    from .traces import summarize
+    from probes.observe.traces import summarize
 
     try:
         rec.emit("profiler-traces", dir=TRACE_DIR, traces=summarize(trace_dir))

@@ -34,8 +34,8 @@ import re
 import time
 import traceback
 
-from . import simulate
-from .recorder import describe
+from probes.resolve import simulate
+from probes.core.recorder import describe
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 #: messages that name the simulation itself, whatever raised them

@@ -1,6 +1,6 @@
 """The stages of a resolve-mode run: platform, config, distributed, construct, inspect.
 
-Imported only inside the pinned environment by :mod:`probes.agent`. It drives vLLM's own code paths
+Imported only inside the pinned environment by :mod:`probes.resolve.agent`. It drives vLLM's own code paths
 (the server's argument parser, ``create_engine_config``, the worker's distributed init, the model
 loader's ``create_model``) and stands in only for device boundaries, each listed in SIMULATED.
 """
@@ -11,10 +11,10 @@ import importlib.metadata
 import os
 import re
 
-from . import simulate
-from .install import ProbeSet
-from .patching import PostImportHooks
-from .targets import TARGETS, Target
+from probes.resolve import simulate
+from probes.core.install import ProbeSet
+from probes.core.patching import PostImportHooks
+from probes.core.targets import TARGETS, Target
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -102,7 +102,7 @@ def prepare_process(plan: dict) -> None:
 
 def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
     """One SM: probes, simulated platform, vLLM imports. Failures are recorded, then re-raised per cell."""
-    from .agent import fingerprint
+    from probes.core.environment import fingerprint
 
     warm: dict = {"error": None}
     rec.emit("fingerprint", **fingerprint(plan))
@@ -129,7 +129,7 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
         with Stage(rec, "imports"):
             for name in plan.get("warm_imports", ()):
                 importlib.import_module(name)
-            from .agent import warm_up
+            from probes.resolve.warmup import warm_up
 
             ok, failed = warm_up(plan.get("learned_imports", ()))
             rec.emit("warm_imports", listed=len(plan.get("warm_imports", ())), learned_ok=ok,
@@ -140,7 +140,8 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
 
 
 def run_cell(plan: dict, cell: dict, rec, Stage, warm: dict) -> None:
-    from .agent import StageFailed, availability
+    from probes.core.environment import availability
+    from probes.core.stages import StageFailed
 
     system, layout = cell["system"], cell["layout"]
     probes = warm.get("probes")
@@ -226,7 +227,7 @@ def _run_stages(plan, cell, rec, Stage) -> None:
         # after construction's evidence is recorded: post-load changes the modules it reads
         try:
             with Stage(rec, "post-load"):
-                from . import postload
+                from probes.resolve import postload
 
                 postload.run(model, vllm_config, rec)
                 if draft is not None:  # vLLM's drafter loader post-processes the draft the same way
@@ -235,8 +236,8 @@ def _run_stages(plan, cell, rec, Stage) -> None:
         except _stage_failed():  # the driver itself failed: recorded; construction's evidence stands
             pass
 
-    if plan.get("dispatch", True):  # per-call dispatch tiers (probes/dispatch.py); records, never raises
-        from . import dispatch
+    if plan.get("dispatch", True):  # per-call dispatch tiers (probes/resolve/dispatch.py); records, never raises
+        from probes.resolve import dispatch
 
         dispatch.run([("target", model), ("draft", draft)], vllm_config, rec)
 
@@ -252,7 +253,7 @@ def _run_stages(plan, cell, rec, Stage) -> None:
 
 
 def _stage_failed():
-    from .agent import StageFailed
+    from probes.core.stages import StageFailed
 
     return StageFailed
 
@@ -340,7 +341,7 @@ def check_observe_targets(rec) -> None:
     built the model), importing every module they name, and record what each target became:
     ``patched``, ``missing: ...`` (drift), or the import error of its module."""
 
-    from .observe import GRAPH_HOOKS, KERNELS, SCOPES, ObserveSession
+    from probes.observe.session import GRAPH_HOOKS, KERNELS, SCOPES, ObserveSession
 
     session = ObserveSession(rec).install()
     imports = {}
@@ -441,8 +442,8 @@ def inspect_model(model, rec) -> None:
     This runs after the whole model is built, so it also sees choices made after a layer's own
     constructor (e.g. linear methods swapped at the end of model construction).
     """
-    from .install import _interesting_attrs
-    from .recorder import describe
+    from probes.core.install import _interesting_attrs
+    from probes.core.recorder import describe
 
     for name, module in model.named_modules():
         m = _LAYER_RE.search(name)

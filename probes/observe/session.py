@@ -5,7 +5,7 @@ What is wrapped (targets as data, researched for vLLM 0.33 in docs/notes/observe
 
 * **kernel entries** (:data:`KERNELS`): one wrapper per implementation of a lane, e.g. the KDA decode
   kernels ``vllm._custom_ops.fused_kda_decode`` / FlashInfer / Triton, each MLA impl's
-  ``forward_mqa``, each MoE experts class's ``apply``. A wrapper only counts (probes.counting).
+  ``forward_mqa``, each MoE experts class's ``apply``. A wrapper only counts (probes.observe.counting).
 * **layer scopes** (:data:`SCOPES`): the per-layer functions that call them (KDA ``_forward``, MLA
   ``_attention``, ``MoERunner._forward_impl``) set the current layer; the KDA scope also sets the
   step's phase from its attention metadata (prefills / plain decodes / speculative decodes). K3's KDA
@@ -27,8 +27,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from .counting import Counters
-from .patching import SENTINEL, PostImportHooks, rebind, resolve
+from probes.observe.counting import Counters
+from probes.core.patching import SENTINEL, PostImportHooks, rebind, resolve
 
 K3 = "vllm.models.kimi_k3.nvidia."
 MLA_BK = "vllm.v1.attention.backends.mla."

@@ -1,7 +1,7 @@
 """Read ELF64 shared objects in pure Python: which CUDA driver functions the installed libraries import.
 
 Standard library only: it runs on the host (``audit.cudastub`` builds a stub ``libcuda.so.1`` from the
-answer) and inside foreign images (``probes.inventory``), where binutils may be missing.
+answer) and inside foreign images (``probes.core.inventory``), where binutils may be missing.
 """
 from __future__ import annotations
 

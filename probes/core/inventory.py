@@ -1,6 +1,6 @@
 """What an image (or environment) holds, read without importing vLLM or torch.
 
-    python -m probes.inventory [--cuda-symbols]
+    python -m probes.core.inventory [--cuda-symbols]
 
 Prints one JSON object: Python, the packages that decide vLLM's kernel choices (vLLM version and
 git sha, torch and its CUDA, FlashInfer, DeepGEMM external or vendored, CUTLASS DSL, ...), the CUDA
@@ -163,7 +163,7 @@ def inventory(cuda_symbols: bool = False) -> dict:
         "site_packages": site_dirs(),
     }
     if cuda_symbols:
-        from .elfscan import needed_cuda_symbols
+        from probes.core.elfscan import needed_cuda_symbols
 
         out["cuda_symbols"] = sorted(needed_cuda_symbols(site_dirs()))
     return out

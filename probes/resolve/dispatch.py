@@ -30,7 +30,7 @@ import importlib
 import re
 import time
 
-from .recorder import describe
+from probes.core.recorder import describe
 
 DECODE_BATCHES = (1, 8, 64, 256)
 PREFILL_CHUNKS = (512, 2048, 8192)

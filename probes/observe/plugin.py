@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .recorder import Recorder
+from probes.core.recorder import Recorder
 
 ENV_OUT = "SERVING_TRUTH_OUT"
 ENV_MODE = "SERVING_TRUTH_MODE"
@@ -41,7 +41,7 @@ def dist_info_files(version: str) -> dict[str, str]:
     d = f"{DIST_NAME}-{version}.dist-info"
     return {
         f"{d}/METADATA": f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: {version}\n",
-        f"{d}/entry_points.txt": f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = probes.plugin:register\n",
+        f"{d}/entry_points.txt": f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = probes.observe.plugin:register\n",
         f"{d}/top_level.txt": "probes\n",
     }
 
@@ -77,7 +77,7 @@ def register() -> None:
             meta["cell"] = {"system": system, "layout": layout}
         rec = Recorder(out, role=_role(), meta=meta)
         _state["rec"] = rec
-        from .install import ProbeSet
+        from probes.core.install import ProbeSet
 
         try:
             from importlib.metadata import version
@@ -89,7 +89,7 @@ def register() -> None:
         if os.environ.get(ENV_MODE) == "observe":  # count kernel entries, graphs, phases
             import atexit
 
-            from .observe import ObserveSession
+            from probes.observe.session import ObserveSession
 
             session = ObserveSession(rec).install()
             _state["observe"] = session

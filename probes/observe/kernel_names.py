@@ -1,6 +1,6 @@
 """Which GPU kernels each observed kernel path launches: the map torch.profiler traces are read with.
 
-Observe mode's probes count calls of vLLM's Python kernel entries (``probes.observe.KERNELS``, one
+Observe mode's probes count calls of vLLM's Python kernel entries (``probes.observe.session.KERNELS``, one
 *path* each). A torch.profiler trace names the GPU kernels that actually ran. :data:`KERNEL_NAMES`
 ties the two: per path, a regular expression over kernel names (``re.search``; written with
 identifier fragments that appear alike in the demangled name a trace shows and the mangled name a
@@ -36,7 +36,7 @@ _SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".cuh.in", ".inc", ".py", ".jin
 
 @dataclass(frozen=True)
 class KernelName:
-    #: a ``Kernel.path`` of :data:`probes.observe.KERNELS`
+    #: a ``Kernel.path`` of :data:`probes.observe.session.KERNELS`
     path: str
     pattern: str
     origin: str

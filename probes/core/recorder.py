@@ -16,7 +16,7 @@ import sys
 import threading
 from contextvars import ContextVar
 
-from . import EVIDENCE_SCHEMA
+from probes import EVIDENCE_SCHEMA
 
 #: the model-layer prefix currently under construction (pushed by scope probes)
 current_scope: ContextVar[tuple[str, ...]] = ContextVar("serving_truth_scope", default=())

@@ -1,4 +1,4 @@
-"""Install the probes listed in :mod:`probes.targets` and turn calls into evidence records."""
+"""Install the probes listed in :mod:`probes.core.targets` and turn calls into evidence records."""
 from __future__ import annotations
 
 import enum
@@ -8,9 +8,9 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from . import patching
-from .recorder import Recorder, current_scope, describe
-from .targets import TARGETS, Target, spec_applies, split_spec
+from probes.core import patching
+from probes.core.recorder import Recorder, current_scope, describe
+from probes.core.targets import TARGETS, Target, spec_applies, split_spec
 
 
 def _scope() -> str:

@@ -1,0 +1,1 @@
+"""What resolve and observe share: patching, targets, the recorder, lifecycles, the image inventory."""

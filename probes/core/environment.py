@@ -1,0 +1,102 @@
+"""What in a process's install and environment can change vLLM's choices (the evidence's fingerprint),
+and vLLM's own availability answers. Standard library only until ``availability`` asks vLLM."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import sys
+
+#: packages whose presence/version changes what vLLM selects (install, not GPU)
+FINGERPRINT_PACKAGES = (
+    "vllm", "torch", "triton", "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache",
+    "deep-gemm", "deep_gemm", "nvidia-cutlass-dsl", "humming-kernels", "triton-kernels", "tilelang",
+    "quack-kernels", "tokenspeed-mla", "flash-kda", "flashkda", "transformers", "compressed-tensors",
+    "cuda-python", "nvidia-cuda-nvcc", "nvidia-nccl-cu13", "nvidia-nccl-cu12", "xgrammar", "ninja",
+)
+FINGERPRINT_MODULES = ("deep_gemm", "flashinfer", "flash_kda", "flashkda", "triton_kernels", "humming",
+                       "cutlass", "tilelang", "vllm.third_party.deep_gemm", "vllm._flashkda_C")
+FINGERPRINT_TOOLS = ("nvcc", "ninja", "gcc", "c++", "cc")
+FINGERPRINT_ENV_PREFIXES = ("VLLM_", "CUDA_", "TRITON_", "FLASHINFER_", "DG_", "TORCH_CUDA_ARCH", "PYTORCH_")
+#: set by the harness itself; not part of the audited environment (a plan can add to this list)
+_HARNESS_ENV = ("TRITON_LIBCUDA_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR",
+                "VLLM_PLUGINS")
+#: values never written into evidence, whatever the prefix
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "KEY", "CREDENTIAL", "AUTH")
+REDACTED = "<redacted>"
+
+
+def _module_present(dotted: str) -> bool:
+    """Whether a module is installed, without importing it or its parents (no side effects)."""
+    top, _, rest = dotted.partition(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    parts = rest.split(".")
+    for base in spec.submodule_search_locations or ():
+        folder = os.path.join(base, *parts[:-1])
+        if os.path.isdir(os.path.join(folder, parts[-1])) or os.path.exists(os.path.join(folder, parts[-1] + ".py")):
+            return True
+        if os.path.isdir(folder) and any(n.startswith(parts[-1] + ".") and n.endswith(".so") for n in os.listdir(folder)):
+            return True
+    return False
+
+
+def fingerprint(plan: dict | None = None) -> dict:
+    """What in this process's install and environment can change vLLM's choices.
+
+    Variables the harness set (``plan["harness_env"]``, e.g. CUDA_HOME in the local runtime, where it
+    is stated in the provenance instead) are left out; values of variables the user passed through
+    by name (``plan["redact_env"]``) and of anything that looks like a credential are redacted.
+    """
+    plan = plan or {}
+    harness = set(_HARNESS_ENV) | set(plan.get("harness_env", ()))
+    redact = set(plan.get("redact_env", ()))
+    pkgs = {}
+    for name in FINGERPRINT_PACKAGES:
+        try:
+            pkgs[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    env = {}
+    for k, v in sorted(os.environ.items()):
+        if k.startswith(FINGERPRINT_ENV_PREFIXES) and k not in harness:
+            env[k] = REDACTED if k in redact or any(w in k.upper() for w in _SECRET_WORDS) else v
+    return {
+        "packages": pkgs,
+        "modules": {mod: _module_present(mod) for mod in FINGERPRINT_MODULES},
+        "tools": {t: bool(shutil.which(t)) for t in FINGERPRINT_TOOLS},
+        "env": env,
+        "python": sys.version.split()[0],
+    }
+
+
+def availability() -> dict:
+    """vLLM's own "is X available" answers, asked after the model was built."""
+    out = {}
+    checks = (
+        ("deep_gemm", "vllm.utils.deep_gemm", "has_deep_gemm"),
+        ("flashinfer", "vllm.utils.flashinfer", "has_flashinfer"),
+        ("flashinfer_cutlass_fused_moe", "vllm.utils.flashinfer", "has_flashinfer_cutlass_fused_moe"),
+        ("flashinfer_trtllm_fused_moe", "vllm.utils.flashinfer", "has_flashinfer_trtllm_fused_moe"),
+        ("triton_kernels", "vllm.utils.import_utils", "has_triton_kernels"),
+    )
+    for key, module, fn in checks:
+        try:
+            out[key] = bool(getattr(importlib.import_module(module), fn)())
+        except Exception as exc:
+            out[key] = f"unknown ({type(exc).__name__})"
+    try:
+        import torch
+
+        out["torch.version.cuda"] = torch.version.cuda
+    except Exception:
+        pass
+    return out

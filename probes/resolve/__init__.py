@@ -1,0 +1,1 @@
+"""Resolve mode: vLLM's own selection code under a simulated platform, per (system, layout) cell."""

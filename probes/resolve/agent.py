@@ -1,0 +1,178 @@
+"""Resolve-mode agent: run vLLM's own selection code for a plan of (system, layout) cells.
+
+Runs inside the pinned environment (a venv holding the pinned wheel, or the pinned image)::
+
+    python -m probes.resolve.agent PLAN.json
+
+Process layout (import-time state follows the GPU, so the capability never changes in a process):
+
+* the agent loads the stub libcuda and imports torch and other platform-independent modules once;
+* it forks one child per distinct SM capability, which installs the probes and the simulated
+  platform, then imports vLLM (import-time constants and cached selectors see that SM only);
+* that child forks one grandchild per cell, which sets the SKU and world size, builds the config
+  from ``vllm serve`` arguments, initialises a fake process group, constructs the model on the meta
+  device, inspects it, and writes ``<out_dir>/<system>--<layout>/evidence-*.jsonl``;
+* after each cell, the SM process imports the modules that cell imported lazily (and the host passes
+  those learned by earlier runs), so the next cells fork warm: a speed-up, never a change of state
+  a cell could observe, since vLLM's import-time state depends on the platform, not the config.
+
+Each stage is recorded with its outcome, so the ledger can say how deep construction went; a
+failing stage is evidence, not a crash of the harness. A cell whose process dies leaves its
+``agent.log`` and no evidence file; the host reports it as INCOMPLETE.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+from probes.core.lifecycle import die_with_parent, watch_parent
+from probes.core.plan import read_plan
+from probes.core.recorder import Recorder
+from probes.core.stages import Stage, StageFailed
+from probes.resolve.warmup import IMPORTED_FILE, _read_imported, warm_up
+
+def cell_dir(plan: dict, cell: dict) -> str:
+    return os.path.join(plan["out_dir"], f"{cell['system']['name']}--{cell['layout']['name']}")
+
+
+def _fork(fn, *args) -> int:
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        die_with_parent(parent)  # a killed agent or SM process takes its children with it
+        try:
+            code = fn(*args) or 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def _wait(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def describe_exit(code: int) -> str:
+    """``exit 1`` / ``killed by signal 9 (SIGKILL)`` for a waitstatus_to_exitcode value."""
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "?"
+        return f"killed by signal {-code} ({name})"
+    return f"exit {code}"
+
+
+def _note(path: str, text: str) -> None:
+    """Append the harness's own line to a process's log (why it ended, when it could not say so itself)."""
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(f"[serving-truth agent] {text}\n")
+    except OSError:
+        pass
+
+
+def run_group(plan: dict, cells: list[dict]) -> int:
+    """One SM: install probes and platform, import vLLM, then one forked process per cell."""
+    from probes.resolve import cell as resolve
+
+    rec = Recorder(None, role="resolve-agent", meta={"mode": "resolve", "pin": plan.get("pin", "")})
+    first = cells[0]
+    warm = resolve.prepare_group(plan, first, rec, Stage)
+    failed = 0
+    for cell in cells:
+        out = cell_dir(plan, cell)
+        os.makedirs(out, exist_ok=True)
+        pid = _fork(_run_cell, plan, cell, rec, warm, out)
+        code = _wait(pid)
+        if code != 0:
+            failed += 1
+            _note(os.path.join(out, "agent.log"), f"the cell's process (pid {pid}) ended: {describe_exit(code)}")
+        if warm.get("error") is None:
+            warm_up(_read_imported(out))
+    return 1 if failed else 0
+
+
+def _run_cell(plan, cell, rec, warm, out) -> int:
+    log = os.open(os.path.join(out, "agent.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    from probes.resolve import cell as resolve
+
+    before = set(sys.modules)
+    rec.retarget(out, cell={"system": cell["system"]["name"], "layout": cell["layout"]["name"]})
+    try:
+        resolve.run_cell(plan, cell, rec, Stage, warm)
+    except StageFailed:
+        pass
+    finally:
+        path = rec.flush()
+        print(f"evidence: {path}", flush=True)
+        imported = [m for m in list(sys.modules) if m not in before]
+        with open(os.path.join(out, IMPORTED_FILE), "w", encoding="utf-8") as fh:
+            json.dump(imported, fh)
+    return 0
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    plan = read_plan(argv, "python -m probes.resolve.agent PLAN.json", nargs=1)
+    if plan is None:
+        return 2
+    watch_parent()
+    from probes.resolve import cell as resolve
+
+    resolve.prepare_process(plan)
+    groups: dict[tuple, list[dict]] = {}
+    for cell in plan["cells"]:
+        groups.setdefault(tuple(cell["system"]["capability"]), []).append(cell)
+    parallel = max(1, int(plan.get("parallel", 1)))
+    running: dict[int, None] = {}
+    groups_of: dict[int, str] = {}
+    cells_of: dict[int, list] = {}
+    failed = 0
+
+    def reap_one() -> int:
+        pid, status = os.wait()  # whichever SM process finishes first
+        running.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:  # killed: its cells that had not finished cannot say so themselves
+            print(f"[serving-truth agent] the SM process for {groups_of.get(pid)} (pid {pid}) ended: "
+                  f"{describe_exit(code)}", file=sys.stderr, flush=True)
+            for cell in cells_of.get(pid, []):
+                log = os.path.join(cell_dir(plan, cell), "agent.log")
+                if not any(n.startswith("evidence-") for n in _listdir(cell_dir(plan, cell))):
+                    _note(log, f"the SM process that runs this cell (pid {pid}) ended: {describe_exit(code)}")
+        return code != 0
+
+    # larger groups first, so the last one to start is a short one
+    for cells in sorted(groups.values(), key=len, reverse=True):
+        while len(running) >= parallel:
+            failed += reap_one()
+        pid = _fork(run_group, plan, cells)
+        running[pid] = None
+        groups_of[pid] = "SM " + ".".join(str(x) for x in cells[0]["system"]["capability"])
+        cells_of[pid] = cells
+    while running:
+        failed += reap_one()
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

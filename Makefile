@@ -83,7 +83,7 @@ diff: setup
 # Re-audit every pin with a wheel in release order and rewrite reports/ and reports/diffs/ (the committed
 # reports are exactly what this writes). Builds one environment at a time and drops it after use.
 reports: setup
-	$(BIN)/serving-truth regenerate --lock $(LOCK) --drop-envs --keep-env $(PIN)
+	$(BIN)/serving-truth regenerate --lock $(LOCK) --drop-envs
 
 pins: setup
 	$(BIN)/serving-truth pins --lock $(LOCK)

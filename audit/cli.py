@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--reports", default="reports")
     rg.add_argument("--drop-envs", action="store_true",
                     help="remove each pin's environment after its audit (~9 GB each), except --keep-env")
-    rg.add_argument("--keep-env", default="v0.33.0", help="the environment --drop-envs keeps (default v0.33.0)")
+    rg.add_argument("--keep-envs", default="v0.33.0,v0.30.0",
+                    help="environments --drop-envs keeps, a comma list (default: the two the tests use)")
     rg.add_argument("--no-cache", dest="cache", action="store_false", help="run every cell")
 
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             pins = [p.strip() for p in args.pins.split(",") if p.strip()]
             with err.status("regenerating reports") as status:
                 done = regenerate_reports(lock_path=args.lock, reports_dir=args.reports, pins=pins or None,
-                                          drop_envs=args.drop_envs, keep_env=args.keep_env, cache=args.cache,
+                                          drop_envs=args.drop_envs, cache=args.cache,
+                                          keep_envs=tuple(p.strip() for p in args.keep_envs.split(",") if p.strip()),
                                           progress=lambda event, **f: status.update(f.get("text", event)))
             for o in done:
                 v = ", ".join(f"{k} {n}" for k, n in (o.verdicts or {}).items() if n)

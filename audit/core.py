@@ -399,12 +399,12 @@ def _fuller_report(report_dir: Path, cells: list[tuple[str, str]]) -> int | None
 
 
 def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
-                       pins: list[str] | None = None, drop_envs: bool = False, keep_env: str = "",
+                       pins: list[str] | None = None, drop_envs: bool = False, keep_envs: tuple[str, ...] = (),
                        progress: Progress = lambda *a, **k: None, cache: bool = True) -> list[AuditOutcome]:
     """Audit every pin that has a wheel (or those named), in release order so that each ledger's "changes
     since" finds the previous pin's fresh report, replacing ``reports/<pin>/``; then write the diff between
     each pair of consecutive pins under ``reports/diffs/``. With ``drop_envs`` the environment of each pin
-    but ``keep_env`` is removed after its audit (each holds ~9 GB)."""
+    not in ``keep_envs`` is removed after its audit (each holds ~9 GB)."""
     from .diff import write_diff
     from .runtimes.local import LocalRuntime
 
@@ -420,7 +420,7 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
         progress("stage", text=f"auditing {pin.name}")
         outcomes.append(run_audit(pin.name, lock_path=lock_path, reports_dir=reports_dir, progress=progress,
                                   replace=True, cache=cache))
-        if drop_envs and pin.name != keep_env:
+        if drop_envs and pin.name not in keep_envs:
             env = LocalRuntime().env_dir(pin)  # validated: a direct child of <cache>/envs
             shutil.rmtree(env, ignore_errors=True)
     for before, after in zip(chosen, chosen[1:]):

@@ -114,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--lock", default="images.lock")
     rg.add_argument("--reports", default="reports")
     rg.add_argument("--drop-envs", action="store_true",
-                    help="remove each pin's environment after its audit (~9 GB each), except --keep-env")
+                    help="remove each pin's environment after its audit (~9 GB each), except --keep-envs")
     rg.add_argument("--keep-envs", default="v0.33.0,v0.30.0",
                     help="environments --drop-envs keeps, a comma list (default: the two the tests use)")
     rg.add_argument("--no-cache", dest="cache", action="store_false", help="run every cell")

@@ -131,3 +131,28 @@ def test_malformed_label_map(tmp_path):
 def test_verdicts_are_deterministic():
     exp = expectations.load(SHIPPED)
     assert judge(routing(), exp) == judge(copy.deepcopy(routing()), exp)
+
+
+def test_a_claim_on_a_drifted_lane_stays_visible_as_unverified():
+    """A renamed selector leaves its lane without evidence: the claims on it are UNVERIFIED with the drift
+    named (never silently dropped), and an INCOMPLETE cell's claims are UNVERIFIED too (never a pass)."""
+    exp = expectations.load(ROOT / "expectations" / "kimi-k3.toml")
+    r = routing()
+    cell = next(c for c in r["cells"] if c["status"] == "COMPLETE" and c["lanes"].get("kda.prefill"))
+    claimed = [c.id for c in exp.claims if c.covers(cell["system"], cell["layout"], "kda.prefill")]
+    assert claimed
+    cell["lanes"]["kda.prefill"] = []
+    cell["drift"] = [{"target": "kda.prefill_backend", "title": "KDA prefill selector", "required": True,
+                      "attempts": []}]
+    rows = [v for v in judge(r, exp) if (v["system"], v["layout"], v["lane"]) ==
+            (cell["system"], cell["layout"], "kda.prefill")]
+    assert sorted(v["claim"] for v in rows) == sorted(claimed)
+    assert {v["verdict"] for v in rows} == {"UNVERIFIED"}
+    assert all("probe target(s) drifted: kda.prefill_backend" in v["why"] for v in rows)
+
+    r = routing()
+    other = next(c for c in r["cells"] if c["status"] == "COMPLETE")
+    other["status"] = "INCOMPLETE"
+    rows = [v for v in judge(r, exp) if (v["system"], v["layout"]) == (other["system"], other["layout"])]
+    assert rows and {v["verdict"] for v in rows} == {"UNVERIFIED"}
+    assert summary(rows)["UNVERIFIED"] == len(rows)

@@ -42,35 +42,22 @@ class AuditOutcome:
 
 def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True,
                       lock: str = "images.lock", expectations: str = "auto", baseline: str = "") -> str:
-    """The command that audits the same inputs again (the lock and expectations when not the defaults)."""
+    """The command that audits the same inputs again: ``make audit`` with its variables, or the CLI where
+    make has no variable for an option (``--no-cuda-toolkit``); defaults are left out."""
     lock = _display(Path(lock)) if lock != "images.lock" else lock
+    options = [  # (make variable, CLI option, value, whether it differs from the default)
+        ("RUNTIME", "--runtime", runtime, runtime != "local" or not cuda_toolkit),
+        ("SYSTEMS", "--systems", ",".join(s.name for s in systems), len(systems) != len(SYSTEMS)),
+        ("LAYOUTS", "--layouts", ",".join(l.name for l in layouts), len(layouts) != len(LAYOUTS)),
+        ("LOCK", "--lock", lock, lock != "images.lock"),
+        ("EXPECTATIONS", "--expectations", expectations, expectations != "auto"),
+        ("BASELINE", "--baseline", baseline, bool(baseline)),
+    ]
+    given = [(var, opt, value) for var, opt, value, differs in options if differs]
     if not cuda_toolkit:
-        cmd = f"serving-truth audit {pin} --runtime {runtime} --no-cuda-toolkit"
-        if len(systems) != len(SYSTEMS):
-            cmd += " --systems " + ",".join(s.name for s in systems)
-        if len(layouts) != len(LAYOUTS):
-            cmd += " --layouts " + ",".join(l.name for l in layouts)
-        if lock != "images.lock":
-            cmd += f" --lock {lock}"
-        if expectations != "auto":
-            cmd += f" --expectations {expectations}"
-        if baseline:
-            cmd += f" --baseline {baseline}"
-        return cmd
-    cmd = f"make audit PIN={pin}"
-    if runtime != "local":
-        cmd += f" RUNTIME={runtime}"
-    if len(systems) != len(SYSTEMS):
-        cmd += " SYSTEMS=" + ",".join(s.name for s in systems)
-    if len(layouts) != len(LAYOUTS):
-        cmd += " LAYOUTS=" + ",".join(l.name for l in layouts)
-    if lock != "images.lock":
-        cmd += f" LOCK={lock}"
-    if expectations != "auto":
-        cmd += f" EXPECTATIONS={expectations}"
-    if baseline:
-        cmd += f" BASELINE={baseline}"
-    return cmd
+        return " ".join([f"serving-truth audit {pin}", *(f"{opt} {v}" for _, opt, v in given[:1]),
+                         "--no-cuda-toolkit", *(f"{opt} {v}" for _, opt, v in given[1:])])
+    return " ".join([f"make audit PIN={pin}", *(f"{var}={v}" for var, _, v in given)])
 
 
 def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: str = "local",

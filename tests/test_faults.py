@@ -22,6 +22,7 @@ from tests.conftest import ROOT
 
 CLI = [sys.executable, "-m", "audit.cli"]
 CELLS = ["--systems", "b200_sxm", "--layouts", "tp8,dep8"]
+#: the tests that kill a process of a running audit pass --no-cache: cached cells start no process
 
 
 def cli(*args, cwd=ROOT, **kw):
@@ -114,8 +115,8 @@ def run_copy(audited, tmp_path):
 def test_a_killed_cell_makes_the_run_incomplete_and_render_refuses_it(audited, report_copy, cache_root):
     before_runs = set((cache_root / "runs").glob("*"))
     before = snapshot(report_copy)
-    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(report_copy)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(report_copy), "--no-cache"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
         assert run is not None, "the audit never created its run directory"
@@ -171,7 +172,8 @@ def test_a_killed_sm_process_is_named_as_the_cause(audited, tmp_path, cache_root
 @pytest.mark.vllm
 def test_sigkill_of_the_harness_takes_every_agent_process_with_it(audited, tmp_path, cache_root):
     before_runs = set((cache_root / "runs").glob("*"))
-    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(tmp_path / "r")], cwd=ROOT,
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(tmp_path / "r"), "--no-cache"],
+                            cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
     assert run is not None
@@ -187,8 +189,8 @@ def test_sigkill_of_the_harness_takes_every_agent_process_with_it(audited, tmp_p
 def test_sigkill_of_the_agent_ends_its_sm_processes_and_fails_the_run(audited, report_copy, cache_root):
     before_runs = set((cache_root / "runs").glob("*"))
     before = snapshot(report_copy)
-    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(report_copy)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(report_copy), "--no-cache"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
     assert run is not None
     pids = wait_for(lambda: len(agents_of(run)) >= 2 and agents_of(run), 300)

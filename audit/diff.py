@@ -186,14 +186,15 @@ def _cell_facts(a: dict, b: dict):
                 yield f"{title}: {key}", _text(da.get(key)), _text(db.get(key))
 
 
-_SEVERITY = ("CRASH", "MISMATCH", "SILENT_FALLBACK", "RANK_DISAGREE", "MATCH", "NOT_EXERCISED", "UNVERIFIED")
+_SEVERITY = ("CRASH", "LOAD_REFUSED", "MISMATCH", "SILENT_FALLBACK", "RANK_DISAGREE", "MATCH", "NOT_EXERCISED", "UNVERIFIED")
 
 
 def _worst_verdicts(routing: dict) -> dict[tuple, str]:
-    """(claim, system, layout, lane) -> its most severe verdict over the lane's layer groups."""
+    """(claim, system, layout, lane, workload) -> its most severe verdict over the lane's layer groups
+    (workload: a claim's ``at``, empty for a claim about every batch size)."""
     out: dict[tuple, str] = {}
     for r in (routing.get("verdicts") or {}).get("rows", []):
-        key = (r["claim"], r["system"], r["layout"], r["lane"])
+        key = (r["claim"], r["system"], r["layout"], r["lane"], r.get("at", ""))
         if key not in out or _SEVERITY.index(r["verdict"]) < _SEVERITY.index(out[key]):
             out[key] = r["verdict"]
     return out

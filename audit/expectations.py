@@ -18,6 +18,21 @@ File format (TOML; ``expectations/kimi-k3.toml`` is the shipped example)::
     forbidden = ["cutlass"]                            # optional: families that must not run
     source = "where the claim comes from"
 
+A claim can be about a batch size (a perf database measures per token count): ``at`` names the
+workloads it is judged at, and ``dispatch`` what vLLM's per-call choice must be there::
+
+    [[claim]]
+    id = "mla-prefill-512"
+    lane = "mla.prefill"
+    at = ["prefill 512", "prefill 2048"]               # "decode B" (B one-token requests), "prefill N"
+                                                       # (one N-token chunk), "verify N" (N tokens verified)
+    backend = "flash_attn"
+    dispatch = { latent_tail = "TAIL_FUSION" }         # optional: dispatch lane -> the choice's leading text
+
+Such a claim is judged against the dispatch tier resolved for that workload (audit/dispatch.py): the
+lane path that serves the workload (a short prefill chunk can take MLA's decode path) and, with
+``dispatch``, vLLM's per-call choice. A tier only a GPU decides leaves the claim UNVERIFIED.
+
 A label map file holds ``[labels]`` with ``label = "family"`` entries (the same facts as
 aiconfigurator's ``collector/kernel_source_backends.yaml``). Bad input raises ExpectationsError with
 the file and line.
@@ -46,7 +61,10 @@ PERF_LANES: dict[str, str] = {
     "mla.prefill": "mla.prefill",
 }
 _LABEL = re.compile(r"^[a-z0-9][a-z0-9_]*$")
-_KEYS = {"id", "lane", "layouts", "systems", "kernel_source", "backend", "forbidden", "source"}
+_KEYS = {"id", "lane", "layouts", "systems", "kernel_source", "backend", "forbidden", "source", "at", "dispatch"}
+_AT = re.compile(r"^(decode|prefill|verify) ([1-9][0-9]*)$")
+#: perf-db lanes measured in one phase only: the workloads a claim about them can name
+_LANE_PHASES = {"kda.context": ("prefill",), "kda.generation": ("decode",), "kda.verify": ("verify",)}
 
 
 def sm_family(system) -> str:
@@ -70,6 +88,8 @@ class Claim:
     forbidden: tuple[str, ...] = ()
     source: str = ""
     line: int = 0
+    at: tuple[str, ...] = ()  # workloads ("decode 1", "prefill 512", "verify 32") the claim is about
+    dispatch: tuple[tuple[str, str], ...] = ()  # (dispatch lane, leading text of the expected choice)
 
     def covers(self, system: str, layout: str, harness_lane: str) -> bool:
         return harness_lane == self.harness_lane and system in self.systems and layout in self.layouts
@@ -102,6 +122,39 @@ def load_label_map(path: Path) -> dict[str, str]:
                                     line=_key_line(text, start, label), hint="labels and families are lower_snake_case")
         out[label] = family
     return out
+
+
+def _tier_keys(raw: dict, cid: str, lane: str, err) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """A claim's ``at`` workloads and ``dispatch`` expectations, checked."""
+    from .dispatch import LANE_TITLES
+
+    at = raw.get("at", [])
+    if not isinstance(at, list) or not at and "at" in raw or not all(isinstance(w, str) for w in at):
+        raise err(f"claim {cid!r}: at must be a non-empty list of workloads, got {at!r}", "at",
+                  hint='e.g. at = ["decode 1", "decode 64", "prefill 2048"]')
+    phases = _LANE_PHASES.get(lane)
+    for w in at:
+        m = _AT.match(w)
+        if not m:
+            raise err(f"claim {cid!r}: workload {w!r} is not '<decode|prefill|verify> <tokens>'", "at",
+                      hint='e.g. "decode 8" (8 one-token requests), "prefill 2048" (one 2048-token chunk), '
+                           '"verify 32" (32 tokens verified)')
+        if phases and m.group(1) not in phases:
+            raise err(f"claim {cid!r}: lane {lane} is measured at {' or '.join(phases)} only, not {w!r}", "at")
+    if len(set(at)) != len(at):
+        raise err(f"claim {cid!r}: at names a workload twice", "at")
+    expected = raw.get("dispatch", {})
+    if not isinstance(expected, dict) or not all(isinstance(v, str) and v for v in expected.values()):
+        raise err(f"claim {cid!r}: dispatch must be a table of dispatch lane = \"leading text of the choice\"",
+                  "dispatch", hint='e.g. dispatch = { latent_tail = "TAIL_FUSION" }')
+    for dlane in expected:
+        if dlane not in LANE_TITLES:
+            raise err(f"claim {cid!r}: unknown dispatch lane {dlane!r}", "dispatch",
+                      hint="known: " + ", ".join(LANE_TITLES))
+    if expected and not at:
+        raise err(f"claim {cid!r}: dispatch expectations need the workloads they hold at", "dispatch",
+                  hint='add at = ["decode 1", ...]')
+    return tuple(at), tuple(sorted(expected.items()))
 
 
 def load(path: str | Path) -> Expectations:
@@ -184,10 +237,11 @@ def load(path: str | Path) -> Expectations:
                 raise err(f"claim {cid!r}: malformed backend family {fam!r}", "backend")
         if ks and not backend and ks not in label_map:
             raise err(f"claim {cid!r}: label {ks!r} is not in the label map and no backend is given", "kernel_source")
+        at, expect_dispatch = _tier_keys(raw, cid, lane, err)
         claims.append(Claim(id=cid, lane=lane, harness_lane=PERF_LANES[lane], layouts=tuple(layouts),
                             systems=tuple(dict.fromkeys(systems)), kernel_source=ks,
                             backend=backend or label_map.get(ks, ""), forbidden=tuple(raw.get("forbidden", [])),
-                            source=raw.get("source", ""), line=line))
+                            source=raw.get("source", ""), line=line, at=at, dispatch=expect_dispatch))
     if not claims:
         raise ExpectationsError("no [[claim]] tables", path=sp)
     return Expectations(path=path, model=data["model"], framework=data["framework"],

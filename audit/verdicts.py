@@ -14,9 +14,16 @@ LOAD_REFUSED     vLLM's own post-load check refused the deployment (it raised ab
                  config while finalizing weights): a server started this way fails at load, so nothing in
                  the cell is judged as serving; one row per claim covering the cell (or one for the cell)
 Every verdict carries the evidence level it rests on.
+
+A claim with ``at`` (a batch size: ``decode 1``, ``prefill 2048``, ``verify 32``) is judged once per
+workload against the dispatch tiers resolved for it (audit/dispatch.py): the lane path that serves the
+batch there (MLA's metadata builder sends short prefill chunks down the decode path) and, where the
+claim names them, vLLM's per-call choices. Those rows carry the level ``... (dispatch)``; a choice only a
+GPU makes leaves the claim UNVERIFIED, never guessed.
 """
 from __future__ import annotations
 
+from .dispatch import LANE_TITLES, PHASE_ORDER
 from .expectations import Expectations
 from .labels import derive
 from .routing import format_ranges, short
@@ -84,10 +91,119 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                                  "expected": "", "why": "no claim covers this lane here" if exercised else g["value"]})
                     continue
                 for c in claims:
+                    if c.at:
+                        rows += _tier_rows(c, lane, g, row, cell, exp)
+                        continue
                     rows.append({**row, "claim": c.id, "expected": c.backend or c.kernel_source,
                                  **_verdict(c, lane, g, label, family, how, cell)})
         rows += _rank_disagreements(cell, exp)
-    return sorted(rows, key=lambda r: (r["claim"], r["system"], r["layout"], r["lane"], r["layers"]))
+    return sorted(rows, key=lambda r: (r["claim"], r["system"], r["layout"], r["lane"], r["layers"],
+                                       _at_order(r.get("at", ""))))
+
+
+def _at_order(at: str) -> tuple:
+    phase, _, tokens = at.partition(" ")
+    return (PHASE_ORDER.get(phase, -1) if at else -1, int(tokens) if tokens.isdigit() else 0)
+
+
+def _workload(cell: dict, at: str) -> str | None:
+    """The cell's dispatch workload key for a claim's ``at`` (``verify 32`` -> ``verify 32 (8x4)``)."""
+    for key in (cell.get("dispatch") or {}).get("workloads", []):
+        if key == at or key.startswith(at + " "):
+            return key
+    return None
+
+
+def _tier_choice(cell: dict, dlane: str, layers: list[int], workload: str) -> tuple[str, dict] | None:
+    """(choice, dispatch row) of the target model's *dlane* group overlapping *layers* at *workload*."""
+    for g in ((cell.get("dispatch") or {}).get("lanes") or {}).get(dlane, []):
+        if g.get("role", "target") != "target":
+            continue
+        if g.get("layers") and layers and not set(g["layers"]) & set(layers):
+            continue
+        if workload in g.get("tiers", {}):
+            return g["tiers"][workload], g
+    return None
+
+
+def _serving_group(cell: dict, lane: str, group: dict, workload: str) -> tuple[str, dict, str] | str:
+    """Which construction lane group serves *workload* for the layers of *group*: for MLA the metadata
+    builder's decode/prefill split decides (a short prefill chunk can take the decode path); other
+    lanes serve every workload with the group built. Returns (lane, group, note) or a reason it is
+    unknown."""
+    if not lane.startswith("mla."):
+        return lane, group, ""
+    found = _tier_choice(cell, "mla", group["layers"], workload)
+    if found is None:
+        return "no MLA dispatch tier was resolved for these layers"
+    choice, drow = found
+    path = choice.split(":", 1)[0]
+    served = {"decode path": "mla.decode", "prefill path": "mla.prefill"}.get(path)
+    if served is None:
+        return f"MLA's path for this batch is not one lane: {choice}"
+    if served == lane:
+        return lane, group, ""
+    other = next((g for g in cell["lanes"].get(served, []) if set(g["layers"]) & set(group["layers"])), None)
+    if other is None:
+        return f"the batch takes the {path} ({choice}), and this cell has no {served} evidence for these layers"
+    return served, other, f"a {workload} batch takes MLA's {path} ({drow.get('source', '')}), so {other['value']} serves it"
+
+
+def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectations) -> list[dict]:
+    """A claim about a batch size, judged at each of its workloads against the dispatch tiers."""
+    out = []
+    for at in c.at:
+        base = {**row, "claim": c.id, "expected": c.backend or c.kernel_source, "at": at,
+                "evidence": f"{row['evidence']} (dispatch)"}
+        if not cell.get("dispatch"):
+            out.append({**base, "verdict": "UNVERIFIED",
+                        "why": "not judged at a batch size: this cell resolved no dispatch tiers"})
+            continue
+        workload = _workload(cell, at)
+        if workload is None:
+            phase = at.split(" ")[0]
+            resolved = [w for w in cell["dispatch"].get("workloads", []) if w.startswith(phase + " ")]
+            if phase == "verify" and not resolved:
+                out.append({**base, "verdict": "NOT_EXERCISED",
+                            "why": "not exercised: no speculative decoding in this layout, so no verify step"})
+            else:
+                out.append({**base, "verdict": "UNVERIFIED",
+                            "why": f"not judged: the audit resolves no {at} workload (it resolves "
+                                   f"{', '.join(resolved) or 'none of that phase'})"})
+            continue
+        serving = _serving_group(cell, lane, group, workload)
+        if isinstance(serving, str):
+            out.append({**base, "verdict": "UNVERIFIED", "why": f"not judged: {serving}"})
+            continue
+        slane, sgroup, note = serving
+        label, family, how = derive(slane, sgroup, exp.label_map)
+        judged = {**base, "label": label, "actual": family, "value": sgroup["value"],
+                  **_verdict(c, slane, sgroup, label, family, how, cell)}
+        if note:
+            judged["why"] = f"{note}; {judged['why']}"
+        if judged["verdict"] == "MATCH":
+            judged.update(_dispatch_expectations(c, group, cell, workload) or {})
+        out.append(judged)
+    return out
+
+
+def _dispatch_expectations(c, group: dict, cell: dict, workload: str) -> dict | None:
+    """The claim's ``dispatch`` expectations at one workload: None when all hold."""
+    for dlane, expected in c.dispatch:
+        found = _tier_choice(cell, dlane, group["layers"], workload)
+        title = LANE_TITLES.get(dlane, dlane)
+        if found is None:
+            return {"verdict": "UNVERIFIED", "why": f"not judged: no {title} tier was resolved for these layers"}
+        choice = found[0]
+        if choice.startswith("needs GPU"):
+            return {"verdict": "UNVERIFIED", "why": f"not judged here: {title} at {workload}: {choice}"}
+        if choice.startswith("not resolved"):
+            return {"verdict": "UNVERIFIED", "why": f"not judged: {title} at {workload}: {choice}"}
+        if not choice.startswith(expected):
+            return {"verdict": "MISMATCH", "why": f"{title} at {workload} is {choice}; the claim says {expected}"}
+    if c.dispatch:
+        return {"why": "; ".join(f"{LANE_TITLES.get(d, d)}: {e}" for d, e in c.dispatch) + f" at {workload}"}
+    return None
 
 
 def _no_evidence_why(cell: dict, lane: str) -> str:
@@ -166,14 +282,15 @@ def grouped(rows: list[dict]) -> list[dict]:
     """Rows that differ only by cell, merged: one line per (claim, verdict, lane, expected, actual, why)."""
     out: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["claim"], r["verdict"], r["lane"], r["expected"], r["actual"], r.get("label", ""), r["why"],
-               r["evidence"])
+        key = (r["claim"], r["verdict"], r["lane"], r.get("at", ""), r["expected"], r["actual"], r.get("label", ""),
+               r["why"], r["evidence"])
         g = out.setdefault(key, {**{k: r[k] for k in ("claim", "verdict", "lane", "expected", "actual", "why",
                                                       "evidence")},
-                                 "label": r.get("label", ""), "cells": []})
+                                 "at": r.get("at", ""), "label": r.get("label", ""), "cells": []})
         g["cells"].append(f"{r['system']}/{r['layout']}")
     order = {v: i for i, v in enumerate(VERDICTS)}
-    return sorted(out.values(), key=lambda g: (order[g["verdict"]], g["claim"], g["lane"], g["actual"], g["why"]))
+    return sorted(out.values(), key=lambda g: (order[g["verdict"]], g["claim"], g["lane"], _at_order(g["at"]),
+                                               g["actual"], g["why"]))
 
 
 def attach(routing: dict, exp: Expectations, *, display_path: str) -> dict:
@@ -182,6 +299,8 @@ def attach(routing: dict, exp: Expectations, *, display_path: str) -> dict:
     routing["verdicts"] = {"expectations": display_path, "summary": summary(rows), "rows": rows,
                            "claims": [{"id": c.id, "lane": c.lane, "layouts": list(c.layouts),
                                        "systems": list(c.systems), "kernel_source": c.kernel_source,
-                                       "backend": c.backend, "forbidden": list(c.forbidden), "source": c.source}
+                                       "backend": c.backend, "forbidden": list(c.forbidden), "source": c.source,
+                                       **({"at": list(c.at)} if c.at else {}),
+                                       **({"dispatch": dict(c.dispatch)} if c.dispatch else {})}
                                       for c in exp.claims]}
     return routing

@@ -1,0 +1,79 @@
+"""The committed reports reproduce: what `make reports` wrote is what the code writes today.
+
+Two checks: every committed ledger is exactly what rendering its own committed routing.json gives (with
+the "changes since" section computed against the previous pin's committed routing, as the audit does);
+and a fresh audit of a few cells of one pin, on the real pinned wheel with no cache, routes each of
+those cells exactly as the committed routing.json says (dates and run ids aside).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from audit import lock as lockmod
+from audit.diff import diff_routings
+from audit.errors import ExitCode
+from audit.render import render_ledger
+from tests.conftest import ROOT
+
+REPORTS = ROOT / "reports"
+LOCK = lockmod.load(ROOT / "images.lock")
+PINS = [p.name for p in LOCK.pins.values() if (REPORTS / p.name / "routing.json").is_file()]
+#: cells re-audited: SM90 single node, and SM100 with MTP speculation (post-load and dispatch stages)
+CELLS = (("h100_sxm", "tp8"), ("b200_sxm", "tp8-mtp"))
+#: cell fields that depend on when and where the audit ran, not on what vLLM decided
+VOLATILE = ("argv",)
+
+
+def _routing(pin: str) -> dict:
+    return json.loads((REPORTS / pin / "routing.json").read_text(encoding="utf-8"))
+
+
+def test_reports_exist_for_every_pin_with_a_wheel():
+    assert PINS == [p.name for p in LOCK.pins.values() if p.wheel], "run `make reports` to regenerate reports/"
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_each_committed_ledger_is_its_routing_rendered(pin):
+    routing = _routing(pin)
+    prev = lockmod.previous_pin(LOCK, pin)
+    if prev is None:
+        changes = None
+    elif (REPORTS / prev.name / "routing.json").is_file():
+        changes = diff_routings(_routing(prev.name), routing)
+    else:
+        changes = {"unavailable": prev.name}
+    text = render_ledger(routing, profile_title="Kimi-K3", reproduce=routing["run"]["reproduce"], changes=changes)
+    assert text == (REPORTS / pin / "ledger.md").read_text(encoding="utf-8"), \
+        f"reports/{pin}/ledger.md is not what today's code renders from its routing.json: run `make reports`"
+
+
+def _cell(routing: dict, system: str, layout: str) -> dict:
+    found = [c for c in routing["cells"] if (c["system"], c["layout"]) == (system, layout)]
+    assert len(found) == 1, (system, layout)
+    return {k: v for k, v in found[0].items() if k not in VOLATILE}
+
+
+@pytest.mark.vllm
+def test_a_fresh_audit_routes_the_committed_cells_the_same(vllm_env, tmp_path):
+    pin = "v0.33.0"
+    committed = _routing(pin)
+    env = {**os.environ, "SERVING_TRUTH_EVIDENCE_CACHE": str(tmp_path / "evcache")}
+    systems = ",".join(sorted({s for s, _ in CELLS}))
+    layouts = ",".join(sorted({lay for _, lay in CELLS}))
+    r = subprocess.run([sys.executable, "-m", "audit.cli", "audit", pin, "--systems", systems, "--layouts", layouts,
+                        "--reports", str(tmp_path / "reports"), "--no-cache", "--baseline", "none"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
+    assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-3000:]
+    fresh = json.loads((tmp_path / "reports" / pin / "routing.json").read_text(encoding="utf-8"))
+    for system, layout in CELLS:
+        want, got = _cell(committed, system, layout), _cell(fresh, system, layout)
+        assert sorted(got) == sorted(want), (system, layout)
+        for key in want:  # field by field, so a failure names what moved
+            assert got[key] == want[key], f"{system}/{layout}: {key} differs from reports/{pin}/routing.json"
+    cells = set(CELLS)
+    pick = [v for v in committed["verdicts"]["rows"] if (v["system"], v["layout"]) in cells]
+    assert [v for v in fresh["verdicts"]["rows"] if (v["system"], v["layout"]) in cells] == pick
+    assert (tmp_path / "reports" / pin / "labels.json").is_file()

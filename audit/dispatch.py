@@ -169,3 +169,47 @@ def _fold(workloads: list[str], order: list[str]) -> str:
         else:
             runs.append([w])
     return ", ".join(r[0] if len(r) == 1 else f"{r[0]}–{r[-1].split(' ', 1)[1]}" for r in runs)
+
+
+# --- which lane serves a workload (verdicts of claims about a batch size; labels.json per token count) ---
+def workload_of(cell: dict, at: str) -> str | None:
+    """The cell's dispatch workload key for a claim's ``at`` (``verify 32`` -> ``verify 32 (8x4)``)."""
+    for key in (cell.get("dispatch") or {}).get("workloads", []):
+        if key == at or key.startswith(at + " "):
+            return key
+    return None
+
+
+def tier_choice(cell: dict, dlane: str, layers: list[int], workload: str) -> tuple[str, dict] | None:
+    """(choice, dispatch row) of the target model's *dlane* group overlapping *layers* at *workload*."""
+    for g in ((cell.get("dispatch") or {}).get("lanes") or {}).get(dlane, []):
+        if g.get("role", "target") != "target":
+            continue
+        if g.get("layers") and layers and not set(g["layers"]) & set(layers):
+            continue
+        if workload in g.get("tiers", {}):
+            return g["tiers"][workload], g
+    return None
+
+
+def serving_group(cell: dict, lane: str, group: dict, workload: str) -> tuple[str, dict, str] | str:
+    """Which construction lane group serves *workload* for the layers of *group*: for MLA the metadata
+    builder's decode/prefill split decides (a short prefill chunk can take the decode path); other
+    lanes serve every workload with the group built. Returns (lane, group, note) or a reason it is
+    unknown."""
+    if not lane.startswith("mla."):
+        return lane, group, ""
+    found = tier_choice(cell, "mla", group["layers"], workload)
+    if found is None:
+        return "no MLA dispatch tier was resolved for these layers"
+    choice, drow = found
+    path = choice.split(":", 1)[0]
+    served = {"decode path": "mla.decode", "prefill path": "mla.prefill"}.get(path)
+    if served is None:
+        return f"MLA's path for this batch is not one lane: {choice}"
+    if served == lane:
+        return lane, group, ""
+    other = next((g for g in cell["lanes"].get(served, []) if set(g["layers"]) & set(group["layers"])), None)
+    if other is None:
+        return f"the batch takes the {path} ({choice}), and this cell has no {served} evidence for these layers"
+    return served, other, f"a {workload} batch takes MLA's {path} ({drow.get('source', '')}), so {other['value']} serves it"

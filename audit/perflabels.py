@@ -1,6 +1,9 @@
 """Labels a perf database can take: per (system, layout, phase, token-count tier), the kernel lane and
 ``kernel_source`` label the audit's evidence gives, in that database's own vocabulary.
 
+Rows with dispatch tiers also say, per workload (``by_tokens``: decode batch, prefill chunk, verify
+width), which lane path serves it, its label, and vLLM's per-call choices there.
+
 Verdicts judge a perf database's hand-written labels; this file lets it take them from the audit
 instead (``reports/<pin>/labels.json``). Every row carries the evidence level it rests on and the
 layers it covers; what the harness cannot name stays ``unknown``, never guessed. Pure data in, pure
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from .dispatch import serving_group, tier_choice
 from .expectations import PERF_LANES, sm_family
 from .labels import derive
 from .systems import SYSTEMS
@@ -67,6 +71,37 @@ def _tiers(cell: dict, lane: str, layers: list[int]) -> dict:
     return out
 
 
+#: the workloads (by phase) a harness lane serves
+_PHASES_OF = {"moe": ("decode", "prefill", "verify"), "mla.decode": ("decode", "verify"), "mla.prefill": ("prefill",)}
+
+
+def _by_tokens(cell: dict, lane: str, group: dict, label_map: dict[str, str]) -> list[dict]:
+    """Per workload of the lane's phases: the label of the lane path that serves it (a short prefill chunk
+    can take MLA's decode path) and vLLM's per-call choices there, or why it is unknown."""
+    out = []
+    for workload in (cell.get("dispatch") or {}).get("workloads", []):
+        if workload.split(" ")[0] not in _PHASES_OF.get(lane, ()):
+            continue
+        entry: dict = {"tokens": workload}
+        serving = serving_group(cell, lane, group, workload)
+        if isinstance(serving, str):
+            entry.update(kernel_source="unknown", backend="unknown", why=serving)
+        else:
+            slane, sgroup, note = serving
+            label, family, _ = derive(slane, sgroup, label_map)
+            entry.update(kernel_source=label, backend=family, harness_lane=slane)
+            if note:
+                entry["why"] = note
+        choices = {}
+        for dlane, _prefix in DISPATCH_FOR.get(lane, ()):
+            found = tier_choice(cell, dlane, group["layers"], workload)
+            if found is not None:
+                choices[dlane] = found[0]
+        entry["choices"] = choices
+        out.append(entry)
+    return out
+
+
 def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict:
     """The labels file for one audit (see module doc)."""
     rows, skipped = [], []
@@ -91,6 +126,7 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
                 tiers = _tiers(cell, lane, g["layers"])
                 if tiers:
                     row["dispatch"] = tiers
+                    row["by_tokens"] = _by_tokens(cell, lane, g, label_map or {})
                 rows.append(row)
     rows.sort(key=lambda r: (r["lane"], r["system"], r["layout"], r["phase"], r["layers"]))
     return {"schema": LABELS_SCHEMA, "model": routing.get("model"), "architecture": routing.get("architecture"),

@@ -23,7 +23,7 @@ GPU makes leaves the claim UNVERIFIED, never guessed.
 """
 from __future__ import annotations
 
-from .dispatch import LANE_TITLES, PHASE_ORDER
+from .dispatch import LANE_TITLES, PHASE_ORDER, serving_group, tier_choice, workload_of
 from .expectations import Expectations
 from .labels import derive
 from .routing import format_ranges, short
@@ -106,49 +106,6 @@ def _at_order(at: str) -> tuple:
     return (PHASE_ORDER.get(phase, -1) if at else -1, int(tokens) if tokens.isdigit() else 0)
 
 
-def _workload(cell: dict, at: str) -> str | None:
-    """The cell's dispatch workload key for a claim's ``at`` (``verify 32`` -> ``verify 32 (8x4)``)."""
-    for key in (cell.get("dispatch") or {}).get("workloads", []):
-        if key == at or key.startswith(at + " "):
-            return key
-    return None
-
-
-def _tier_choice(cell: dict, dlane: str, layers: list[int], workload: str) -> tuple[str, dict] | None:
-    """(choice, dispatch row) of the target model's *dlane* group overlapping *layers* at *workload*."""
-    for g in ((cell.get("dispatch") or {}).get("lanes") or {}).get(dlane, []):
-        if g.get("role", "target") != "target":
-            continue
-        if g.get("layers") and layers and not set(g["layers"]) & set(layers):
-            continue
-        if workload in g.get("tiers", {}):
-            return g["tiers"][workload], g
-    return None
-
-
-def _serving_group(cell: dict, lane: str, group: dict, workload: str) -> tuple[str, dict, str] | str:
-    """Which construction lane group serves *workload* for the layers of *group*: for MLA the metadata
-    builder's decode/prefill split decides (a short prefill chunk can take the decode path); other
-    lanes serve every workload with the group built. Returns (lane, group, note) or a reason it is
-    unknown."""
-    if not lane.startswith("mla."):
-        return lane, group, ""
-    found = _tier_choice(cell, "mla", group["layers"], workload)
-    if found is None:
-        return "no MLA dispatch tier was resolved for these layers"
-    choice, drow = found
-    path = choice.split(":", 1)[0]
-    served = {"decode path": "mla.decode", "prefill path": "mla.prefill"}.get(path)
-    if served is None:
-        return f"MLA's path for this batch is not one lane: {choice}"
-    if served == lane:
-        return lane, group, ""
-    other = next((g for g in cell["lanes"].get(served, []) if set(g["layers"]) & set(group["layers"])), None)
-    if other is None:
-        return f"the batch takes the {path} ({choice}), and this cell has no {served} evidence for these layers"
-    return served, other, f"a {workload} batch takes MLA's {path} ({drow.get('source', '')}), so {other['value']} serves it"
-
-
 def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectations) -> list[dict]:
     """A claim about a batch size, judged at each of its workloads against the dispatch tiers."""
     out = []
@@ -159,7 +116,7 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
             out.append({**base, "verdict": "UNVERIFIED",
                         "why": "not judged at a batch size: this cell resolved no dispatch tiers"})
             continue
-        workload = _workload(cell, at)
+        workload = workload_of(cell, at)
         if workload is None:
             phase = at.split(" ")[0]
             resolved = [w for w in cell["dispatch"].get("workloads", []) if w.startswith(phase + " ")]
@@ -171,7 +128,7 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
                             "why": f"not judged: the audit resolves no {at} workload (it resolves "
                                    f"{', '.join(resolved) or 'none of that phase'})"})
             continue
-        serving = _serving_group(cell, lane, group, workload)
+        serving = serving_group(cell, lane, group, workload)
         if isinstance(serving, str):
             out.append({**base, "verdict": "UNVERIFIED", "why": f"not judged: {serving}"})
             continue
@@ -190,7 +147,7 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
 def _dispatch_expectations(c, group: dict, cell: dict, workload: str) -> dict | None:
     """The claim's ``dispatch`` expectations at one workload: None when all hold."""
     for dlane, expected in c.dispatch:
-        found = _tier_choice(cell, dlane, group["layers"], workload)
+        found = tier_choice(cell, dlane, group["layers"], workload)
         title = LANE_TITLES.get(dlane, dlane)
         if found is None:
             return {"verdict": "UNVERIFIED", "why": f"not judged: no {title} tier was resolved for these layers"}

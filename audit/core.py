@@ -86,6 +86,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     lay_sel = select("layout", layouts, LAYOUTS)
     rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit, lock_dir=Path(lock_path).resolve().parent,
                      pass_env=list(pass_env), cluster=cluster, wait=wait)
+    if not cache and hasattr(rt, "stat_memo"):
+        rt.stat_memo = False  # --no-cache: the environment check re-reads every file it hashes too
     rt.check(pin)
     cells = cells_of(sys_sel, lay_sel)
     if not cells:

@@ -186,3 +186,34 @@ def test_a_hostile_lock_is_bad_input_before_anything_is_touched(tmp_path):
         assert f"{lock}:5: pin 'evil': vllm_version" in r.stderr and "is not a PEP 440 version" in r.stderr
         assert "hint:" in r.stderr
     assert (outside / ENV_MARKER).exists() and not sentinel.exists() and not (cache / "envs").exists()
+
+
+def test_unchanged_files_are_not_read_again_and_an_edit_is_still_caught(fake_env, monkeypatch):
+    """The second check re-reads no file whose inode, size, mtime and ctime are unchanged since it was hashed;
+    an edit that keeps the size and puts the mtime back still moves the ctime, and is refused."""
+    import os
+
+    from audit.runtimes import local
+
+    rt, pin, env, site = fake_env
+    rt.ensure_env(pin, NOP)
+    reads = []
+    real = local.hashlib.file_digest
+    monkeypatch.setattr(local.hashlib, "file_digest", lambda fh, algo: reads.append(fh.name) or real(fh, algo))
+    again = LocalRuntime(root=rt.root)
+    assert again.ensure_env(pin, NOP) == env and reads == []
+    target = site / "vllm" / "engine.py"
+    before = target.stat()
+    time.sleep(0.01)
+    target.write_text("ENGINE = 3\n")  # same size
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(EnvironmentModified, match="modified: vllm/engine.py"):
+        LocalRuntime(root=rt.root).ensure_env(pin, NOP)
+    assert str(target) in reads
+    # --no-cache hashes every file, memo or not
+    target.write_text("ENGINE = 1\n")
+    reads.clear()
+    full = LocalRuntime(root=rt.root)
+    full.stat_memo = False
+    full.ensure_env(pin, NOP)
+    assert len(reads) == 6

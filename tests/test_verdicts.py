@@ -156,3 +156,112 @@ def test_a_claim_on_a_drifted_lane_stays_visible_as_unverified():
     rows = [v for v in judge(r, exp) if (v["system"], v["layout"]) == (other["system"], other["layout"])]
     assert rows and {v["verdict"] for v in rows} == {"UNVERIFIED"}
     assert summary(rows)["UNVERIFIED"] == len(rows)
+
+
+# --- claims about a batch size (at = [...]): judged against the dispatch tiers of the real audit ---
+
+def _at(rows, claim, system, layout, at):
+    got = [r for r in rows if (r["claim"], r["system"], r["layout"], r.get("at")) == (claim, system, layout, at)]
+    assert len(got) == 1, got
+    return got[0]
+
+
+def test_a_prefill_chunk_mla_sends_down_the_decode_path_is_judged_on_that_path(tmp_path):
+    """FlashAttention MLA's metadata builder treats requests of up to 512 query tokens as decodes, so on
+    SM90 a 512-token prefill chunk runs the MLA decode kernel; FlashInfer MLA (SM100) starts at 1."""
+    path = write_claims(tmp_path, '''
+[[claim]]
+id = "mla-prefill-chunks"
+lane = "mla.prefill"
+at = ["prefill 512", "prefill 8192"]
+layouts = ["tp8"]
+systems = ["h100_sxm", "b200_sxm"]
+backend = "flash_attn"
+kernel_source = "flashattnprefillbackend"
+''')
+    rows = judge(routing(), expectations.load(path))
+    short = _at(rows, "mla-prefill-chunks", "h100_sxm", "tp8", "prefill 512")
+    assert short["verdict"] == "MATCH" and short["label"] == "flashattnmlabackend"
+    assert "takes MLA's decode path" in short["why"] and "perf-db label flashattnprefillbackend differs" in short["why"]
+    assert short["evidence"] == "resolved (dispatch)"
+    long = _at(rows, "mla-prefill-chunks", "h100_sxm", "tp8", "prefill 8192")
+    assert long["verdict"] == "MATCH" and long["label"] == "flashattnprefillbackend" and "decode path" not in long["why"]
+    assert _at(rows, "mla-prefill-chunks", "b200_sxm", "tp8", "prefill 512")["label"] == "flashattnprefillbackend"
+    # the claim is judged at its workloads only: no row without a batch size
+    assert all(r.get("at") for r in rows if r["claim"] == "mla-prefill-chunks")
+
+
+def test_dispatch_expectations_hold_at_some_batch_sizes_and_not_others(tmp_path):
+    path = write_claims(tmp_path, '''
+[[claim]]
+id = "tail-fusion"
+lane = "w4a8_mxfp4_mxfp8"
+at = ["decode 1", "decode 64", "decode 256", "verify 32"]
+layouts = ["tp8", "tp8-mtp"]
+systems = ["b200_sxm"]
+backend = "flashinfer_trtllm_gen"
+dispatch = { latent_tail = "TAIL_FUSION" }
+
+[[claim]]
+id = "trtllm-tactic"
+lane = "w4a8_mxfp4_mxfp8"
+at = ["decode 8"]
+layouts = ["tp8"]
+systems = ["b200_sxm"]
+backend = "flashinfer_trtllm_gen"
+dispatch = { moe_experts = "tile 8" }
+''')
+    rows = judge(routing(), expectations.load(path))
+    assert _at(rows, "tail-fusion", "b200_sxm", "tp8", "decode 1")["verdict"] == "MATCH"
+    assert _at(rows, "tail-fusion", "b200_sxm", "tp8", "decode 64")["verdict"] == "MATCH"
+    big = _at(rows, "tail-fusion", "b200_sxm", "tp8", "decode 256")
+    assert big["verdict"] == "MISMATCH" and "Latent MoE tail tier at decode 256 is ALLREDUCE_OVERLAP" in big["why"]
+    # no speculation in tp8: no verify step; with MTP the verify width is judged like any workload
+    assert _at(rows, "tail-fusion", "b200_sxm", "tp8", "verify 32")["verdict"] == "NOT_EXERCISED"
+    assert _at(rows, "tail-fusion", "b200_sxm", "tp8-mtp", "verify 32")["verdict"] in ("MATCH", "MISMATCH")
+    # an autotuned tactic is the GPU's choice: not judged here, and it says why
+    gpu = _at(rows, "trtllm-tactic", "b200_sxm", "tp8", "decode 8")
+    assert gpu["verdict"] == "UNVERIFIED" and "needs GPU: autotuned" in gpu["why"]
+
+
+def test_tier_verdicts_fail_the_gate_and_render_with_their_batch_size(tmp_path):
+    from audit.render import render_ledger
+    from audit.verdicts import FAILING, attach, grouped
+
+    path = write_claims(tmp_path, '''
+[[claim]]
+id = "tail-fusion"
+lane = "w4a8_mxfp4_mxfp8"
+at = ["decode 256"]
+layouts = ["tp8"]
+systems = ["b200_sxm"]
+backend = "flashinfer_trtllm_gen"
+dispatch = { latent_tail = "TAIL_FUSION" }
+''')
+    r = attach(routing(), expectations.load(path), display_path="claims.toml")
+    assert r["verdicts"]["summary"]["MISMATCH"] == 1 and "MISMATCH" in FAILING
+    assert r["verdicts"]["claims"][0]["at"] == ["decode 256"]
+    assert [g["at"] for g in grouped(r["verdicts"]["rows"]) if g["claim"] == "tail-fusion"] == ["decode 256"]
+    text = render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    assert "| MISMATCH | `tail-fusion` | Routed experts at decode 256 |" in text
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ('at = ["decode one"]', "workload 'decode one' is not '<decode|prefill|verify> <tokens>'"),
+    ('at = []', "at must be a non-empty list of workloads"),
+    ('at = ["decode 1", "decode 1"]', "names a workload twice"),
+    ('dispatch = { latent_tail = "TAIL_FUSION" }', "dispatch expectations need the workloads they hold at"),
+    ('at = ["decode 1"]\ndispatch = { tail = "TAIL_FUSION" }', "unknown dispatch lane 'tail'"),
+])
+def test_bad_batch_size_claims_say_what_and_where(tmp_path, extra, fragment):
+    path = write_claims(tmp_path, f'\n[[claim]]\nid = "a"\nlane = "w4a16_mxfp4"\nbackend = "marlin"\n{extra}\n')
+    with pytest.raises(ExpectationsError) as e:
+        expectations.load(path)
+    assert fragment in str(e.value) and str(e.value).startswith(f"{path}:")
+
+
+def test_a_one_phase_lane_cannot_be_claimed_at_another_phase(tmp_path):
+    path = write_claims(tmp_path, '\n[[claim]]\nid = "a"\nlane = "kda.context"\nbackend = "flashkda"\nat = ["decode 1"]\n')
+    with pytest.raises(ExpectationsError) as e:
+        expectations.load(path)
+    assert "lane kda.context is measured at prefill only, not 'decode 1'" in str(e.value)

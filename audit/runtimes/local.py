@@ -97,6 +97,9 @@ class LocalRuntime:
         self.with_cuda_toolkit = with_cuda_toolkit
         #: str(env) -> summary of its last :meth:`verify_env` in this process
         self.verified: dict[str, dict] = {}
+        #: re-read only files whose stat changed since they were last hashed (False: hash every file,
+        #: as ``--no-cache`` asks)
+        self.stat_memo = True
 
     @staticmethod
     def cuda_toolkit(env: Path) -> Path | None:
@@ -155,8 +158,23 @@ class LocalRuntime:
 
     def find_wheel(self, pin: Pin) -> Path | None:
         """A cached file with exactly the pinned bytes, if there is one."""
+        memo_path = self.root / "runtime-cache" / "wheel-hashes.json"
+        memo = _load_memo(memo_path) if self.stat_memo else None
         for path in self._wheel_locations(pin):
-            if path.is_file() and sha256_file(path) == pin.wheel_sha256:
+            if not path.is_file():
+                continue
+            if memo is not None:
+                st = path.stat()
+                stamp = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+                if memo.get(str(path), [None])[:4] == stamp:
+                    found = memo[str(path)][4]
+                else:
+                    found = sha256_file(path)
+                    memo[str(path)] = [*stamp, found]
+                    _save_memo(memo_path, memo)
+            else:
+                found = sha256_file(path)
+            if found == pin.wheel_sha256:
                 return path
         return None
 
@@ -256,7 +274,11 @@ class LocalRuntime:
         returns a summary, also kept in ``self.verified[env]`` for the run's provenance."""
         progress("stage", text=f"verifying the installed vLLM against {wheel.name}'s RECORD")
         site = self.site_packages(env)
-        checked, skipped, modified, missing = record_check(wheel, site, env)
+        memo_path = self.root / "runtime-cache" / env.name / "record-hashes.json"
+        memo = _load_memo(memo_path) if self.stat_memo else None
+        checked, skipped, modified, missing = record_check(wheel, site, env, memo)
+        if memo is not None and not (modified or missing):
+            _save_memo(memo_path, memo)
         unexpected = _startup_hooks_outside_records(site)
         if not (modified or missing or unexpected):  # only then run its interpreter (site.py reads the .pth files)
             problem = _interpreter_problem(env, pin.python)
@@ -448,13 +470,24 @@ class LocalRuntime:
 LIFELINE = {WATCHDOG_ENV: "stdin"}
 
 
-def _record_hash(path: Path) -> str:
+def _record_hash(path: Path, memo: dict | None = None) -> str:
+    """The RECORD-style hash of *path*. With *memo* (rel -> [inode, size, mtime_ns, ctime_ns, hash]), a file
+    whose inode, size, mtime and ctime are those recorded when it was last hashed is not read again (git's
+    index does the same): any write, rename over or chmod moves ctime, which no user-level call can set."""
+    st = path.stat()
+    stamp = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    key = str(path)
+    if memo is not None and memo.get(key, [None])[:4] == stamp:
+        return memo[key][4]
     with open(path, "rb") as fh:
         digest = hashlib.file_digest(fh, "sha256").digest()
-    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    out = "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    if memo is not None:
+        memo[key] = [*stamp, out]
+    return out
 
 
-def record_check(wheel: Path, site: Path, env: Path) -> tuple[int, int, list[str], list[str]]:
+def record_check(wheel: Path, site: Path, env: Path, memo: dict | None = None) -> tuple[int, int, list[str], list[str]]:
     """Compare what *wheel* installs with its RECORD: (files checked, files skipped, modified, missing).
 
     Files go to site-packages, ``<dist>.data/{purelib,platlib}/`` likewise and ``.data/data/`` to the
@@ -496,9 +529,24 @@ def record_check(wheel: Path, site: Path, env: Path) -> tuple[int, int, list[str
             missing.append(rel)
             continue
         checked += 1
-        if _record_hash(target) != digest:
+        if _record_hash(target, memo) != digest:
             modified.append(rel)
     return checked, skipped, modified, missing
+
+
+def _load_memo(path: Path) -> dict:
+    try:
+        memo = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _save_memo(path: Path, memo: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(memo, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _startup_hooks_outside_records(site: Path) -> list[str]:

@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     if plan is None:
         return 2
     watch_parent()
+    # humming (imported by vLLM) starts two background Python processes at import to pre-build its JIT
+    # launcher and NVRTC compiler; resolve mode launches no kernel, so they only cost each SM process
+    # ~25 s of CPU. The variable only switches those builds (and JIT build parallelism) off; no choice
+    # vLLM makes reads it. Observe mode, which serves, never sets it.
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
     from probes.resolve import cell as resolve
 
     resolve.prepare_process(plan)

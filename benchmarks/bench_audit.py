@@ -67,6 +67,19 @@ class PeakRSS(threading.Thread):
         self.join()
 
 
+def stage_seconds(evidence_dir: Path) -> dict[str, float]:
+    """Seconds each stage took, summed over every cell of a run (from the cells' own stage records)."""
+    from audit.evidence import read_dir
+
+    out: dict[str, float] = {}
+    for f in read_dir(evidence_dir):
+        for r in f.of_kind("stage"):
+            out[r["stage"]] = out.get(r["stage"], 0.0) + float(r.get("seconds") or 0)
+        for r in f.of_kind("dispatch-stage"):
+            out["dispatch"] = out.get("dispatch", 0.0) + float(r.get("seconds") or 0)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pin", default="v0.33.0")
@@ -94,6 +107,7 @@ def main() -> int:
         outcome = run_audit(args.pin, lock_path=args.lock, reports_dir=Path(tmp) / "reports", parallel=args.parallel)
         audit = time.perf_counter() - t0
         watch.stop()
+        stages = stage_seconds(outcome.run_dir / "evidence")
         t0 = time.perf_counter()  # the same inputs again: every cell's evidence comes from the cache
         again = run_audit(args.pin, lock_path=args.lock, reports_dir=Path(tmp) / "reports2", parallel=args.parallel)
         cached = time.perf_counter() - t0
@@ -107,6 +121,11 @@ def main() -> int:
     print(f"audit / floor                          {audit / floor:7.2f} x")
     print(f"audit / (floor x processes)            {audit / (floor * sms):7.2f} x   (goal <= 1.5)")
     print(f"audit under 60 s                       {'yes' if audit <= 60 else 'no'} ({audit:.0f} s)")
+    cell_total = sum(stages.values())
+    serving = stages.get("post-load", 0.0) + stages.get("dispatch", 0.0)
+    print(f"cell stages, summed over cells          " + ", ".join(f"{k} {v:.0f} s" for k, v in sorted(stages.items())))
+    print(f"serving-time stages (post-load+dispatch) {serving:6.1f} s of {cell_total:.1f} s of cell work: "
+          f"{cell_total / max(cell_total - serving, 1e-9):.2f} x the work without them (target <= 1.3)")
     print(f"peak RSS of the audit (all processes)  {watch.peak / 2**30:7.2f} GiB")
     print(f"repeated audit, unchanged inputs       {cached:7.1f} s  ({hits}/{cells} cells from the cache; goal <= 5 s: "
           f"{'met' if cached <= 5 else 'not met'})")

@@ -204,8 +204,7 @@ def _run_stages(plan, cell, rec, Stage) -> None:
             from vllm.model_executor.model_loader.utils import initialize_model
 
             create = lambda: initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
-        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("meta"), \
-                simulate.meta_device_mode():
+        with set_default_torch_dtype(vllm_config.model_config.dtype), simulate.meta_device_mode():
             model = create()
         rec.emit("model", cls=f"{type(model).__module__}:{type(model).__qualname__}",
                  parameters_meta=all(p.is_meta for p in model.parameters()))
@@ -383,7 +382,7 @@ def _construct_draft(vllm_config, spec, *, create_with, simulate):
     loader = create_with(draft_cfg.load_config)
     tag = set_model_tag("eagle_head") if set_model_tag else _nullcontext()
     with set_current_vllm_config(draft_cfg), tag, set_default_torch_dtype(spec.draft_model_config.dtype), \
-            torch.device("meta"), simulate.meta_device_mode():
+            simulate.meta_device_mode():
         if hasattr(loader, "create_model"):
             return loader.create_model(vllm_config=draft_cfg, model_config=spec.draft_model_config)
         from vllm.model_executor.model_loader.utils import initialize_model

@@ -179,7 +179,7 @@ def run(model, vllm_config, rec, *, role: str = "target", model_config=None) -> 
                   "cls": f"{type(module).__module__}:{type(module).__qualname__}", "fn": fn}
         try:
             with set_current_vllm_config(vllm_config), set_default_torch_dtype(mc.dtype), \
-                    torch.device("meta"), simulate.meta_device_mode():
+                    simulate.meta_device_mode():
                 call()
         except Exception as exc:  # the outcome is the evidence
             record.update(classify(exc))

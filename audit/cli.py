@@ -118,6 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--keep-envs", default="v0.33.0,v0.30.0",
                     help="environments --drop-envs keeps, a comma list (default: the two the tests use)")
     rg.add_argument("--no-cache", dest="cache", action="store_false", help="run every cell")
+    rg.add_argument("--from-runs", action="store_true",
+                    help="audit nothing: render each pin again from its newest run of every cell (after editing "
+                         "expectations, templates or verdicts; needs no vLLM environment)")
 
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
     e.add_argument("pin")
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             pins = [p.strip() for p in args.pins.split(",") if p.strip()]
             with err.status("regenerating reports") as status:
                 done = regenerate_reports(lock_path=args.lock, reports_dir=args.reports, pins=pins or None,
-                                          drop_envs=args.drop_envs, cache=args.cache,
+                                          drop_envs=args.drop_envs, cache=args.cache, from_runs=args.from_runs,
                                           keep_envs=tuple(p.strip() for p in args.keep_envs.split(",") if p.strip()),
                                           progress=lambda event, **f: status.update(f.get("text", event)))
             for o in done:

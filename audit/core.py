@@ -14,7 +14,7 @@ from .profiles import KIMI_K3, Profile
 from .fsutil import DirLock, replace_dir, report_dir_for, write_atomic
 from .render import report_files
 from .runtimes import RunRequest, RunResult, get_runtime, refresh_missing
-from .runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs
+from .runtimes.base import Progress, cache_root, cell_dir_name, new_run_dir, prune_runs
 from .systems import LAYOUTS, SYSTEMS, cells_of, select
 
 
@@ -389,11 +389,16 @@ def _fuller_report(report_dir: Path, cells: list[tuple[str, str]]) -> int | None
 
 def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
                        pins: list[str] | None = None, drop_envs: bool = False, keep_envs: tuple[str, ...] = (),
-                       progress: Progress = lambda *a, **k: None, cache: bool = True) -> list[AuditOutcome]:
+                       progress: Progress = lambda *a, **k: None, cache: bool = True,
+                       from_runs: bool = False) -> list[AuditOutcome]:
     """Audit every pin that has a wheel (or those named), in release order so that each ledger's "changes
     since" finds the previous pin's fresh report, replacing ``reports/<pin>/``; then write the diff between
     each pair of consecutive pins under ``reports/diffs/``. With ``drop_envs`` the environment of each pin
-    not in ``keep_envs`` is removed after its audit (each holds ~9 GB)."""
+    not in ``keep_envs`` is removed after its audit (each holds ~9 GB).
+
+    With ``from_runs`` nothing is audited: each pin's reports are rendered again from the evidence of its
+    newest run of every cell (:func:`newest_full_run`), with today's verdicts, templates and expectations;
+    no vLLM environment is needed."""
     from .diff import write_diff
     from .runtimes.local import LocalRuntime
 
@@ -405,7 +410,15 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
             lock.get(name)  # an unknown name: UnknownPinError
         raise UsageError(f"pins without a wheel cannot be regenerated locally: {', '.join(unknown)}")
     outcomes = []
-    for pin in chosen:
+    if from_runs:
+        for pin in chosen:
+            run = newest_full_run(pin)
+            if run is None:
+                raise UsageError(f"no finished run of every cell of {pin.name} under {cache_root() / 'runs'}",
+                                 hint="regenerate without --from-runs (it audits), or audit the pin first")
+            progress("stage", text=f"rendering {pin.name} from {run.name}")
+            outcomes.append(render_run(run, lock_path=lock_path, reports_dir=reports_dir, replace=True))
+    for pin in [] if from_runs else chosen:
         progress("stage", text=f"auditing {pin.name}")
         outcomes.append(run_audit(pin.name, lock_path=lock_path, reports_dir=reports_dir, progress=progress,
                                   replace=True, cache=cache))
@@ -415,6 +428,26 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
     for before, after in zip(chosen, chosen[1:]):
         write_diff(Path(reports_dir), before.name, after.name)
     return outcomes
+
+
+def newest_full_run(pin, root: Path | None = None) -> Path | None:
+    """The newest run directory of *pin* that covered every (system, layout) cell and left evidence for
+    each, unaborted; None when there is none."""
+    import re
+
+    every = sorted([s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values())))
+    own = re.compile(re.escape(pin.name) + r"-\d{8}T\d{6}Z-\d+$")
+    runs = sorted((p for p in (root or cache_root()).joinpath("runs").glob(f"{pin.name}-*") if own.match(p.name)),
+                  key=lambda p: p.name.split("-")[-2:], reverse=True)
+    for run in runs:
+        try:
+            meta = json.loads((run / "run.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if sorted(meta.get("cells", [])) == every and not meta.get("missing") and not meta["run"].get("aborted") \
+                and meta["run"].get("mode", "resolve") == "resolve":
+            return run
+    return None
 
 
 def clean_cache(keep_envs: bool = True) -> None:

@@ -19,3 +19,33 @@ def test_prune_keeps_newest_and_ignores_pins_sharing_a_prefix(tmp_path):
     prune_runs(Pin(name="v0.33.0", vllm_version="0.33.0"), keep=5, root=tmp_path)
     left = sorted(p.name for p in runs.iterdir())
     assert left == sorted([mine[0]] + mine[2:] + other)
+
+
+def test_from_runs_takes_the_newest_run_of_every_cell_and_nothing_less(tmp_path):
+    """`regenerate --from-runs` renders a pin from its newest run that covered every cell, finished them all
+    and was not aborted: never from a subset audit, an INCOMPLETE run, an observe run or another pin's run."""
+    import json
+
+    from audit.core import newest_full_run
+    from audit.systems import LAYOUTS, SYSTEMS, cells_of
+
+    every = [[s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values()))]
+
+    def run(name, cells=every, missing=(), **info):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        (d / "run.json").write_text(json.dumps({"pin": name.rsplit("-", 2)[0], "cells": cells, "missing": list(missing),
+                                                "run": {"mode": "resolve", **info}}))
+        return d
+
+    pin = Pin(name="v0.33.0", vllm_version="0.33.0")
+    assert newest_full_run(pin, root=tmp_path) is None
+    full = run("v0.33.0-20261201T100000Z-1")
+    run("v0.33.0-20261202T100000Z-2", cells=every[:3])                        # a subset audit
+    run("v0.33.0-20261202T110000Z-3", missing=[["l40s", "tp8", {"reason": "killed"}]])
+    run("v0.33.0-20261202T120000Z-4", aborted={"kind": "timeout"})
+    run("v0.33.0-20261202T130000Z-5", mode="observe")
+    run("v0.33.0-image-20261202T140000Z-6")                                 # another pin sharing the prefix
+    assert newest_full_run(pin, root=tmp_path) == full
+    newer = run("v0.33.0-20261202T150000Z-7")
+    assert newest_full_run(pin, root=tmp_path) == newer

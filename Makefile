@@ -82,8 +82,11 @@ diff: setup
 
 # Re-audit every pin with a wheel in release order and rewrite reports/ and reports/diffs/ (the committed
 # reports are exactly what this writes). Builds one environment at a time and drops it after use.
+# FROM_RUNS=1 audits nothing: it renders every pin again from its newest full run (expectations,
+# templates or verdict code changed; no vLLM environment needed).
+FROM_RUNS ?=
 reports: setup
-	$(BIN)/serving-truth regenerate --lock $(LOCK) --drop-envs
+	$(BIN)/serving-truth regenerate --lock $(LOCK) $(if $(filter 1,$(FROM_RUNS)),--from-runs,--drop-envs)
 
 pins: setup
 	$(BIN)/serving-truth pins --lock $(LOCK)

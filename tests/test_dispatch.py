@@ -54,7 +54,12 @@ def test_ledger_section_merges_cells_and_states_errors():
 
 
 def test_ledger_without_dispatch_has_no_section():
-    assert "## Dispatch tiers" not in render.render_ledger(load(), profile_title="Kimi-K3", reproduce="x")
+    r = load()
+    assert any(c.get("dispatch") for c in r["cells"])
+    assert "## Dispatch tiers" in render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    for c in r["cells"]:  # an audit from before the dispatch stage existed
+        c.pop("dispatch", None)
+    assert "## Dispatch tiers" not in render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
 
 
 def test_diff_names_moved_tiers():

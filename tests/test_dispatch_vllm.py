@@ -141,7 +141,7 @@ def test_mtp_verify_width(probed_run):
     assert tail["tiers"]["verify 1024 (256x4)"] == "COLUMN_PARALLEL"
 
 
-def test_planted_threshold_changes_the_tier_table(probed_run, planted_run):
+def test_planted_threshold_changes_the_tier_table(probed_run, planted_run, tmp_path):
     """Lowering the tail operator's bound in the pinned vLLM (128 -> 8) moves decode 64 off the
     fused tail (and off deferred finalize) in the tier table, routing.json and the ledger."""
     req, result = planted_run
@@ -163,6 +163,22 @@ def test_planted_threshold_changes_the_tier_table(probed_run, planted_run):
     section = ledger.split("### Latent MoE tail tier", 1)[1].split("\n### ", 1)[0]
     assert ("**decode 1–8**: TAIL_FUSION (deferred top-k finalize); **decode 64–256**: ALLREDUCE_OVERLAP; "
             "**prefill 512–8192**: COLUMN_PARALLEL") in section
+    # a claim about decode 64 on the fused tail holds on the wheel and fails on the planted change
+    from audit import expectations
+    from audit.verdicts import judge
+
+    claims = tmp_path / "claims.toml"
+    claims.write_text('schema = 1\nmodel = "kimi-k3"\nframework = "vllm"\narchitecture = "KimiK3ForConditionalGeneration"\n'
+                      '[[claim]]\nid = "tail-64"\nlane = "w4a8_mxfp4_mxfp8"\nat = ["decode 64"]\nlayouts = ["tp8"]\n'
+                      'systems = ["b200_sxm"]\nbackend = "flashinfer_trtllm_gen"\n'
+                      'dispatch = { latent_tail = "TAIL_FUSION" }\n')
+    exp = expectations.load(claims)
+
+    def verdict(cell):
+        return {r["verdict"] for r in judge({"cells": [cell]}, exp) if r["claim"] == "tail-64"}
+
+    assert verdict(_cell(probed_run, "b200_sxm", "tp8")) == {"MATCH"}
+    assert verdict(planted) == {"MISMATCH"}
 
 
 def test_dispatch_tiers_are_the_same_without_probes(probed_run, bare_run):

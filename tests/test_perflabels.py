@@ -48,3 +48,27 @@ def test_incomplete_and_not_exercised_groups_are_listed_not_labelled():
     assert not [l for l in doc["rows"] if (l["system"], l["layout"]) == (first["system"], first["layout"])]
     assert {"system": first["system"], "layout": first["layout"], "why": "the cell did not finish"} in doc["not_labelled"]
     assert any(s.get("lane") == "kda.spec_verify" for s in doc["not_labelled"])
+
+
+def test_labels_by_token_count_follow_the_path_that_serves_each_batch():
+    """On SM90 FlashAttention MLA counts requests of up to 512 query tokens as decodes: labels.json says a
+    512-token prefill chunk carries the decode kernel's label, longer chunks the prefill backend's; on SM100
+    the tail tier moves with the batch."""
+    exp = load(ROOT / "expectations" / "kimi-k3.toml")
+    rows = build_labels(routing("v0.33.0"), exp.label_map)["rows"]
+
+    def row(system, layout, lane):
+        found = [l for l in rows if (l["system"], l["layout"], l["harness_lane"]) == (system, layout, lane)]
+        assert len(found) == 1
+        return {t["tokens"]: t for t in found[0]["by_tokens"]}
+
+    mla = row("h100_sxm", "tp8", "mla.prefill")
+    assert list(mla) == ["prefill 512", "prefill 2048", "prefill 8192"]
+    assert mla["prefill 512"]["kernel_source"] == "flashattnmlabackend" and mla["prefill 512"]["harness_lane"] == "mla.decode"
+    assert "decode path" in mla["prefill 512"]["why"]
+    assert mla["prefill 8192"]["kernel_source"] == "flashattnprefillbackend" and "why" not in mla["prefill 8192"]
+    moe = row("b200_sxm", "tp8", "moe")
+    assert moe["decode 1"]["choices"]["latent_tail"].startswith("TAIL_FUSION")
+    assert moe["prefill 8192"]["choices"]["latent_tail"] == "COLUMN_PARALLEL"
+    assert {t["kernel_source"] for t in moe.values()} == {row_ks for row_ks in
+                                                          [next(l["kernel_source"] for l in rows if (l["system"], l["layout"], l["harness_lane"]) == ("b200_sxm", "tp8", "moe"))]}

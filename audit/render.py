@@ -54,6 +54,8 @@ def _lane_summary(groups: list[dict], cell: dict) -> str:
     stopped = cell["status"] == "PARTIAL"
     failure = cell.get("failure") or {}
     if not groups:
+        if stopped and failure.get("outcome") == "limit":
+            return f"not built: simulation limit ({failure.get('stage', '?')} raised {short(failure.get('type', ''))})"
         if stopped:
             return f"not built: {failure.get('stage', '?')} raised {short(failure.get('type', ''))}"
         return "—"
@@ -181,7 +183,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "probe_errors": [probe_errors[k] for k in sorted(probe_errors, key=str)],
         "incomplete": [c for c in cells if c["status"] == "INCOMPLETE"],
         "not_applicable": sorted({t for c in cells for t in c.get("not_applicable", [])}),
-        "partial": [c for c in cells if c["status"] == "PARTIAL"],
+        "partial": [c for c in cells if c["status"] == "PARTIAL" and (c.get("failure") or {}).get("outcome") != "limit"],
+        "sim_stopped": [c for c in cells if c["status"] == "PARTIAL" and (c.get("failure") or {}).get("outcome") == "limit"],
         "load_refused": [c for c in cells if c.get("load_refused")],
         "postload_cells": [c for c in cells if c.get("postload")],
         "postload_limits": sorted(limits.values(), key=lambda e: (-e["count"], e["raised_in"], e["message"])),

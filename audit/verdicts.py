@@ -9,7 +9,8 @@ UNVERIFIED       a lane group no claim covers, or a claim the audit could not ju
                  or no evidence exists for its lane, e.g. a probe target drifted): it stays visible and
                  fails --strict
 RANK_DISAGREE    ranks took different paths (observed mode only; resolve mode sees rank 0)
-CRASH            construction raised before the claimed layers were built
+CRASH            vLLM's own code raised during construction before the claimed layers were built (a
+                 stop the simulation caused -- an op with no meta implementation, say -- is UNVERIFIED)
 LOAD_REFUSED     vLLM's own post-load check refused the deployment (it raised about the device or the
                  config while finalizing weights): a server started this way fails at load, so nothing in
                  the cell is judged as serving; one row per claim covering the cell (or one for the cell)
@@ -67,15 +68,20 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                 continue
             failure = cell.get("failure") or {}
             if cell["status"] == "PARTIAL":
-                # construction stopped: the claimed layers past that point were never built
+                # construction stopped: the claimed layers past that point were never built. vLLM saying no
+                # is a CRASH; the simulation running out (no meta implementation of an op, ...) is a limit of
+                # resolve mode: the claim is not judged there, and says why
                 stop = next((r.get("layer") for r in cell.get("raises", []) if r.get("layer") is not None), None)
+                raised = f"{failure.get('stage')} raised {short(failure.get('type', ''))}: {failure.get('message', '')}"
+                limit = failure.get("outcome") == "limit"
                 for c in claims:
                     rows.append({**base, "claim": c.id,
                                  "layers": format_ranges(missing) if missing else
                                  (f"from {stop}" if stop is not None else "all"),
-                                 "verdict": "CRASH", "expected": c.backend, "actual": "", "label": "",
-                                 "why": f"{failure.get('stage')} raised {short(failure.get('type', ''))}: "
-                                        f"{failure.get('message', '')}"})
+                                 "verdict": "UNVERIFIED" if limit else "CRASH", "expected": c.backend or c.kernel_source,
+                                 "actual": "", "label": "",
+                                 "why": f"not judged: the simulation could not finish construction, not a vLLM check "
+                                        f"({failure.get('rule')}): {raised}" if limit else raised})
             if not groups and cell["status"] != "PARTIAL":
                 for c in claims:
                     rows.append({**base, "claim": c.id, "layers": format_ranges(expected_layers) or "",

@@ -115,3 +115,37 @@ def test_ledger_says_where_vllm_refused():
     section = text.split("## Post-load", 1)[1].split("\n## ", 1)[0]
     assert "| h100_sxm | dep8 | 2 | 1 | 1 | 0 |" in section
     assert "during `KimiK3ForConditionalGeneration.process_weights_after_loading`" in section
+
+
+# --- a stage that stopped: vLLM's own check, or the simulation running out (read from the recorded traceback) ---
+
+def _err(type_, message, frames, chained=False):
+    tb = ["Traceback (most recent call last):\n"]
+    tb += [f'  File "/env/lib/python3.12/site-packages/{path}", line {line}, in {func}\n    {src}\n'
+           for path, line, func, src in frames]
+    tb.append(f"{type_.rsplit(':', 1)[-1]}: {message}\n")
+    if chained:
+        tb = ["ValueError: inner\n", "\nThe above exception was the direct cause of the following exception:\n\n", *tb]
+    return {"type": type_, "message": message, "where": f"{frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}",
+            "traceback": tb}
+
+
+def test_a_construction_stop_says_whether_vllm_or_the_simulation_raised():
+    from audit.routing import stop_outcome
+
+    vllm_check = _err("builtins:NotImplementedError", "DeepGEMM MegaMoE requires SM100 GPUs.",
+                      [("vllm/model_executor/layers/fused_moe/layer.py", 400, "__init__", "self._check()"),
+                       ("vllm/models/x.py", 12, "_check", 'raise NotImplementedError("DeepGEMM MegaMoE requires SM100 GPUs.")')])
+    assert stop_outcome(vllm_check)["outcome"] == "refused"
+    torch_meta = _err("builtins:NotImplementedError", "The register_meta function for torch.nonzero() raises",
+                      [("vllm/model_executor/layers/fused_moe/layer.py", 400, "__init__", "idx = torch.nonzero(m)"),
+                       ("torch/__init__.py", 1750, "_check_with", "raise error_type(message_evaluated)")])
+    assert stop_outcome(torch_meta) == {"outcome": "limit",
+                                        "rule": "raised outside vLLM (torch, a compiled op, a library, or a stand-in)"}
+    assertion = _err("builtins:AssertionError", "", [("vllm/a.py", 3, "f", "assert x.is_cuda")])
+    assert stop_outcome(assertion)["outcome"] == "limit"
+    reraised = _err("builtins:RuntimeError", "failed", [("vllm/a.py", 3, "f", 'raise RuntimeError("failed") from e')],
+                    chained=True)
+    assert stop_outcome(reraised)["outcome"] == "limit"
+    words = _err("builtins:RuntimeError", "cannot run on meta tensors", [("vllm/a.py", 3, "f", 'raise RuntimeError(m)')])
+    assert stop_outcome(words)["outcome"] == "limit"

@@ -15,7 +15,7 @@ from .errors import RenderError
 from .fsutil import replace_dir
 from .routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
 from .systems import LAYOUTS, SYSTEMS
-from .verdicts import grouped
+from .verdicts import VERDICTS, grouped
 
 
 def _md(text) -> str:
@@ -96,7 +96,9 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     systems = [s for s in SYSTEMS.values() if any(c["system"] == s.name for c in cells)]
     known_layouts = [l for l in LAYOUTS.values() if any(c["layout"] == l.name for c in cells)]
     lane_titles = routing.get("lane_titles", {})
-    lane_ids = list(lane_titles) or sorted({k for c in cells for k in c["lanes"]})
+    # the profile's order (kept as a list: routing.json sorts object keys); an older routing without it
+    # falls back to its titles' order
+    lane_ids = routing.get("lane_order") or list(lane_titles) or sorted({k for c in cells for k in c["lanes"]})
     by = {(c["system"], c["layout"]): c for c in cells}
 
     lane_levels = routing.get("lane_levels", {})
@@ -202,6 +204,9 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "reproduce": reproduce,
         "verdicts": routing.get("verdicts"),
         "verdict_groups": grouped(routing["verdicts"]["rows"]) if routing.get("verdicts") else [],
+        # in the verdicts' own order (routing.json stores the counts with sorted keys)
+        "verdict_counts": [(k, (routing.get("verdicts") or {}).get("summary", {}).get(k, 0)) for k in VERDICTS
+                           if (routing.get("verdicts") or {}).get("summary", {}).get(k)],
         "lane_titles": lane_titles,
         "kind_titles": {"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
                         "mtp": "MTP draft (separate draft model)"},

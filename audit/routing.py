@@ -589,5 +589,7 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
     cells = scrub_paths(cells, dict(sorted((scrub or {}).items(), key=lambda kv: -len(kv[0]))))
     return {"schema": ROUTING_SCHEMA, "model": profile.name, "architecture": profile.architecture,
             "lane_titles": {lane.id: lane.title for lane in profile.lanes},
+            # routing.json is written with sorted keys: the profile's lane order is kept as a list
+            "lane_order": [lane.id for lane in profile.lanes],
             "lane_levels": {lane.id: lane.level for lane in profile.lanes},
             "pin": pin, "run": run or {}, "cells": cells}

@@ -324,7 +324,10 @@ def _postload(f: EvidenceFile) -> dict | None:
             "specialized_decode": {"requested": spec.get("specialized_decode_requested"),
                                    "built": spec.get("specialized_decode"),
                                    "config": spec.get("specialized_decode_config"),
-                                   "step": state_steps[0] if state_steps else None} if spec else None,
+                                   # the step's record without its duration: routing is a function of what
+                                   # vLLM decided, never of how long it took
+                                   "step": ({k: v for k, v in state_steps[0].items() if k != "seconds"}
+                                            if state_steps else None)} if spec else None,
             "_modules": f.of_kind("postload-module"),
             "_activation_checks": f.of_kind("activation_check")}
 

@@ -92,8 +92,10 @@ def test_audit_end_to_end_and_failures_keep_the_previous_ledger(vllm_env, tmp_pa
     assert {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()} == before
 
     # an interrupted run (Ctrl-C once the agent is running)
+    # Ctrl-C in a terminal: SIGINT at its default disposition in the CLI, even when this suite itself runs as a
+    # background job (a non-interactive shell starts those with SIGINT ignored, and children inherit that)
     proc = subprocess.Popen([*CLI, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     runs_root = Path(cache) if cache else Path.home() / ".cache" / "serving-truth"
     while time.time() < deadline and not [a for a in _agents_of(runs_root) if f"Z-{proc.pid}/" in a]:

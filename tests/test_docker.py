@@ -202,7 +202,7 @@ def _start_audit(vllm_image, reports: Path, *extra, env=None):
                              str(vllm_image["lock"]), "--systems", "b200_sxm", "--layouts", "tp8", "--reports",
                              str(reports), "--expectations", "none", *extra],
                             cwd=ROOT, env=env or dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_agent(client, proc, timeout=300):

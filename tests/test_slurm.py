@@ -147,7 +147,9 @@ def test_ctrl_c_cancels_exactly_the_runs_jobs(slurm_cluster, vllm_env, tmp_path)
     try:
         proc = subprocess.Popen([*CLI, "audit", "v0.33.0", "--runtime", "slurm", "--cluster", str(profile(tmp_path)),
                                  "--systems", "b200_sxm", "--layouts", "tp8,dep8", "--reports", str(tmp_path / "r")],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                # Ctrl-C as in a terminal, even if this suite runs as a background job
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 300
         run_dir = None
         while time.time() < deadline:

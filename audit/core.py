@@ -14,7 +14,7 @@ from .profiles import KIMI_K3, Profile
 from .fsutil import DirLock, replace_dir, report_dir_for, write_atomic
 from .render import report_files
 from .runtimes import RunRequest, RunResult, get_runtime, refresh_missing
-from .runtimes.base import Progress, cache_root, cell_dir_name, new_run_dir, prune_runs
+from .runtimes.base import Progress, cache_root, cell_dir_name, new_run_dir, prune_runs, runs_of
 from .systems import LAYOUTS, SYSTEMS, cells_of, select
 
 
@@ -410,15 +410,15 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
             lock.get(name)  # an unknown name: UnknownPinError
         raise UsageError(f"pins without a wheel cannot be regenerated locally: {', '.join(unknown)}")
     outcomes = []
-    if from_runs:
-        for pin in chosen:
+    for pin in chosen:
+        if from_runs:
             run = newest_full_run(pin)
             if run is None:
                 raise UsageError(f"no finished run of every cell of {pin.name} under {cache_root() / 'runs'}",
                                  hint="regenerate without --from-runs (it audits), or audit the pin first")
             progress("stage", text=f"rendering {pin.name} from {run.name}")
             outcomes.append(render_run(run, lock_path=lock_path, reports_dir=reports_dir, replace=True))
-    for pin in [] if from_runs else chosen:
+            continue
         progress("stage", text=f"auditing {pin.name}")
         outcomes.append(run_audit(pin.name, lock_path=lock_path, reports_dir=reports_dir, progress=progress,
                                   replace=True, cache=cache))
@@ -433,13 +433,8 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
 def newest_full_run(pin, root: Path | None = None) -> Path | None:
     """The newest run directory of *pin* that covered every (system, layout) cell and left evidence for
     each, unaborted; None when there is none."""
-    import re
-
     every = sorted([s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values())))
-    own = re.compile(re.escape(pin.name) + r"-\d{8}T\d{6}Z-\d+$")
-    runs = sorted((p for p in (root or cache_root()).joinpath("runs").glob(f"{pin.name}-*") if own.match(p.name)),
-                  key=lambda p: p.name.split("-")[-2:], reverse=True)
-    for run in runs:
+    for run in reversed(runs_of(pin, root)):
         try:
             meta = json.loads((run / "run.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -55,7 +55,7 @@ def _lane_order(lane: str) -> tuple:
     return (keys.index(lane) if lane in keys else len(keys), lane)
 
 
-def _column_order(key: str) -> tuple:
+def workload_order(key: str) -> tuple:
     phase, _, rest = key.partition(" ")
     return (PHASE_ORDER.get(phase, 9), int(rest.split(" ")[0]) if rest.split(" ")[0].isdigit() else 0)
 
@@ -83,7 +83,7 @@ def ledger_tables(cells: list[dict]) -> list[dict]:
     out = []
     for lane in sorted(by_lane, key=_lane_order):
         t = by_lane[lane]
-        columns = sorted(t["columns"], key=_column_order)
+        columns = sorted(t["columns"], key=workload_order)
         rows = sorted(t["rows"].values(), key=lambda r: (r["role"] != "target", r["group"], r["ranges"], r["cells"]))
         out.append({"lane": lane, "title": LANE_TITLES.get(lane, lane), "columns": columns,
                     "levels": sorted(t["levels"]), "sources": sorted(t["sources"]),
@@ -95,7 +95,7 @@ def spans(tiers: dict[str, str]) -> list[dict]:
     """Consecutive token counts of one phase with the same choice, as one span:
     ``{"span": "decode 1-64", "choice": ...}``, in phase and token order."""
     out: list[dict] = []
-    for key in sorted(tiers, key=_column_order):
+    for key in sorted(tiers, key=workload_order):
         phase, _, rest = key.partition(" ")
         last = out[-1] if out else None
         if last is not None and last["phase"] == phase and last["choice"] == tiers[key]:

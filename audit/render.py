@@ -100,6 +100,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     # falls back to its titles' order
     lane_ids = routing.get("lane_order") or list(lane_titles) or sorted({k for c in cells for k in c["lanes"]})
     by = {(c["system"], c["layout"]): c for c in cells}
+    stopped = [c for c in cells if c["status"] == "PARTIAL"]
+    counts = (routing.get("verdicts") or {}).get("summary", {})
 
     lane_levels = routing.get("lane_levels", {})
     matrices = []
@@ -185,8 +187,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "probe_errors": [probe_errors[k] for k in sorted(probe_errors, key=str)],
         "incomplete": [c for c in cells if c["status"] == "INCOMPLETE"],
         "not_applicable": sorted({t for c in cells for t in c.get("not_applicable", [])}),
-        "partial": [c for c in cells if c["status"] == "PARTIAL" and (c.get("failure") or {}).get("outcome") != "limit"],
-        "sim_stopped": [c for c in cells if c["status"] == "PARTIAL" and (c.get("failure") or {}).get("outcome") == "limit"],
+        "partial": [c for c in stopped if (c.get("failure") or {}).get("outcome") != "limit"],
+        "sim_stopped": [c for c in stopped if (c.get("failure") or {}).get("outcome") == "limit"],
         "load_refused": [c for c in cells if c.get("load_refused")],
         "postload_cells": [c for c in cells if c.get("postload")],
         "postload_limits": sorted(limits.values(), key=lambda e: (-e["count"], e["raised_in"], e["message"])),
@@ -205,8 +207,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "verdicts": routing.get("verdicts"),
         "verdict_groups": grouped(routing["verdicts"]["rows"]) if routing.get("verdicts") else [],
         # in the verdicts' own order (routing.json stores the counts with sorted keys)
-        "verdict_counts": [(k, (routing.get("verdicts") or {}).get("summary", {}).get(k, 0)) for k in VERDICTS
-                           if (routing.get("verdicts") or {}).get("summary", {}).get(k)],
+        "verdict_counts": [(k, counts[k]) for k in VERDICTS if counts.get(k)],
         "lane_titles": lane_titles,
         "kind_titles": {"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
                         "mtp": "MTP draft (separate draft model)"},

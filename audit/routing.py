@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+from probes.core.stages import stop_rule
+
 from .corroborate import corroborate
 from .dispatch import cell_tiers as dispatch_tiers
 from .evidence import EvidenceFile
@@ -189,36 +191,23 @@ def _stages(f: EvidenceFile) -> tuple[list[dict], str, dict | None]:
     return stages, deepest, failure
 
 
-#: messages that name the simulation itself, whatever raised them (the post-load stage uses the same words)
-_SIMULATION_WORDS = re.compile(r"\bmeta\b|stand-in|is not simulated|CUDA_ERROR|cuInit|no NVIDIA driver|"
-                               r"Found no NVIDIA|libcuda|CUDA driver|NOT_INITIALIZED", re.IGNORECASE)
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<src>[^\n]*)')
 
 
 def stop_outcome(err: dict) -> dict:
-    """Why a stage stopped, from its recorded exception: ``refused`` when vLLM's own code said no (an explicit
-    ``raise`` in a vLLM source file, not an assertion, not chained from another exception, not about the
-    simulation) and ``limit`` when the simulation could not go further (torch has no meta implementation
-    of an op, a stand-in, a compiled extension, a library outside vLLM). The same rules as the post-load
-    stage's (probes/resolve/postload.py), read from the recorded traceback."""
+    """Why a stage stopped, ``refused`` (vLLM's own check said no) or ``limit`` (the simulation could not go
+    further), by the post-load stage's rules (probes.core.stages.stop_rule) read from the recorded traceback."""
     tb = err.get("traceback") or []
     frames = [m for m in (_FRAME.match(entry) for entry in tb) if m]
     inner = frames[-1] if frames else None
-    path = inner.group("path") if inner else (err.get("where") or "").split(":", 1)[0]
-    vllm = "/vllm/" in path.replace("\\", "/") or path.startswith("vllm/")
+    path = (inner.group("path") if inner else (err.get("where") or "").split(":", 1)[0]).replace("\\", "/")
     chained = any("direct cause of the following exception" in e or "During handling of the above exception" in e
                   for e in tb)
-    if not vllm:
-        return {"outcome": "limit", "rule": "raised outside vLLM (torch, a compiled op, a library, or a stand-in)"}
-    if err.get("type", "").endswith(":AssertionError"):
-        return {"outcome": "limit", "rule": "an assertion in vLLM about the tensors it was given (meta tensors)"}
-    if inner is not None and not inner.group("src").strip().startswith("raise"):
-        return {"outcome": "limit", "rule": "raised by a call inside vLLM's line (an op or extension), not a vLLM check"}
-    if chained:
-        return {"outcome": "limit", "rule": "vLLM re-raised an exception from a call it made"}
-    if _SIMULATION_WORDS.search(err.get("message", "")):
-        return {"outcome": "limit", "rule": "vLLM's message names the simulation (meta tensors, the stub driver)"}
-    return {"outcome": "refused", "rule": "an explicit raise in vLLM's own code"}
+    outcome, rule = stop_rule(in_vllm="/vllm/" in path or path.startswith("vllm/"),
+                              assertion=err.get("type", "").endswith(":AssertionError"),
+                              raise_line=inner.group("src").strip().startswith("raise") if inner else None,
+                              cause="an exception" if chained else None, message=err.get("message", ""))
+    return {"outcome": outcome, "rule": rule}
 
 
 _SITE = re.compile(r"(?:/[^\s'\"():,]+)*?/(?:lib/python\d\.\d+/)?site-packages/")

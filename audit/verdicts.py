@@ -24,7 +24,7 @@ GPU makes leaves the claim UNVERIFIED, never guessed.
 """
 from __future__ import annotations
 
-from .dispatch import LANE_TITLES, PHASE_ORDER, serving_group, tier_choice, workload_of
+from .dispatch import LANE_TITLES, serving_group, tier_choice, workload_of, workload_order
 from .expectations import Expectations
 from .labels import derive
 from .routing import format_ranges, short
@@ -108,8 +108,8 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
 
 
 def _at_order(at: str) -> tuple:
-    phase, _, tokens = at.partition(" ")
-    return (PHASE_ORDER.get(phase, -1) if at else -1, int(tokens) if tokens.isdigit() else 0)
+    """Rows without a batch size first, then in workload order."""
+    return (0, *workload_order(at)) if at else (-1,)
 
 
 def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectations) -> list[dict]:

@@ -85,13 +85,18 @@ def new_run_dir(pin: Pin, *, root: Path | None = None) -> Path:
 RECENT_S = 3600
 
 
-def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
-    """Keep the newest *keep* run directories of this pin (and never another pin's: "v0.33.0" must not
-    match "v0.33.0-image-...")."""
+def runs_of(pin: Pin, root: Path | None = None) -> list[Path]:
+    """This pin's run directories, oldest first (never another pin's: "v0.33.0" must not match
+    "v0.33.0-image-...")."""
     import re
 
     own = re.compile(re.escape(pin.name) + r"-\d{8}T\d{6}Z-\d+$")
-    runs = sorted(p for p in (root or cache_root()).joinpath("runs").glob(f"{pin.name}-*") if own.match(p.name))
+    return sorted(p for p in (root or cache_root()).joinpath("runs").glob(f"{pin.name}-*") if own.match(p.name))
+
+
+def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
+    """Keep the newest *keep* run directories of this pin (:func:`runs_of`)."""
+    runs = runs_of(pin, root)
     recent = time.time() - RECENT_S
     for old in runs[:-keep]:
         try:

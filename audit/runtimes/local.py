@@ -30,6 +30,7 @@ from probes.core.lifecycle import WATCHDOG_ENV
 from .. import cudastub
 from ..errors import (DownloadHashMismatch, EnvironmentBuildError, EnvironmentModified, RuntimeUnsupportedError,
                       UnsafeLockPath, WheelHashMismatch)
+from ..fsutil import write_atomic
 from ..lock import Pin, unsafe_path_field
 from .base import (Progress, RunRequest, RunResult, agent_env, cache_root, cell_dir_name, collect_missing,
                    learn_imports, learned_imports, log_tail, observe_env, report_finished, stage_probes,
@@ -160,23 +161,12 @@ class LocalRuntime:
         """A cached file with exactly the pinned bytes, if there is one."""
         memo_path = self.root / "runtime-cache" / "wheel-hashes.json"
         memo = _load_memo(memo_path) if self.stat_memo else None
-        for path in self._wheel_locations(pin):
-            if not path.is_file():
-                continue
-            if memo is not None:
-                st = path.stat()
-                stamp = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-                if memo.get(str(path), [None])[:4] == stamp:
-                    found = memo[str(path)][4]
-                else:
-                    found = sha256_file(path)
-                    memo[str(path)] = [*stamp, found]
-                    _save_memo(memo_path, memo)
-            else:
-                found = sha256_file(path)
-            if found == pin.wheel_sha256:
-                return path
-        return None
+        before = dict(memo or {})
+        found = next((path for path in self._wheel_locations(pin)
+                      if path.is_file() and _memo_hash(path, memo, sha256_file) == pin.wheel_sha256), None)
+        if memo is not None and memo != before:
+            _save_memo(memo_path, memo)
+        return found
 
     def store_wheel(self, path: Path, filename: str, sha256: str) -> Path:
         """Keep a verified download (sha256 already computed from its bytes) where :meth:`find_wheel` looks,
@@ -331,8 +321,6 @@ class LocalRuntime:
         if symbols is None:
             symbols = sorted(cudastub.needed_cuda_symbols([site]))
             try:
-                from ..fsutil import write_atomic
-
                 write_atomic(memo, json.dumps({"key": key, "symbols": symbols}))
             except OSError:
                 pass
@@ -470,21 +458,25 @@ class LocalRuntime:
 LIFELINE = {WATCHDOG_ENV: "stdin"}
 
 
-def _record_hash(path: Path, memo: dict | None = None) -> str:
-    """The RECORD-style hash of *path*. With *memo* (rel -> [inode, size, mtime_ns, ctime_ns, hash]), a file
-    whose inode, size, mtime and ctime are those recorded when it was last hashed is not read again (git's
-    index does the same): any write, rename over or chmod moves ctime, which no user-level call can set."""
+def _memo_hash(path: Path, memo: dict | None, compute) -> str:
+    """``compute(path)``, or, with *memo* (path -> [inode, size, mtime_ns, ctime_ns, hash]), the hash recorded
+    when the file last had this inode, size, mtime and ctime (git's index does the same: any write, rename
+    over or chmod moves ctime, which no user-level call can set). New hashes are added to *memo*."""
+    if memo is None:
+        return compute(path)
     st = path.stat()
     stamp = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
     key = str(path)
-    if memo is not None and memo.get(key, [None])[:4] == stamp:
-        return memo[key][4]
+    if memo.get(key, [None])[:4] != stamp:
+        memo[key] = [*stamp, compute(path)]
+    return memo[key][4]
+
+
+def _record_hash(path: Path) -> str:
+    """The RECORD-style hash of *path* (``sha256=`` and unpadded urlsafe base64)."""
     with open(path, "rb") as fh:
         digest = hashlib.file_digest(fh, "sha256").digest()
-    out = "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-    if memo is not None:
-        memo[key] = [*stamp, out]
-    return out
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 def record_check(wheel: Path, site: Path, env: Path, memo: dict | None = None) -> tuple[int, int, list[str], list[str]]:
@@ -529,7 +521,7 @@ def record_check(wheel: Path, site: Path, env: Path, memo: dict | None = None) -
             missing.append(rel)
             continue
         checked += 1
-        if _record_hash(target, memo) != digest:
+        if _memo_hash(target, memo, _record_hash) != digest:
             modified.append(rel)
     return checked, skipped, modified, missing
 
@@ -543,10 +535,7 @@ def _load_memo(path: Path) -> dict:
 
 
 def _save_memo(path: Path, memo: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(memo, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(memo, sort_keys=True))
 
 
 def _startup_hooks_outside_records(site: Path) -> list[str]:

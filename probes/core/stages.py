@@ -3,6 +3,7 @@ evidence (a ``stage`` record with the exception), then :class:`StageFailed` for 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import traceback
 
@@ -32,3 +33,28 @@ class Stage(contextlib.AbstractContextManager):
                              "where": f"{where.filename}:{where.lineno} in {where.name}" if where else "",
                              "traceback": traceback.format_exception(et, ev, tb)[-12:]})
         raise StageFailed(self.name) from ev
+
+
+#: messages that name the simulation itself, whatever raised them
+SIMULATION_WORDS = re.compile(r"\bmeta\b|stand-in|is not simulated|CUDA_ERROR|cuInit|no NVIDIA driver|"
+                              r"Found no NVIDIA|libcuda|CUDA driver|NOT_INITIALIZED", re.IGNORECASE)
+
+
+def stop_rule(*, in_vllm: bool, assertion: bool, raise_line: bool | None, cause: str | None,
+              message: str) -> tuple[str, str]:
+    """(outcome, rule) for an exception that stopped a step of the simulation: ``refused`` when vLLM's own
+    code said no (an explicit ``raise`` in a vLLM source file, not an assertion, not chained from another
+    exception, not about the simulation), else ``limit``: the simulation could not go further. Shared by
+    the post-load stage (live exceptions) and the host (recorded tracebacks of construction stops);
+    *raise_line* None means the raising line is unknown, *cause* names the chained exception."""
+    if not in_vllm:
+        return "limit", "raised outside vLLM (torch, a compiled op, a library, or a stand-in)"
+    if assertion:
+        return "limit", "an assertion in vLLM about the tensors it was given (meta tensors)"
+    if raise_line is False:
+        return "limit", "raised by a call inside vLLM's line (an op or extension), not a vLLM check"
+    if cause is not None:
+        return "limit", f"vLLM re-raised {cause} from a call it made"
+    if SIMULATION_WORDS.search(message):
+        return "limit", "vLLM's message names the simulation (meta tensors, the stub driver)"
+    return "refused", "an explicit raise in vLLM's own code"

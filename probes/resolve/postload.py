@@ -36,11 +36,9 @@ import traceback
 
 from probes.resolve import simulate
 from probes.core.recorder import describe
+from probes.core.stages import stop_rule
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-#: messages that name the simulation itself, whatever raised them
-_SIMULATION_WORDS = re.compile(r"\bmeta\b|stand-in|is not simulated|CUDA_ERROR|cuInit|no NVIDIA driver|"
-                               r"Found no NVIDIA|libcuda|CUDA driver|NOT_INITIALIZED", re.IGNORECASE)
 LOADER = "vllm.model_executor.model_loader.utils"
 
 
@@ -79,18 +77,10 @@ def classify(exc: BaseException) -> dict:
             break
     cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     line = linecache.getline(inner_frame.f_code.co_filename, inner_line).strip() if inner_frame else ""
-    if inner_frame is None or not _is_vllm_file(inner_frame.f_code.co_filename):
-        out.update(outcome="limit", rule="raised outside vLLM (torch, a compiled op, a library, or a stand-in)")
-    elif isinstance(exc, AssertionError):
-        out.update(outcome="limit", rule="an assertion in vLLM about the tensors it was given (meta tensors)")
-    elif not line.startswith("raise"):
-        out.update(outcome="limit", rule="raised by a call inside vLLM's line (an op or extension), not a vLLM check")
-    elif cause is not None:
-        out.update(outcome="limit", rule=f"vLLM re-raised {type(cause).__name__} from a call it made")
-    elif _SIMULATION_WORDS.search(str(exc)):
-        out.update(outcome="limit", rule="vLLM's message names the simulation (meta tensors, the stub driver)")
-    else:
-        out.update(outcome="refused", rule="an explicit raise in vLLM's own code")
+    outcome, rule = stop_rule(in_vllm=inner_frame is not None and _is_vllm_file(inner_frame.f_code.co_filename),
+                              assertion=isinstance(exc, AssertionError), raise_line=line.startswith("raise"),
+                              cause=type(cause).__name__ if cause is not None else None, message=str(exc))
+    out.update(outcome=outcome, rule=rule)
     return out
 
 

@@ -248,6 +248,11 @@ def _step_layer(r: dict) -> int | None:
     return r.get("layer") if r.get("layer") is not None else r.get("in_layer")
 
 
+# post-load steps that belong to a whole model (its load_weights tail, its own post-load hook): they reach
+# into every layer, so their outcome bounds every layer's level
+MODEL_STEPS = ("model-load", "model")
+
+
 def _postload(f: EvidenceFile) -> dict | None:
     """What vLLM's post-load path did in this cell: every step's outcome, vLLM's refusals (findings)
     apart from the places the simulation could not go further (limits), and per layer how far it went."""
@@ -287,7 +292,7 @@ def _postload(f: EvidenceFile) -> dict | None:
     # per layer: the worst outcome of its own steps and of the model-level hooks (which reach into layers)
     model_worst: dict[str, int] = {}  # per model (target, draft): its own hook reaches into its layers
     for r in steps:
-        if r.get("step") == "model":
+        if r.get("step") in MODEL_STEPS:
             role = r.get("role", "target")
             model_worst[role] = max(model_worst.get(role, 0), _WORST[r.get("outcome", "ok")])
     per_layer: dict[int, int] = {}

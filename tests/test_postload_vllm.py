@@ -21,14 +21,23 @@ pytestmark = pytest.mark.vllm
 PIN = "v0.30.0"
 GATE = "vllm.models.deepseek_v4.nvidia.model:DeepseekV4MegaMoEExperts._check_runtime_supported"
 
-#: a change planted in the pinned vLLM as it is imported: the MegaMoE device gate also admits SM 9.x.
-#: It rewrites the module's source in memory (same file name and line numbers); the wheel is untouched.
+#: Changes planted in the pinned vLLM as it is imported. Each rewrites one module's source in memory
+#: (same file name and line numbers); the wheel is untouched.
+#: The MegaMoE device gate also admits SM 9.x:
+GATE_PLANT = ("vllm.models.deepseek_v4.nvidia.model",
+              [("if torch.cuda.get_device_capability(device)[0] != 10:",
+                "if torch.cuda.get_device_capability(device)[0] not in (9, 10):")])
+#: K3 finalizes its MegaMoE experts at the end of its language model's load_weights instead of in its
+#: post-load hook, as vLLM 0.27.0 to 0.29.0 do:
+LOAD_TAIL_PLANT = ("vllm.models.kimi_k3.nvidia.model",
+                   [("        self.model.finalize_mega_moe_weights()\n", "        pass\n"),
+                    ("        return loader.load_weights(weights)\n",
+                     "        loaded = loader.load_weights(weights); self.model.finalize_mega_moe_weights(); return loaded\n")])
+
 PLANT = textwrap.dedent('''
     import importlib.abc, importlib.util, sys
 
-    TARGET = "vllm.models.deepseek_v4.nvidia.model"
-    OLD = "if torch.cuda.get_device_capability(device)[0] != 10:"
-    NEW = "if torch.cuda.get_device_capability(device)[0] not in (9, 10):"
+    TARGET, CHANGES = %r
 
     class Plant(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         def find_spec(self, name, path=None, target=None):
@@ -49,9 +58,11 @@ PLANT = textwrap.dedent('''
         def exec_module(self, module):
             with open(self.origin, encoding="utf-8") as fh:
                 source = fh.read()
-            if source.count(OLD) != 1:
-                raise RuntimeError("the planted change no longer applies to this vLLM")
-            exec(compile(source.replace(OLD, NEW), self.origin, "exec"), module.__dict__)
+            for old, new in CHANGES:
+                if source.count(old) != 1:
+                    raise RuntimeError("the planted change no longer applies to this vLLM: " + old)
+                source = source.replace(old, new)
+            exec(compile(source, self.origin, "exec"), module.__dict__)
 
     sys.meta_path.insert(0, Plant())
 ''')
@@ -67,14 +78,14 @@ def env030():
     return rt, pin, env
 
 
-def _run(env030, tmp_path_factory, name, cells, *, plant=False, **kw):
+def _run(env030, tmp_path_factory, name, cells, *, plant=None, **kw):
     from audit.runtimes import RunRequest
     from audit.systems import LAYOUTS, SYSTEMS
 
     rt, pin, _ = env030
     run_dir = tmp_path_factory.mktemp(name)
     if plant:  # the agent's PYTHONPATH is the run directory: Python runs this at start, before vLLM
-        (run_dir / "sitecustomize.py").write_text(PLANT, encoding="utf-8")
+        (run_dir / "sitecustomize.py").write_text(PLANT % (plant,), encoding="utf-8")
     req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in cells],
                      run_dir=run_dir, parallel=2, **kw)
     result = rt.run(req, lambda *a, **k: None)
@@ -95,7 +106,12 @@ def probed(env030, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def planted(env030, tmp_path_factory):
-    return _run(env030, tmp_path_factory, "planted", [("h100_sxm", "dep8")], plant=True)
+    return _run(env030, tmp_path_factory, "planted", [("h100_sxm", "dep8")], plant=GATE_PLANT)
+
+
+@pytest.fixture(scope="module")
+def load_tail(env030, tmp_path_factory):
+    return _run(env030, tmp_path_factory, "load-tail", [("h100_sxm", "dep8")], plant=LOAD_TAIL_PLANT)
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +190,25 @@ def test_postload_outcomes_do_not_depend_on_the_probes(probed, bare):
 
     assert steps(probed) == steps(bare) and len(steps(bare)) > 100
     assert bare["cells"][("h100_sxm", "dep8")]["load_refused"] == probed["cells"][("h100_sxm", "dep8")]["load_refused"]
+
+
+def test_a_refusal_at_the_end_of_load_weights_is_seen(probed, load_tail):
+    """vLLM 0.27.0 to 0.29.0 run the MegaMoE device check at the end of the language model's
+    load_weights. The post-load stage runs that tail (the model's load_weights fed no tensors), so the
+    refusal is seen there, with the same message and raising function, and fails the audit the same way."""
+    before, after = probed["cells"][("h100_sxm", "dep8")], load_tail["cells"][("h100_sxm", "dep8")]
+    r = after["load_refused"]
+    assert r is not None and r["step"] == "KimiLinearForCausalLM.load_weights"
+    assert (r["function"], r["type"], r["message"]) == (GATE, "builtins:NotImplementedError",
+                                                        before["load_refused"]["message"])
+    assert r["layer"] == first_moe_layer() and r["module"].endswith(f"layers.{first_moe_layer()}.block_sparse_moe.experts")
+    # the post-load hook no longer finalizes: the load tail is the only refusal
+    assert after["postload"]["refused"] == 1 and after["postload"]["steps"] == before["postload"]["steps"]
+    rows = [v for v in load_tail["routing"]["verdicts"]["rows"] if (v["system"], v["layout"]) == ("h100_sxm", "dep8")]
+    assert rows and {v["verdict"] for v in rows} == {"LOAD_REFUSED"}
+    assert "during `KimiLinearForCausalLM.load_weights`" in load_tail["ledger"]
+    # without the plant the tail runs too, and does nothing but load (0.30.0 finalizes in its hook)
+    f = next(f for f in probed["files"] if f.cell == ("h100_sxm", "dep8"))
+    tails = [(s["fn"].rsplit(":", 1)[-1], s["outcome"]) for s in f.of_kind("postload-step") if s["step"] == "model-load"
+             and s["role"] == "target"]
+    assert tails == [("KimiK3ForConditionalGeneration.load_weights", "ok"), ("KimiLinearForCausalLM.load_weights", "ok")]

@@ -1,7 +1,8 @@
 """Resolve mode's post-load stage: vLLM's own weight post-processing, run per step on the meta model.
 
-After construction, vLLM's model loader loads the weights and then calls
-``model_executor.model_loader.utils:process_weights_after_loading``, which runs, in order:
+After construction, vLLM's model loader calls the model's ``load_weights`` with the checkpoint's
+tensors (here: with none, so only what the model does besides copying runs, see ``_load_tails``) and
+then ``model_executor.model_loader.utils:process_weights_after_loading``, which runs, in order:
 
 1. every module's ``quant_method.process_weights_after_loading(module)`` (``named_modules`` order;
    only quant methods that are ``QuantizeMethodBase`` instances);
@@ -108,11 +109,28 @@ def _loader_names():
     return names
 
 
+def _load_tails(model) -> list[tuple]:
+    """The model's own ``load_weights``, and its language model's when that is another module, fed an
+    empty weight stream: what vLLM's loader runs at the end of loading besides copying tensors.
+
+    A model may finish its loading there (K3 in 0.27-0.29 finalizes its MegaMoE experts, and so runs
+    their device check, at the end of ``KimiLinearForCausalLM.load_weights``). With real weights the
+    top-level loader reaches the language model's ``load_weights`` through its children; with none it
+    does not, so both are called, top-level first, as the loader nests them."""
+    lm = _language_model(model)
+    owners = [("", model)]
+    if lm is not model:
+        owners.append((next((n for n, m in model.named_modules() if m is lm), "language_model"), lm))
+    return [("model-load", name, m, lambda m=m: m.load_weights(iter(())),
+             f"{type(m).__module__}:{type(m).__qualname__}.load_weights")
+            for name, m in owners if callable(getattr(m, "load_weights", None))]
+
+
 def steps(model, model_config) -> tuple[list[tuple], list[str]]:
     """(kind, module name, module, callable) in the loader's order, and the names it could not find."""
     names = _loader_names()
     missing = [k for k, v in names.items() if v is None and k != "HpcModule"]
-    out = []
+    out = _load_tails(model)
     qbase, deferred = names["QuantizeMethodBase"], names["is_deferred_attention_layer"]
     if qbase is not None:
         for name, module in model.named_modules():

@@ -208,6 +208,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "verdict_groups": grouped(routing["verdicts"]["rows"]) if routing.get("verdicts") else [],
         # in the verdicts' own order (routing.json stores the counts with sorted keys)
         "verdict_counts": [(k, counts[k]) for k in VERDICTS if counts.get(k)],
+        "unjudged_claims": sum(1 for r in (routing.get("verdicts") or {}).get("rows", [])
+                               if r["claim"] and r["verdict"] == "UNVERIFIED"),
         "lane_titles": lane_titles,
         "kind_titles": {"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
                         "mtp": "MTP draft (separate draft model)"},

@@ -119,3 +119,24 @@ def test_collapse_groups_by_value_in_layer_order():
 ])
 def test_short(value, text):
     assert routing.short(value) == text
+
+
+def test_a_claim_the_audit_could_not_judge_stays_in_the_verdicts_table():
+    """UNVERIFIED claims (the simulation stopped, no evidence) are listed with their claim in the main table,
+    with the reason; only lane paths no claim covers go into the collapsed list."""
+    r = json.loads((ROOT / "tests" / "data" / "routing-v0.30.0.json").read_text(encoding="utf-8"))
+    unjudged = [v for v in r["verdicts"]["rows"] if v["claim"] and v["verdict"] == "UNVERIFIED"]
+    assert unjudged  # v0.30.0's DP8+EP cells stop at a simulation limit
+    text = render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    main, _, rest = text.partition("<details><summary>")
+    collapsed = rest.partition("</details>")[0]
+    assert f"({len(unjudged)} UNVERIFIED row(s) are claims the audit could not judge" in main
+    for v in unjudged:
+        assert any(line.startswith(f"| UNVERIFIED | `{v['claim']}` | ") and f"{v['system']}/{v['layout']}" in line
+                   for line in main.splitlines()), v
+    assert "| `` |" not in main  # no row without its claim in the claims table
+    assert "lane path(s) no claim covers" in collapsed
+    rows = [line for line in collapsed.splitlines() if line.startswith("| ") and not line.startswith("| verdict |")]
+    assert rows
+    for line in rows:
+        assert line.startswith(("| UNVERIFIED | ", "| NOT_EXERCISED | ")) and "`kda-" not in line.split("|")[2], line

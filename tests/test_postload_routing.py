@@ -149,3 +149,58 @@ def test_a_construction_stop_says_whether_vllm_or_the_simulation_raised():
     assert stop_outcome(reraised)["outcome"] == "limit"
     words = _err("builtins:RuntimeError", "cannot run on meta tensors", [("vllm/a.py", 3, "f", 'raise RuntimeError(m)')])
     assert stop_outcome(words)["outcome"] == "limit"
+
+
+LOADER_SOURCE = '''
+def load_weights(weights):
+    loaded = set(name for name, _ in weights)
+    if "model.layers.93.eh_proj.weight" not in loaded:
+        raise ValueError("MTP layer 93 weights missing from checkpoint")
+    return loaded
+
+
+def _check_device():
+    raise NotImplementedError("this kernel requires SM100 GPUs.")
+
+
+def finalize():
+    _check_device()
+
+
+def load_weights_and_finalize(weights):
+    loaded = set(name for name, _ in weights)
+    finalize()
+    return loaded
+'''
+
+
+def _raised(tmp_path, fn_name):
+    """The exception a function of a throwaway module raises, the module placed where a vLLM file lives."""
+    import importlib.util
+
+    path = tmp_path / "site-packages" / "vllm" / "throwaway_loader.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(LOADER_SOURCE, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("throwaway_loader", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        getattr(mod, fn_name)(iter(()))
+    except Exception as exc:
+        return exc
+    raise AssertionError(f"{fn_name} did not raise")
+
+
+def test_a_load_weights_fed_nothing_is_never_refused_for_what_it_did_not_get(tmp_path):
+    """The post-load stage runs load_weights on an empty stream. A check on which tensors arrived is the
+    simulation's doing (a limit); a check that loading calls besides (a finalize's device gate) is vLLM's
+    refusal, as in any other step."""
+    from probes.resolve.postload import classify
+
+    exc = _raised(tmp_path, "load_weights")
+    assert classify(exc)["outcome"] == "refused"  # as any other step would see an explicit raise in vLLM
+    fed = classify(exc, fed_no_weights=True)
+    assert fed["outcome"] == "limit" and "feeds none" in fed["rule"]
+    gate = classify(_raised(tmp_path / "b", "load_weights_and_finalize"), fed_no_weights=True)
+    assert gate["outcome"] == "refused" and gate["raised_in"].endswith("_check_device")
+    assert gate["message"] == "this kernel requires SM100 GPUs."

@@ -40,13 +40,22 @@ SIMULATION_WORDS = re.compile(r"\bmeta\b|stand-in|is not simulated|CUDA_ERROR|cu
                               r"Found no NVIDIA|libcuda|CUDA driver|NOT_INITIALIZED", re.IGNORECASE)
 
 
+#: in a weight-loading step fed no tensors: the function that raised loads weights itself, or the message
+#: is about which tensors the checkpoint held
+WEIGHT_LOADING_FUNCTION = re.compile(r"(?:^|_)load_weights?$|weight_loader|^_load_module$|^_load_param$")
+WEIGHT_CHECK_WORDS = re.compile(r"checkpoint|\bmissing\b|not (?:been )?loaded|unexpected (?:weight|key|param)",
+                                re.IGNORECASE)
+
+
 def stop_rule(*, in_vllm: bool, assertion: bool, raise_line: bool | None, cause: str | None,
-              message: str) -> tuple[str, str]:
+              message: str, weights_check: bool = False) -> tuple[str, str]:
     """(outcome, rule) for an exception that stopped a step of the simulation: ``refused`` when vLLM's own
     code said no (an explicit ``raise`` in a vLLM source file, not an assertion, not chained from another
     exception, not about the simulation), else ``limit``: the simulation could not go further. Shared by
     the post-load stage (live exceptions) and the host (recorded tracebacks of construction stops);
-    *raise_line* None means the raising line is unknown, *cause* names the chained exception."""
+    *raise_line* None means the raising line is unknown, *cause* names the chained exception;
+    *weights_check* says the exception is the weight loading's own check on the tensors it received, in a
+    step the simulation fed none (see :data:`WEIGHT_LOADING_FUNCTION`)."""
     if not in_vllm:
         return "limit", "raised outside vLLM (torch, a compiled op, a library, or a stand-in)"
     if assertion:
@@ -57,4 +66,6 @@ def stop_rule(*, in_vllm: bool, assertion: bool, raise_line: bool | None, cause:
         return "limit", f"vLLM re-raised {cause} from a call it made"
     if SIMULATION_WORDS.search(message):
         return "limit", "vLLM's message names the simulation (meta tensors, the stub driver)"
+    if weights_check:
+        return "limit", "vLLM's weight loading checked the tensors it received; the simulation feeds none"
     return "refused", "an explicit raise in vLLM's own code"

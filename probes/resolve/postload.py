@@ -37,7 +37,7 @@ import traceback
 
 from probes.resolve import simulate
 from probes.core.recorder import describe
-from probes.core.stages import stop_rule
+from probes.core.stages import WEIGHT_CHECK_WORDS, WEIGHT_LOADING_FUNCTION, stop_rule
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 LOADER = "vllm.model_executor.model_loader.utils"
@@ -56,8 +56,12 @@ def _rel(path: str) -> str:
     return re.sub(r"^.*?/site-packages/", "", path)
 
 
-def classify(exc: BaseException) -> dict:
-    """``refused`` or ``limit`` for an exception a post-load step raised, with why and where."""
+def classify(exc: BaseException, *, fed_no_weights: bool = False) -> dict:
+    """``refused`` or ``limit`` for an exception a post-load step raised, with why and where.
+    ``fed_no_weights``: the step is a ``load_weights`` run on an empty stream, where a check about which
+    tensors arrived is the simulation's doing (raised by the loading function itself, or naming the
+    checkpoint or missing weights), never a refusal; what the loading calls besides (a finalize and its
+    device check) is judged like any other step."""
     frames = list(traceback.walk_tb(exc.__traceback__))
     inner_frame, inner_line = frames[-1] if frames else (None, 0)
     vllm_frames = [(f, n) for f, n in frames if _is_vllm_file(f.f_code.co_filename)]
@@ -78,9 +82,12 @@ def classify(exc: BaseException) -> dict:
             break
     cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     line = linecache.getline(inner_frame.f_code.co_filename, inner_line).strip() if inner_frame else ""
+    weights_check = fed_no_weights and inner_frame is not None and bool(
+        WEIGHT_LOADING_FUNCTION.search(inner_frame.f_code.co_name) or WEIGHT_CHECK_WORDS.search(str(exc)))
     outcome, rule = stop_rule(in_vllm=inner_frame is not None and _is_vllm_file(inner_frame.f_code.co_filename),
                               assertion=isinstance(exc, AssertionError), raise_line=line.startswith("raise"),
-                              cause=type(cause).__name__ if cause is not None else None, message=str(exc))
+                              cause=type(cause).__name__ if cause is not None else None, message=str(exc),
+                              weights_check=weights_check)
     out.update(outcome=outcome, rule=rule)
     return out
 
@@ -190,7 +197,7 @@ def run(model, vllm_config, rec, *, role: str = "target", model_config=None) -> 
                     simulate.meta_device_mode():
                 call()
         except Exception as exc:  # the outcome is the evidence
-            record.update(classify(exc))
+            record.update(classify(exc, fed_no_weights=kind == "model-load"))
         else:
             record["outcome"] = "ok"
         record["seconds"] = round(time.perf_counter() - t0, 4)

@@ -6,7 +6,8 @@ width), which lane path serves it, its label, and vLLM's per-call choices there.
 
 Verdicts judge a perf database's hand-written labels; this file lets it take them from the audit
 instead (``reports/<pin>/labels.json``). Every row carries the evidence level it rests on and the
-layers it covers; what the harness cannot name stays ``unknown``, never guessed. Pure data in, pure
+layers it covers; what the harness cannot name stays ``unknown``, never guessed. A configuration vLLM
+refuses (at construction or at load) gets no labels, only the refusal under ``not_labelled``. Pure data in, pure
 data out: the same routing always gives the same file.
 """
 from __future__ import annotations
@@ -102,6 +103,20 @@ def _by_tokens(cell: dict, lane: str, group: dict, label_map: dict[str, str]) ->
     return out
 
 
+def _refused(cell: dict) -> str | None:
+    """Why vLLM refuses to serve this cell's configuration (its own check raised at construction or at
+    load), or None. A simulation limit is no refusal: the layers it reached keep their labels."""
+    r = cell.get("load_refused")
+    if r:
+        return (f"vLLM refuses to load it: {r.get('function', '')} raised {r.get('type', '').rsplit(':', 1)[-1]}: "
+                f"{r.get('message', '')}")
+    f = cell.get("failure") or {}
+    if f.get("outcome") == "refused":
+        return (f"vLLM refuses to build it ({f.get('stage', '')}): {f.get('type', '').rsplit(':', 1)[-1]}: "
+                f"{f.get('message', '')}")
+    return None
+
+
 def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict:
     """The labels file for one audit (see module doc)."""
     rows, skipped = [], []
@@ -109,6 +124,10 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
         system, layout = cell["system"], cell["layout"]
         if cell.get("status") == "INCOMPLETE":
             skipped.append({"system": system, "layout": layout, "why": "the cell did not finish"})
+            continue
+        refused = _refused(cell)
+        if refused:  # nothing serves there: a label would describe a server that never starts
+            skipped.append({"system": system, "layout": layout, "why": refused})
             continue
         sysobj = SYSTEMS.get(system)
         for lane, (perf_lane, phase) in HARNESS_LANES.items():

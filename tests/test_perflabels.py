@@ -72,3 +72,20 @@ def test_labels_by_token_count_follow_the_path_that_serves_each_batch():
     assert moe["prefill 8192"]["choices"]["latent_tail"] == "COLUMN_PARALLEL"
     assert {t["kernel_source"] for t in moe.values()} == {row_ks for row_ks in
                                                           [next(l["kernel_source"] for l in rows if (l["system"], l["layout"], l["harness_lane"]) == ("b200_sxm", "tp8", "moe"))]}
+
+
+def test_a_configuration_vllm_refuses_gets_no_labels():
+    """v0.30.0 refuses DEP8 MegaMoE on SM 9.0 at load, v0.33.0 already at construction: labels.json offers no
+    lane for those cells (a server there never starts), and says why; a simulation limit is no refusal."""
+    for pin in ("v0.30.0", "v0.33.0"):
+        r = routing(pin)
+        doc = build_labels(r)
+        refused = {(c["system"], c["layout"]) for c in r["cells"]
+                   if c.get("load_refused") or (c.get("failure") or {}).get("outcome") == "refused"}
+        assert ("h100_sxm", "dep8") in refused
+        assert not [l for l in doc["rows"] if (l["system"], l["layout"]) in refused]
+        why = {(s["system"], s["layout"]): s["why"] for s in doc["not_labelled"] if "lane" not in s}
+        assert all(why[c].startswith("vLLM refuses to") and "DeepGEMM MegaMoE requires SM100 GPUs." in why[c]
+                   for c in refused)
+        limited = [c for c in r["cells"] if (c.get("failure") or {}).get("outcome") == "limit"]
+        assert all(any((l["system"], l["layout"]) == (c["system"], c["layout"]) for l in doc["rows"]) for c in limited)

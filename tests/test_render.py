@@ -130,7 +130,8 @@ def test_a_claim_the_audit_could_not_judge_stays_in_the_verdicts_table():
     text = render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
     main, _, rest = text.partition("<details><summary>")
     collapsed = rest.partition("</details>")[0]
-    assert f"({len(unjudged)} UNVERIFIED row(s) are claims the audit could not judge" in main
+    total = r["verdicts"]["summary"]["UNVERIFIED"]
+    assert f"**UNVERIFIED** {total} ({len(unjudged)} UNVERIFIED row(s) are claims the audit could not judge" in main
     for v in unjudged:
         assert any(line.startswith(f"| UNVERIFIED | `{v['claim']}` | ") and f"{v['system']}/{v['layout']}" in line
                    for line in main.splitlines()), v

@@ -17,6 +17,7 @@ import json
 from .dispatch import serving_group, tier_choice
 from .expectations import PERF_LANES, sm_family
 from .labels import derive
+from .routing import short
 from .systems import SYSTEMS
 
 LABELS_SCHEMA = 1
@@ -108,11 +109,11 @@ def _refused(cell: dict) -> str | None:
     load), or None. A simulation limit is no refusal: the layers it reached keep their labels."""
     r = cell.get("load_refused")
     if r:
-        return (f"vLLM refuses to load it: {r.get('function', '')} raised {r.get('type', '').rsplit(':', 1)[-1]}: "
+        return (f"vLLM refuses to load it: {r.get('function', '')} raised {short(r.get('type', ''))}: "
                 f"{r.get('message', '')}")
     f = cell.get("failure") or {}
     if f.get("outcome") == "refused":
-        return (f"vLLM refuses to build it ({f.get('stage', '')}): {f.get('type', '').rsplit(':', 1)[-1]}: "
+        return (f"vLLM refuses to build it ({f.get('stage', '')}): {short(f.get('type', ''))}: "
                 f"{f.get('message', '')}")
     return None
 

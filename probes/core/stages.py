@@ -48,14 +48,15 @@ WEIGHT_CHECK_WORDS = re.compile(r"checkpoint|\bmissing\b|not (?:been )?loaded|un
 
 
 def stop_rule(*, in_vllm: bool, assertion: bool, raise_line: bool | None, cause: str | None,
-              message: str, weights_check: bool = False) -> tuple[str, str]:
+              message: str, fed_no_weights: bool = False, raised_in: str = "") -> tuple[str, str]:
     """(outcome, rule) for an exception that stopped a step of the simulation: ``refused`` when vLLM's own
     code said no (an explicit ``raise`` in a vLLM source file, not an assertion, not chained from another
     exception, not about the simulation), else ``limit``: the simulation could not go further. Shared by
     the post-load stage (live exceptions) and the host (recorded tracebacks of construction stops);
     *raise_line* None means the raising line is unknown, *cause* names the chained exception;
-    *weights_check* says the exception is the weight loading's own check on the tensors it received, in a
-    step the simulation fed none (see :data:`WEIGHT_LOADING_FUNCTION`)."""
+    *fed_no_weights* says the step ran ``load_weights`` on an empty stream, where the loading's own check on
+    the tensors it received (raised by *raised_in*, a weight-loading function, or naming the checkpoint or
+    missing weights) is the simulation's doing."""
     if not in_vllm:
         return "limit", "raised outside vLLM (torch, a compiled op, a library, or a stand-in)"
     if assertion:
@@ -66,6 +67,6 @@ def stop_rule(*, in_vllm: bool, assertion: bool, raise_line: bool | None, cause:
         return "limit", f"vLLM re-raised {cause} from a call it made"
     if SIMULATION_WORDS.search(message):
         return "limit", "vLLM's message names the simulation (meta tensors, the stub driver)"
-    if weights_check:
+    if fed_no_weights and (WEIGHT_LOADING_FUNCTION.search(raised_in) or WEIGHT_CHECK_WORDS.search(message)):
         return "limit", "vLLM's weight loading checked the tensors it received; the simulation feeds none"
     return "refused", "an explicit raise in vLLM's own code"

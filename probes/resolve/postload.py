@@ -37,7 +37,7 @@ import traceback
 
 from probes.resolve import simulate
 from probes.core.recorder import describe
-from probes.core.stages import WEIGHT_CHECK_WORDS, WEIGHT_LOADING_FUNCTION, stop_rule
+from probes.core.stages import stop_rule
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 LOADER = "vllm.model_executor.model_loader.utils"
@@ -82,12 +82,11 @@ def classify(exc: BaseException, *, fed_no_weights: bool = False) -> dict:
             break
     cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     line = linecache.getline(inner_frame.f_code.co_filename, inner_line).strip() if inner_frame else ""
-    weights_check = fed_no_weights and inner_frame is not None and bool(
-        WEIGHT_LOADING_FUNCTION.search(inner_frame.f_code.co_name) or WEIGHT_CHECK_WORDS.search(str(exc)))
     outcome, rule = stop_rule(in_vllm=inner_frame is not None and _is_vllm_file(inner_frame.f_code.co_filename),
                               assertion=isinstance(exc, AssertionError), raise_line=line.startswith("raise"),
                               cause=type(cause).__name__ if cause is not None else None, message=str(exc),
-                              weights_check=weights_check)
+                              fed_no_weights=fed_no_weights,
+                              raised_in=inner_frame.f_code.co_name if inner_frame is not None else "")
     out.update(outcome=outcome, rule=rule)
     return out
 
@@ -127,7 +126,7 @@ def _load_tails(model) -> list[tuple]:
     lm = _language_model(model)
     owners = [("", model)]
     if lm is not model:
-        owners.append((next((n for n, m in model.named_modules() if m is lm), "language_model"), lm))
+        owners.append((next((n for n, m in model.named_children() if m is lm), "language_model"), lm))
     return [("model-load", name, m, lambda m=m: m.load_weights(iter(())),
              f"{type(m).__module__}:{type(m).__qualname__}.load_weights")
             for name, m in owners if callable(getattr(m, "load_weights", None))]

@@ -228,10 +228,11 @@ def _run_stages(plan, cell, rec, Stage) -> None:
             with Stage(rec, "post-load"):
                 from probes.resolve import postload
 
-                postload.run(model, vllm_config, rec)
+                every = bool(plan.get("postload_every_layer"))
+                postload.run(model, vllm_config, rec, every_layer=every)
                 if draft is not None:  # vLLM's drafter loader post-processes the draft the same way
                     postload.run(draft, _draft_config(vllm_config, spec), rec, role="draft",
-                                 model_config=spec.draft_model_config)
+                                 model_config=spec.draft_model_config, every_layer=every)
         except _stage_failed():  # the driver itself failed: recorded; construction's evidence stands
             pass
 

@@ -41,6 +41,7 @@ from probes.core.stages import stop_rule
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 LOADER = "vllm.model_executor.model_loader.utils"
+MOE_METHOD_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe_method_base"
 
 
 def _is_vllm_file(path: str) -> bool:
@@ -166,13 +167,33 @@ def _language_model(model):
     return model.get_language_model() if hasattr(model, "get_language_model") else model
 
 
-def run(model, vllm_config, rec, *, role: str = "target", model_config=None) -> dict:
-    """Run every post-load step of ``model`` and record each outcome; then record what it built.
-    ``model_config`` is the one the loader passes (the draft's own for a speculative draft)."""
-    import torch
+def _moe_conversion_step(base):
+    """Steps the fast path (probes/resolve/carry.py) takes part in: vLLM's MoE quant methods, which convert
+    every expert's weights for the chosen kernel (the per-layer work that is identical across layers)."""
+    return lambda kind, module: (kind == "quant_method" and base is not None
+                                 and isinstance(getattr(module, "quant_method", None), base))
 
+
+def _execute(kind: str, call, vllm_config, mc) -> dict:
+    """Run one post-load step the way vLLM's loader runs it; its outcome fields."""
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
+
+    try:
+        with set_current_vllm_config(vllm_config), set_default_torch_dtype(mc.dtype), simulate.meta_device_mode():
+            call()
+    except Exception as exc:  # the outcome is the evidence
+        return classify(exc, fed_no_weights=kind == "model-load")
+    return {"outcome": "ok"}
+
+
+def run(model, vllm_config, rec, *, role: str = "target", model_config=None, every_layer: bool = False) -> dict:
+    """Run every post-load step of ``model`` and record each outcome; then record what it built.
+    ``model_config`` is the one the loader passes (the draft's own for a speculative draft); ``every_layer``
+    runs vLLM's step on every layer instead of carrying a representative's result (probes/resolve/carry.py)."""
+    import importlib
+
+    from probes.resolve import carry
 
     mc = model_config or vllm_config.model_config
     simulate.SIMULATED["post-load"] = ("vLLM's post-load steps run one by one on the meta model (weights never "
@@ -186,22 +207,31 @@ def run(model, vllm_config, rec, *, role: str = "target", model_config=None) -> 
         # what KimiK3ModelState.__init__ does once the weights are loaded
         todo.append(("model-state", "", lm, lm.build_specialized_decode,
                      f"{type(lm).__module__}:{type(lm).__qualname__}.build_specialized_decode"))
-    counts = {"ok": 0, "refused": 0, "limit": 0}
-    for kind, name, module, call, fn in todo:
+    try:
+        moe_base = getattr(importlib.import_module(MOE_METHOD_MODULE), "FusedMoEMethodBase", None)
+    except ImportError:
+        moe_base = None
+    carrier = carry.Carrier(model, todo, _moe_conversion_step(moe_base), every_layer=every_layer)
+    records: list[dict] = []
+    for i, (kind, name, module, call, fn) in enumerate(todo):
         t0 = time.perf_counter()
         record = {"role": role, "step": kind, "module": name, "layer": _layer(name),
                   "cls": f"{type(module).__module__}:{type(module).__qualname__}", "fn": fn}
-        try:
-            with set_current_vllm_config(vllm_config), set_default_torch_dtype(mc.dtype), \
-                    simulate.meta_device_mode():
-                call()
-        except Exception as exc:  # the outcome is the evidence
-            record.update(classify(exc, fed_no_weights=kind == "model-load"))
-        else:
-            record["outcome"] = "ok"
+        record.update(carrier.run(i, lambda kind=kind, call=call: _execute(kind, call, vllm_config, mc)))
         record["seconds"] = round(time.perf_counter() - t0, 4)
+        records.append(record)
+    for i in carrier.redo():  # a failed check withdrew these layers' carried results: vLLM's step runs
+        kind, _name, _module, call, _fn = todo[i]
+        t0 = time.perf_counter()
+        records[i] = {**{k: v for k, v in records[i].items() if k in ("role", "step", "module", "layer", "cls", "fn")},
+                      **_execute(kind, call, vllm_config, mc), "carry": "ran",
+                      "seconds": round(time.perf_counter() - t0, 4)}
+    counts = {"ok": 0, "refused": 0, "limit": 0}
+    for record in records:
         counts[record["outcome"]] += 1
         rec.emit("postload-step", **record)
+    for group in carrier.summary():
+        rec.emit("postload-carry", role=role, **group)
     rec.emit("postload", role=role, steps=len(todo), **counts)
     inspect(model, vllm_config, rec, role=role)
     return counts

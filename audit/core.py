@@ -157,6 +157,7 @@ def _from_cache(rt, request: RunRequest, progress: Progress) -> tuple[dict, dict
     write_model_dirs(request)
     plan = {"probes": request.probes, "extra_targets": list(request.extra_targets), "stop_after": request.stop_after,
             "serve_args": list(request.serve_args), "slice": request.slice, "observe_install": request.observe_install,
+            "postload_every_layer": request.postload_every_layer, "draft_weights": list(request.profile.draft_weights),
             "harness_env": identity.get("harness_env", []), "redact_env": []}
     probes = evcache.probes_digest()
     keys, cached = {}, {}

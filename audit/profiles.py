@@ -71,6 +71,10 @@ class Profile:
     layer_classes: dict[str, str] = field(default_factory=dict)
     #: observe-mode slices by name (the full model needs no slice)
     slices: dict[str, Slice] = field(default_factory=dict)
+    #: checkpoint weight names the speculative draft's ``load_weights`` must see to accept the checkpoint
+    #: (``{layer}``: each of the draft's layer indices). Post-load feeds it one meta tensor per name, of the
+    #: shape of the parameter it loads into, so vLLM's presence check passes; a real checkpoint must hold them.
+    draft_weights: tuple[str, ...] = ()
 
     def config_text(self) -> str:
         return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
@@ -119,6 +123,7 @@ KIMI_K3 = Profile(
         "KimiMLP@mlp": "dense",
         "KimiK3MultiTokenPredictorLayer": "mtp",
     },
+    draft_weights=("model.layers.{layer}.enorm.weight",),
     lanes=(
         Lane("moe", "Routed experts", "moe", "all", (
             Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls"), extra=("cls",)),

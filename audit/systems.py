@@ -19,6 +19,11 @@ class System:
     total_memory_gib: int
     sm_count: int
     arch: str  # amd64 | arm64: picks the platform digest of a multi-arch image
+    #: CUDA driver attributes (CU_DEVICE_ATTRIBUTE_* without the prefix) measured on the real GPU, for the
+    #: libraries that read them (Humming's kernel heuristics); empty where none was measured: such a read is
+    #: then a simulation limit, never a guess
+    attributes: tuple[tuple[str, int], ...] = ()
+    attributes_source: str = ""
 
     @property
     def sm(self) -> str:
@@ -27,13 +32,20 @@ class System:
     def as_job(self) -> dict:
         d = asdict(self)
         d["capability"] = list(self.capability)
+        d["attributes"] = dict(self.attributes)
         return d
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("l40s", "NVIDIA L40S", (8, 9), 45, 142, "amd64"),
     System("h100_sxm", "NVIDIA H100 80GB HBM3", (9, 0), 80, 132, "amd64"),
-    System("h200_sxm", "NVIDIA H200", (9, 0), 141, 132, "amd64"),
+    System("h200_sxm", "NVIDIA H200", (9, 0), 141, 132, "amd64", attributes=(
+        ("MULTIPROCESSOR_COUNT", 132), ("MAX_THREADS_PER_BLOCK", 1024), ("MAX_THREADS_PER_MULTIPROCESSOR", 2048),
+        ("MAX_REGISTERS_PER_MULTIPROCESSOR", 65536), ("L2_CACHE_SIZE", 62914560),
+        ("MAX_SHARED_MEMORY_PER_BLOCK", 49152), ("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", 232448),
+        ("MAX_SHARED_MEMORY_PER_MULTIPROCESSOR", 233472), ("MEMORY_CLOCK_RATE", 3201000),
+        ("GLOBAL_MEMORY_BUS_WIDTH", 6016), ("CLOCK_RATE", 1980000)),
+        attributes_source="cuDeviceGetAttribute on a real NVIDIA H200 (CUDA 13.0 driver), 2026-12-03"),
     System("b200_sxm", "NVIDIA B200", (10, 0), 179, 148, "amd64"),
     System("gb200", "NVIDIA GB200", (10, 0), 185, 152, "arm64"),
     System("b300_sxm", "NVIDIA B300 SXM6 AC", (10, 3), 268, 148, "amd64"),

@@ -47,6 +47,9 @@ class RunRequest:
     observe_install: bool = False
     #: observe mode: corroborate the probes with vLLM's torch profiler (one trace per worker and phase)
     profiler: bool = True
+    #: post-load runs vLLM's MoE conversion on every layer instead of carrying a representative's result
+    #: (probes/resolve/carry.py); the same routing either way, the straightforward path is slower
+    postload_every_layer: bool = False
 
     @property
     def evidence_dir(self) -> Path:
@@ -239,6 +242,8 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "serve_args": list(request.serve_args),
         "slice": request.slice,
         "observe_install": request.observe_install,
+        "postload_every_layer": request.postload_every_layer,
+        "draft_weights": list(request.profile.draft_weights),
         "profile": request.profiler,
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),

@@ -250,10 +250,13 @@ def _slots(x):
 
 
 def _dict_changes(out: list, i: int, kind: str, old: dict, new: dict) -> None:
-    for k in sorted(set(old) | set(new), key=repr):
-        a, b = old.get(k, MISSING), new.get(k, MISSING)
-        if a is not b:
+    """Changed and added keys in the new dict's order (a carried dict keeps its insertion order), then removed."""
+    for k, b in new.items():
+        if old.get(k, MISSING) is not b:
             out.append((i, kind, (k, b)))
+    for k in old:
+        if k not in new:
+            out.append((i, kind, (k, MISSING)))
 
 
 def delta_of(objs: list, before: list) -> list[tuple]:

@@ -11,7 +11,7 @@ import importlib.metadata
 import os
 import re
 
-from probes.resolve import simulate
+from probes.resolve import simulate, standins
 from probes.core.install import ProbeSet
 from probes.core.patching import PostImportHooks
 from probes.core.targets import TARGETS, Target
@@ -120,7 +120,7 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
             simulate.install_stand_ins(hooks)
             simulate.install_in_process_registry(hooks)
             simulate.install_node_topology(hooks)
-            simulate.install_meta_device_args(hooks)
+            standins.install(hooks)
             platform = simulate.install_platform()
             simulate.stand_in_cuda_streams()
             base = type(platform).__mro__[1]
@@ -158,7 +158,7 @@ def run_cell(plan: dict, cell: dict, rec, Stage, warm: dict) -> None:
     finally:
         rec.emit("availability", **availability())
         rec.emit("simulated", items=dict(sorted(simulate.SIMULATED.items())),
-                 stand_in_calls=simulate.STAND_IN_CALLS,
+                 stand_in_calls=simulate.STAND_IN_CALLS, kernel_calls=dict(sorted(standins.KERNEL_CALLS.items())),
                  device={"name": system["device_name"], "capability": list(system["capability"]),
                          "total_memory_gib": system["total_memory_gib"], "sm_count": system["sm_count"],
                          "device_count": layout["world_size"]})
@@ -232,7 +232,8 @@ def _run_stages(plan, cell, rec, Stage) -> None:
                 postload.run(model, vllm_config, rec, every_layer=every)
                 if draft is not None:  # vLLM's drafter loader post-processes the draft the same way
                     postload.run(draft, _draft_config(vllm_config, spec), rec, role="draft",
-                                 model_config=spec.draft_model_config, every_layer=every)
+                                 model_config=spec.draft_model_config, every_layer=every,
+                                 weights=tuple(plan.get("draft_weights", ())))
         except _stage_failed():  # the driver itself failed: recorded; construction's evidence stands
             pass
 
@@ -422,13 +423,17 @@ def _init_fake_distributed(vllm_config, rec) -> None:
         import inspect
 
         bound = inspect.signature(orig_init).bind(self, *args, **kwargs)
-        bound.arguments["use_device_communicator"] = False
+        if not bound.arguments.get("use_all2all"):
+            bound.arguments["use_device_communicator"] = False
         if "use_message_queue_broadcaster" in bound.arguments:
             bound.arguments["use_message_queue_broadcaster"] = False
         orig_init(*bound.args, **bound.kwargs)
 
     ps.GroupCoordinator.__init__ = coordinator_init
-    simulate.SIMULATED["vllm GroupCoordinator"] = "built without device communicator or shm broadcaster"
+    simulate.SIMULATED["vllm GroupCoordinator"] = (
+        "built without shm broadcaster; only the expert-parallel group (the one vLLM asks for all2all) gets its "
+        "device communicator, so vLLM builds and picks its all2all manager itself; no other group has one")
+    standins.no_nccl()
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
     init_worker_distributed_environment(vllm_config, rank=0, distributed_init_method="tcp://127.0.0.1:1",

@@ -116,9 +116,10 @@ def _loader_names():
     return names
 
 
-def _load_tails(model) -> list[tuple]:
-    """The model's own ``load_weights``, and its language model's when that is another module, fed an
-    empty weight stream: what vLLM's loader runs at the end of loading besides copying tensors.
+def _load_tails(model, weights: tuple[str, ...] = ()) -> list[tuple]:
+    """The model's own ``load_weights``, and its language model's when that is another module, fed what the
+    loader would stream besides the checkpoint's tensors: nothing, or (``weights``, a speculative draft) one
+    meta tensor per named checkpoint weight, so a check on which weights arrived sees them.
 
     A model may finish its loading there (K3 in 0.27-0.29 finalizes its MegaMoE experts, and so runs
     their device check, at the end of ``KimiLinearForCausalLM.load_weights``). With real weights the
@@ -128,16 +129,38 @@ def _load_tails(model) -> list[tuple]:
     owners = [("", model)]
     if lm is not model:
         owners.append((next((n for n, m in model.named_children() if m is lm), "language_model"), lm))
-    return [("model-load", name, m, lambda m=m: m.load_weights(iter(())),
+    stream = _named_stream(model, weights) if weights else []
+    return [("model-load", name, m, lambda m=m, s=(stream if name == "" else []): m.load_weights(iter(list(s))),
              f"{type(m).__module__}:{type(m).__qualname__}.load_weights")
             for name, m in owners if callable(getattr(m, "load_weights", None))]
 
 
-def steps(model, model_config) -> tuple[list[tuple], list[str]]:
+def _named_stream(model, weights: tuple[str, ...]) -> list[tuple]:
+    """(checkpoint name, meta tensor) for each pattern and each of the model's layers: the tensor has the shape
+    and dtype of the model's parameter with the same layer and suffix (``model.layers.{layer}.enorm.weight`` ->
+    a parameter ``...layers.93...enorm.weight``). A name with no such parameter is left out."""
+    import torch
+
+    params = list(model.named_parameters())
+    layers = sorted({_layer(n) for n, _ in params} - {None})
+    out = []
+    for pattern in weights:
+        suffix = pattern.split("{layer}", 1)[-1].lstrip(".")
+        for layer in layers:
+            target = next((p for n, p in params if _layer(n) == layer and n.endswith("." + suffix)), None)
+            if target is not None:
+                out.append((pattern.format(layer=layer), torch.empty_like(target, device="meta")))
+    simulate.SIMULATED["post-load: checkpoint weight names"] = (
+        "the draft's load_weights is fed " + ", ".join(n for n, _ in out) + " (meta tensors of the parameters' "
+        "shapes) so its check that the checkpoint holds its layers passes; a real checkpoint must carry them")
+    return out
+
+
+def steps(model, model_config, weights: tuple[str, ...] = ()) -> tuple[list[tuple], list[str]]:
     """(kind, module name, module, callable) in the loader's order, and the names it could not find."""
     names = _loader_names()
     missing = [k for k, v in names.items() if v is None and k != "HpcModule"]
-    out = _load_tails(model)
+    out = _load_tails(model, weights)
     qbase, deferred = names["QuantizeMethodBase"], names["is_deferred_attention_layer"]
     if qbase is not None:
         for name, module in model.named_modules():
@@ -187,7 +210,8 @@ def _execute(kind: str, call, vllm_config, mc) -> dict:
     return {"outcome": "ok"}
 
 
-def run(model, vllm_config, rec, *, role: str = "target", model_config=None, every_layer: bool = False) -> dict:
+def run(model, vllm_config, rec, *, role: str = "target", model_config=None, every_layer: bool = False,
+        weights: tuple[str, ...] = ()) -> dict:
     """Run every post-load step of ``model`` and record each outcome; then record what it built.
     ``model_config`` is the one the loader passes (the draft's own for a speculative draft); ``every_layer``
     runs vLLM's step on every layer instead of carrying a representative's result (probes/resolve/carry.py)."""
@@ -199,7 +223,7 @@ def run(model, vllm_config, rec, *, role: str = "target", model_config=None, eve
     simulate.SIMULATED["post-load"] = ("vLLM's post-load steps run one by one on the meta model (weights never "
                                        "loaded; new tensors on the meta device); a step that raised does not stop "
                                        "the next")
-    todo, missing = steps(model, mc)
+    todo, missing = steps(model, mc, weights)
     if missing:
         rec.emit("postload-drift", role=role, loader=LOADER, missing=missing)
     lm = _language_model(model)

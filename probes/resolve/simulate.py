@@ -45,6 +45,10 @@ class _DeviceProperties:
         self.is_integrated = False
         self.warp_size = 32
         self.uuid = "GPU-00000000-0000-0000-0000-000000000000"
+        #: CUDA driver attributes of this SKU (CU_DEVICE_ATTRIBUTE_* names without the prefix) where they were
+        #: measured on the real GPU; a library asking for one that is not here gets no answer
+        self.attributes = dict(system.get("attributes") or {})
+        self.attributes_source = system.get("attributes_source", "")
 
     def __repr__(self) -> str:
         return (f"_DeviceProperties(name={self.name!r}, major={self.major}, minor={self.minor}, "
@@ -321,42 +325,3 @@ def install_node_topology(hooks) -> None:
     SIMULATED["vllm.distributed.parallel_state:in_the_same_node_as"] = (
         f"answered from the layout ({GPUS_PER_NODE} GPUs per node), not a shared-memory collective")
     hooks.register("vllm.distributed.parallel_state", patch)
-
-
-#: Calls that receive a tensor's device where, on a GPU, weights would sit on cuda:<local rank>;
-#: under meta construction they get "meta". The argument is translated to the rank's device (rank 0,
-#: cuda:0) so vLLM's own checks behind it run as they would on a GPU. (module, qualname, argument)
-META_DEVICE_ARGS: tuple[tuple[str, str, str], ...] = (
-    ("vllm.models.kimi_k3.nvidia.ops.latent_moe_tail", "KimiK3LatentMoETailOp.initialize", "device"),
-)
-
-
-def install_meta_device_args(hooks) -> None:
-    import functools
-
-    for module, qualname, arg in META_DEVICE_ARGS:
-
-        def patch(mod, qualname=qualname, arg=arg):
-            from probes.core.patching import resolve
-
-            try:
-                owner, name, raw = resolve(mod, qualname)
-            except AttributeError:
-                return
-            fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
-
-            @functools.wraps(fn)
-            def translated(*args, **kwargs):
-                import torch
-
-                dev = kwargs.get(arg)
-                if isinstance(dev, torch.device) and dev.type == "meta":
-                    kwargs[arg] = torch.device("cuda", 0)
-                return fn(*args, **kwargs)
-
-            kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
-            setattr(owner, name, kind(translated) if kind else translated)
-
-        SIMULATED[f"{module}:{qualname}({arg}=...)"] = ("a meta-device argument is passed as cuda:0, the device "
-                                                       "rank 0's weights would sit on")
-        hooks.register(module, patch)

@@ -1,0 +1,335 @@
+"""Resolve mode's stand-ins for what vLLM's post-load reaches below itself: device queries and kernels.
+
+vLLM's post-load converts each weight into the layout the chosen kernel reads, and builds the kernel
+objects. Below vLLM, libraries ask the device (FlashInfer, Humming) or launch a kernel that only moves
+values into a new layout (FlashInfer's scale swizzle, Humming's weight repack, DeepGEMM's scale
+transform). On the meta device the values do not exist, so only two things are needed to go on: the
+question answered for the simulated SKU, and the output tensor with the shape and dtype the library gives
+it. Each stand-in here does one of those and nothing else:
+
+* a **device query** is answered from the simulated SKU (its capability, or a driver attribute measured on
+  the real GPU; an attribute nobody measured raises, so nothing is guessed);
+* a **kernel** writes nothing: the library's own Python allocates its output (FlashInfer), or the library
+  runs its own op on fake CUDA tensors, where it skips the kernel by design (Humming), or a meta kernel
+  gives the output shape the op's upstream code gives (DeepGEMM, cited at the kernel);
+* anything a kernel *returns* besides its output buffer is :class:`Poison`: using it raises, so a stand-in
+  never answers a size, a flag or a support question in the library's place.
+
+Each is registered as a post-import hook on the module that defines its target, declared in
+``SIMULATED`` (the ledger's "What was simulated") whether or not a cell reaches it, and counted when it
+runs (``KERNEL_CALLS``). A refusal vLLM raises after any of them still raises: they decide nothing.
+Imported only by the resolve agent, inside the pinned environment.
+"""
+from __future__ import annotations
+
+import functools
+
+from probes.resolve import simulate
+from probes.resolve.simulate import SIMULATED
+
+#: stand-in kernel entry points that ran, with how often (recorded in the evidence's simulated list)
+KERNEL_CALLS: dict[str, int] = {}
+
+
+def _count(label: str) -> None:
+    KERNEL_CALLS[label] = KERNEL_CALLS.get(label, 0) + 1
+
+
+class Poison:
+    """What an inert kernel returns: any use of the value raises."""
+
+    def __init__(self, what: str):
+        object.__setattr__(self, "_what", what)
+
+    def _refuse(self, *a, **k):
+        raise RuntimeError(f"{object.__getattribute__(self, '_what')} is a resolve-mode stand-in: its result is "
+                           "not simulated")
+
+    __bool__ = __int__ = __float__ = __index__ = __len__ = __iter__ = __getitem__ = __call__ = _refuse
+    __eq__ = __lt__ = __le__ = __gt__ = __ge__ = __add__ = __mul__ = __hash__ = _refuse
+
+    def __getattr__(self, item):
+        self._refuse()
+
+
+# -- device queries about a tensor's device ---------------------------------------------------------------------
+
+#: Calls that receive the device a tensor lives on where, on a GPU, weights sit on cuda:<local rank>;
+#: under meta construction they get "meta". The argument is passed as rank 0's device (cuda:0) so the
+#: code behind it runs as on a GPU: its own checks, and the device queries the simulated SKU answers.
+#: (module, qualname, argument, why)
+META_DEVICE_ARGS: tuple[tuple[str, str, str, str], ...] = (
+    ("vllm.models.kimi_k3.nvidia.ops.latent_moe_tail", "KimiK3LatentMoETailOp.initialize", "device",
+     "the latent-MoE tail op is initialised for the device rank 0's weights sit on"),
+    ("flashinfer.utils", "get_compute_capability", "device",
+     "FlashInfer's capability query for the device a weight lives on (it picks the arch of its kernels, "
+     "e.g. block_scale_interleave at MXFP4 weight conversion): the simulated SKU answers"),
+    ("humming.device", "DeviceInfo.__new__", "index",
+     "Humming's device-info object for the device a weight lives on: the simulated SKU answers"),
+)
+
+
+def install_meta_device_args(hooks) -> None:
+    for module, qualname, arg, why in META_DEVICE_ARGS:
+
+        def patch(mod, qualname=qualname, arg=arg):
+            import inspect
+
+            from probes.core.patching import rebind, resolve
+
+            try:
+                owner, name, raw = resolve(mod, qualname)
+            except AttributeError:
+                return
+            fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+            try:
+                sig = inspect.signature(fn)
+            except (TypeError, ValueError):
+                return
+
+            @functools.wraps(fn)
+            def translated(*args, **kwargs):
+                import torch
+
+                try:
+                    bound = sig.bind(*args, **kwargs)
+                except TypeError:
+                    return fn(*args, **kwargs)
+                dev = bound.arguments.get(arg)
+                if isinstance(dev, torch.device) and dev.type == "meta":
+                    bound.arguments[arg] = torch.device("cuda", 0)
+                return fn(*bound.args, **bound.kwargs)
+
+            kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+            setattr(owner, name, kind(translated) if kind else translated)
+            if owner is mod:  # a module-level function: also the copies ``from x import f`` made
+                rebind(raw, translated, (mod.__name__.split(".")[0],), skip=mod)
+
+        SIMULATED[f"{module}:{qualname}({arg}=...)"] = f"a meta-device argument is passed as cuda:0: {why}"
+        hooks.register(module, patch)
+
+
+def install_cuda_device_context(hooks) -> None:
+    """``with torch.cuda.device(i):`` selects the current device (host bookkeeping; on a GPU, the context
+    switch). Entering it initialises CUDA, which the simulation has none of: device 0 stays current."""
+    import torch
+
+    cls = torch.cuda.device
+
+    def __enter__(self):
+        self.prev_idx = 0
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    cls.__enter__, cls.__exit__ = __enter__, __exit__
+    SIMULATED["torch.cuda.device (context manager)"] = ("current-device bookkeeping only: device 0 stays "
+                                                        "current, no CUDA initialisation")
+
+
+# -- Humming: device attributes, and its ops on meta tensors ---------------------------------------------------
+
+#: Humming's device-info fields -> the CUDA driver attribute it reads for each (humming csrc/device_info.cpp,
+#: query_device_data); the name comes from cuDeviceGetName
+HUMMING_ATTRIBUTES = {
+    "sm_count": "MULTIPROCESSOR_COUNT", "max_threads_per_block": "MAX_THREADS_PER_BLOCK",
+    "max_threads_per_sm": "MAX_THREADS_PER_MULTIPROCESSOR",
+    "max_registers_per_sm": "MAX_REGISTERS_PER_MULTIPROCESSOR",
+    "sm_major": "COMPUTE_CAPABILITY_MAJOR", "sm_minor": "COMPUTE_CAPABILITY_MINOR",
+    "l2_cache_size": "L2_CACHE_SIZE", "default_smem_size": "MAX_SHARED_MEMORY_PER_BLOCK",
+    "max_smem_size": "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", "memory_clock_khz": "MEMORY_CLOCK_RATE",
+    "memory_bus_width": "GLOBAL_MEMORY_BUS_WIDTH", "sm_clock_khz": "CLOCK_RATE",
+}
+
+
+class SimulatedHummingDevice:
+    """Humming's ``_DeviceInfo`` for the simulated SKU: the driver attributes measured on the real GPU, read
+    the way Humming's extension reads them. One Humming derives itself from them is given here by its
+    definition (DDR memory bandwidth: clock x 2 x bus width); any other field raises."""
+
+    def __init__(self, index: int = 0):
+        props = simulate._State.props
+        self.index, self.name = index, props.name
+        self.is_ppu = self.name.startswith(("PPU", "ZW"))
+        self._attrs = props.attributes
+        self._where = props.attributes_source or "no measured attribute set"
+
+    def _attr(self, driver_name: str):
+        if driver_name in ("COMPUTE_CAPABILITY_MAJOR", "COMPUTE_CAPABILITY_MINOR"):
+            p = simulate._State.props
+            return p.major if driver_name.endswith("MAJOR") else p.minor
+        if driver_name not in self._attrs:
+            raise RuntimeError(f"device attribute {driver_name} of the simulated {self.name} is not known "
+                               f"({self._where}): not simulated")
+        return self._attrs[driver_name]
+
+    def __getattr__(self, item):
+        if item.startswith("_"):
+            raise AttributeError(item)
+        if item in HUMMING_ATTRIBUTES:
+            return self._attr(HUMMING_ATTRIBUTES[item])
+        if item == "sm_version":
+            return self.sm_major * 10 + self.sm_minor
+        if item == "memory_bandwidth_gbps" and self.sm_version != 121:
+            return self.memory_clock_khz * 2 * self.memory_bus_width / 8.0 / 1e6
+        raise RuntimeError(f"Humming's device field {item!r} is not simulated")
+
+
+def install_humming(hooks) -> None:
+    def device_info(mod):
+        from probes.core.patching import rebind
+
+        original = getattr(mod, "_get_device_info_extension", None)
+        if original is None:
+            return
+        ext = type("SimulatedDeviceInfoExtension", (), {"_DeviceInfo": SimulatedHummingDevice})
+
+        @functools.wraps(original)
+        def extension():
+            return ext
+
+        mod._get_device_info_extension = extension
+        rebind(original, extension, ("humming",), skip=mod)
+
+    SIMULATED["humming device info (csrc/device_info.cpp extension)"] = (
+        "answered from the simulated SKU's CUDA driver attributes, measured on the real GPU (an attribute not "
+        "measured for the SKU raises)")
+    hooks.register("humming.utils.device", device_info)
+
+    def ops(mod):
+        for name in ("repack_weight", "pack_weight", "unpack_weight", "process_mxfp4_w4a8_weight", "quant_weight",
+                     "dequant_weight"):
+            fn = getattr(mod, name, None)
+            if callable(fn):
+                setattr(mod, name, on_fake_cuda(fn, f"humming.ops.{name}"))
+
+    SIMULATED["humming.ops (weight layout ops)"] = (
+        "given meta tensors, Humming's own op runs on fake CUDA tensors of the same shapes (torch's "
+        "FakeTensor): it computes and checks its output shape and skips its kernel, as it does under "
+        "torch.compile tracing")
+    hooks.register("humming.ops", ops)
+
+
+def on_fake_cuda(fn, label: str):
+    """``fn`` as it runs for torch.compile's tracing: meta tensors passed as fake CUDA tensors (rank 0's
+    device) of the same metadata, fake results handed back as meta tensors. The library's own shape code and
+    checks run; a library that launches a kernel for a fake tensor is not one to use this for."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+        def metas(x):
+            return isinstance(x, torch.Tensor) and x.is_meta
+
+        if not any(metas(a) for a in (*args, *kwargs.values())):
+            return fn(*args, **kwargs)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        cuda = torch.device("cuda", 0)
+        to_fake = lambda x: FakeTensor(mode, x, cuda) if metas(x) else x
+        with mode:
+            out = fn(*[to_fake(a) for a in args], **{k: to_fake(v) for k, v in kwargs.items()})
+        _count(label)
+
+        def to_meta(x):
+            if isinstance(x, torch.Tensor):
+                return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+            if isinstance(x, (tuple, list)):
+                return type(x)(to_meta(v) for v in x)
+            return x
+
+        return to_meta(out)
+
+    return call
+
+
+# -- FlashInfer: JIT kernel libraries that load nothing ------------------------------------------------------------
+
+class InertKernels:
+    """A compiled kernel library that loads nothing: every entry point writes nothing and returns
+    :class:`Poison`. The Python around it (FlashInfer's own wrappers) allocates each output with the shape
+    and dtype it computes, so a caller sees the shapes the real kernels would fill."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, item):
+        if item.startswith("__"):
+            raise AttributeError(item)
+        label = f"{self._name}.{item}"
+
+        def kernel(*args, **kwargs):
+            _count(label)
+            return Poison(label)
+
+        kernel.__name__ = item
+        return kernel
+
+
+class _InertJitSpec:
+    def __init__(self, name: str):
+        self.name = name
+
+    def build_and_load(self):
+        return InertKernels(self.name)
+
+
+#: JIT kernel libraries vLLM's post-load reaches for weight-layout kernels: (module, generator functions, why
+#: no kernel is needed for the output's shape). Each generator returns a spec that "loads" InertKernels.
+INERT_JIT: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("flashinfer.quantization.fp4_quantization",
+     tuple(f"gen_fp4_quantization_sm{a}_module" for a in ("90", "100", "103", "107", "110", "120", "120f", "121")),
+     "FlashInfer's FP4 quantization kernels (block_scale_interleave swizzles MXFP4 weight scales at load): "
+     "FlashInfer's wrapper allocates the swizzled buffer with the size it computes; the kernel only "
+     "permutes and pads values into it"),
+)
+
+
+def install_inert_jit(hooks) -> None:
+    for module, generators, why in INERT_JIT:
+
+        def patch(mod, generators=generators):
+            for gen in generators:
+                if callable(getattr(mod, gen, None)):
+                    setattr(mod, gen, lambda gen=gen: _InertJitSpec(f"{mod.__name__}:{gen}"))
+
+        SIMULATED[f"{module}: JIT kernel libraries"] = f"inert (load nothing, write nothing): {why}"
+        hooks.register(module, patch)
+
+
+def no_nccl() -> None:
+    """The expert-parallel group's device communicator opens a NCCL communicator with its peers; the fake
+    process group has none. vLLM's own "NCCL is not usable" state is what it gets (the state vLLM sets when the
+    NCCL library cannot be loaded): rank and size kept, ``available`` False, ``disabled`` True. NCCL carries
+    collectives; no post-load choice reads it."""
+    from vllm.distributed.device_communicators import pynccl
+
+    cls = pynccl.PyNcclCommunicator
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, group, device, *args, **kwargs):
+        import torch.distributed as dist
+
+        self.group = group
+        if isinstance(group, dist.ProcessGroup):
+            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            self.rank, self.world_size = group.rank, group.world_size
+        self.available = False
+        self.disabled = True
+        _count("vllm PyNcclCommunicator (not opened)")
+
+    cls.__init__ = __init__
+    SIMULATED["vllm.distributed.device_communicators.pynccl:PyNcclCommunicator"] = (
+        "not opened (no peers behind the fake process group): vLLM's own NCCL-unavailable state")
+
+
+def install(hooks) -> None:
+    """Every stand-in above, as post-import hooks (resolve mode's SM process, before vLLM is imported)."""
+    install_meta_device_args(hooks)
+    install_cuda_device_context(hooks)
+    install_humming(hooks)
+    install_inert_jit(hooks)

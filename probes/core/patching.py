@@ -252,10 +252,11 @@ class PostImportHooks(importlib.abc.MetaPathFinder):
             busy.discard(fullname)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        callbacks = self._callbacks.pop(fullname)
 
         def run(module):
-            for cb in callbacks:
+            # taken when the module executes, not when it is found: importlib.util.find_spec() alone (a
+            # "is this package installed" check) must not use up the hooks of a later real import
+            for cb in self._callbacks.pop(fullname, []):
                 cb(module)
 
         spec.loader = _HookedLoader(spec.loader, run)

@@ -299,6 +299,133 @@ def install_inert_jit(hooks) -> None:
         hooks.register(module, patch)
 
 
+# -- DeepGEMM: the scale-factor layout transform --------------------------------------------------------------
+
+def _ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _align(a: int, b: int) -> int:
+    return _ceil_div(a, b) * b
+
+
+def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_ue8m0_cast=False, psum_layout=None,
+                      *, archs: frozenset = frozenset()):
+    """The output of DeepGEMM's ``transform_sf_into_required_layout`` for a meta ``sf``, as its upstream code
+    gives it (deepseek-ai/DeepGEMM csrc/apis/layout.hpp ``transform_sf_into_required_layout``, csrc/utils/
+    layout.hpp ``check_sf_layout``, csrc/jit_kernels/impls/smxx_layout.hpp
+    ``get_mn_major_tma_aligned_packed_ue8m0_tensor``): the same checks, and for FP32 scales with K granularity
+    32 or 128 the packed UE8M0 layout, int32 of shape (groups, mn, ceil(sf_k / 4)) with strides
+    (ceil(sf_k / 4) * align(mn, 4), 1, align(mn, 4)); already-packed int32 scales are returned as they are.
+    ``archs``: the SM majors the compiled DeepGEMM carries code for. Any other branch (SM 9.0's FP32 layouts,
+    an arch the build has no code for) raises: it is not simulated."""
+    import torch
+
+    if len(recipe) == 3:
+        if is_sfa is None:
+            raise RuntimeError("DeepGEMM: a 3-part recipe needs is_sfa")
+        gran_mn, gran_k = (recipe[0] if is_sfa else recipe[1]), recipe[2]
+    else:
+        if is_sfa is not None:
+            raise RuntimeError("DeepGEMM: a 2-part recipe takes no is_sfa")
+        gran_mn, gran_k = recipe
+    if sf.dtype not in (torch.float32, torch.int32):
+        raise RuntimeError(f"DeepGEMM check_sf_layout: scale dtype {sf.dtype}")
+    checks = [sf.dim() == (2 + (num_groups is not None)),
+              num_groups is None or sf.size(-3) == num_groups,
+              sf.size(-2) == _ceil_div(mn, gran_mn),
+              sf.size(-1) == _ceil_div(k, gran_k * (1 if sf.dtype == torch.float32 else 4))]
+    if not all(checks):
+        raise RuntimeError(f"DeepGEMM check_sf_layout: scale shape {tuple(sf.shape)} does not fit mn={mn}, k={k}, "
+                           f"granularity ({gran_mn}, {gran_k}), num_groups={num_groups}")
+    arch = simulate._State.props.major
+    _count("deep_gemm transform_sf_into_required_layout (meta)")
+    if arch not in archs:
+        raise NotImplementedError(f"DeepGEMM's scale layout transform on SM {arch}.x: the compiled DeepGEMM carries no "
+                                  f"SM {arch} code for it (not simulated)")
+    if sf.dtype == torch.float32 and gran_k in (32, 128):
+        if disable_ue8m0_cast:
+            raise RuntimeError("DeepGEMM: the packed UE8M0 layout needs the UE8M0 cast")
+        if psum_layout is not None:
+            raise NotImplementedError("DeepGEMM's PSUM scale layout is not simulated")
+        groups = sf.size(0) if sf.dim() == 3 else 1
+        sf_k, packed = sf.size(-1), _ceil_div(sf.size(-1), 4)
+        aligned = _align(mn, 4)  # TMA alignment: 16 bytes of int32
+        out = torch.empty_strided((groups, mn, packed), (packed * aligned, 1, aligned), dtype=torch.int32,
+                                  device="meta")
+        return out if sf.dim() == 3 else out.squeeze(0)
+    if sf.dtype == torch.int32 and gran_mn == 1 and gran_k in (32, 128):
+        return sf
+    raise NotImplementedError(f"DeepGEMM's {sf.dtype} scale transform with granularity ({gran_mn}, {gran_k}) on "
+                              f"SM {arch}.x is not simulated")
+
+
+def _compiled_archs(package_dir: str) -> frozenset:
+    """The SM majors a DeepGEMM build carries code for, read from its compiled extension: SM 10 always (every
+    build vLLM vendors has it), SM 12 where the extension's own checks name it."""
+    import glob
+    import os
+
+    archs = {10}
+    for path in glob.glob(os.path.join(package_dir, "_C*.so")):
+        with open(path, "rb") as fh:
+            if b"arch_major == 12" in fh.read():
+                archs.add(12)
+    return frozenset(archs)
+
+
+_LIBS: list = []  # torch.library registrations stay alive with the process
+
+
+def install_deep_gemm(hooks) -> None:
+    def package(mod):
+        import os
+
+        import torch
+
+        archs = _compiled_archs(os.path.dirname(mod.__file__))
+        fake = functools.partial(transform_sf_meta, archs=archs)
+        op = getattr(getattr(torch.ops, "deep_gemm", None), "transform_sf_into_required_layout", None)
+        if op is not None and not _LIBS:  # a TORCH_LIBRARY build (vLLM 0.32+): a Meta kernel for the op
+            lib = torch.library.Library("deep_gemm", "IMPL")
+            lib.impl("transform_sf_into_required_layout", fake, "Meta")
+            _LIBS.append(lib)
+        original = getattr(mod, "transform_sf_into_required_layout", None)
+        if callable(original) and op is None:  # a pybind build: the Python attribute callers reach it through
+            mod.transform_sf_into_required_layout = _meta_or(original, fake)
+
+    def vllm_helper(mod):  # vLLM keeps its own reference, taken when it first imports DeepGEMM
+        original = getattr(mod, "_lazy_init", None)
+        if original is None:
+            return
+
+        @functools.wraps(original)
+        def _lazy_init(*args, **kwargs):
+            out = original(*args, **kwargs)
+            impl = getattr(mod, "_transform_sf_into_required_layout_impl", None)
+            dg = mod._import_deep_gemm() if hasattr(mod, "_import_deep_gemm") else None
+            if impl is not None and dg is not None and impl is not getattr(dg, "transform_sf_into_required_layout", impl):
+                mod._transform_sf_into_required_layout_impl = dg.transform_sf_into_required_layout
+            return out
+
+        mod._lazy_init = _lazy_init
+
+    for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
+        hooks.register(name, package)
+    hooks.register("vllm.utils.deep_gemm", vllm_helper)
+    SIMULATED["deep_gemm:transform_sf_into_required_layout"] = (
+        "meta kernel: the output shape, strides and dtype DeepGEMM's upstream code gives (checks included), for "
+        "the SM majors its compiled extension carries code for; it only lays scale factors out for the kernel")
+
+
+def _meta_or(original, fake):
+    @functools.wraps(original)
+    def call(sf, *args, **kwargs):
+        return fake(sf, *args, **kwargs) if getattr(sf, "is_meta", False) else original(sf, *args, **kwargs)
+
+    return call
+
+
 def no_nccl() -> None:
     """The expert-parallel group's device communicator opens a NCCL communicator with its peers; the fake
     process group has none. vLLM's own "NCCL is not usable" state is what it gets (the state vLLM sets when the
@@ -333,3 +460,4 @@ def install(hooks) -> None:
     install_cuda_device_context(hooks)
     install_humming(hooks)
     install_inert_jit(hooks)
+    install_deep_gemm(hooks)

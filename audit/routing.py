@@ -344,7 +344,10 @@ def _reading_kernel(facts: dict, what: str, **_) -> str | None:
     if facts.get("moe_kernel") is None:
         return "no kernel object built"
     fused = short(facts.get("fused_experts") or facts.get("moe_kernel"))
-    return f"{fused} with {short(facts.get('prepare_finalize'))}" if facts.get("prepare_finalize") else fused
+    if not facts.get("prepare_finalize"):
+        return fused
+    text = f"{fused} with {short(facts.get('prepare_finalize'))}"
+    return text + (f" (all2all: {short(facts['all2all_manager'])})" if facts.get("all2all_manager") else "")
 
 
 def _reading_activation(facts: dict, what: str, checks: dict, **_) -> str | None:

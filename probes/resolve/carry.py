@@ -10,8 +10,9 @@ Per *group* of steps (the same step function on modules whose names differ only 
 1. **The representative** (the group's first layer) runs vLLM's step for real. Before it runs, the state of
    its decoder layer (every object reachable from the layer that the layer owns: modules, parameters, quant
    methods, configs) is described structurally; objects the next layer of the group shares with it (a
-   config every layer holds, the platform, a class) are *shared* and named, not descended into. While the
-   step runs, :func:`gc.freeze` sets apart the objects it creates. Afterwards its *delta* is read: which
+   config every layer holds, the platform, a class) are *shared* and named, not descended into. Before the
+   step runs, :func:`gc.freeze` moves every live object out of the collector's generations, so the objects
+   the step creates are the ones found there afterwards. Afterwards its *delta* is read: which
    slots of the layer's own objects changed (attributes, dict and list items, tensor metadata), and to what.
 2. **An identical layer** (its state describes exactly as the representative's did, with its own layer
    index in names) gets the delta *carried*: each changed slot is set to a copy of the representative's new
@@ -435,12 +436,13 @@ class Template:
     def run(self, root, execute) -> dict:
         """Run the representative's step, setting apart the objects it creates; then read its delta."""
         shared_before = [(x, _slots(x)) for x in self.pre.shared_objs]
+        # every object alive now goes out of the collector's generations, so the ones left in them afterwards
+        # are the step's; they are not put back (the cell process ends soon, and the collector has less to walk)
         gc.freeze()
         try:
             outcome = execute()
         finally:
             self.created = gc.get_objects()
-            gc.unfreeze()
         self.created_ids = {id(o) for o in self.created}
         self.outcome = outcome
         self.changes = delta_of(self.pre.objs, self.before)

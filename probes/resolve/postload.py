@@ -76,7 +76,7 @@ def classify(exc: BaseException, *, fed_no_weights: bool = False) -> dict:
         out["raised_where"] = f"{_rel(inner_frame.f_code.co_filename)}:{inner_line}"
     for f, _ in reversed(frames):  # the innermost layer module on the way (the MoE experts of layer N)
         owner = f.f_locals.get("self")
-        prefix = getattr(owner, "prefix", None) or getattr(owner, "layer_name", None)
+        prefix = _try(lambda: getattr(owner, "prefix", None) or getattr(owner, "layer_name", None), default="")
         if isinstance(prefix, str) and _LAYER_RE.search(prefix):
             out["in_module"] = prefix
             out["in_layer"] = _layer(prefix)
@@ -292,10 +292,23 @@ def _moe_config_facts(cfg) -> dict:
             "activation": describe(getattr(cfg, "activation", None))}
 
 
+def _all2all_manager():
+    """The all2all manager of the expert-parallel group's device communicator, if vLLM built one."""
+    try:
+        from vllm.distributed.parallel_state import get_ep_group
+
+        comm = get_ep_group().device_communicator
+    except Exception:  # no EP group in this layout (or it moved): nothing to read
+        return None
+    return getattr(comm, "all2all_manager", None) if comm is not None else None
+
+
 def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
-    """Read per layer what the post-load path left behind: the MoE kernel objects, the latent tail
-    fusion (whose fused path vLLM re-evaluates once the MoE kernel exists), deferred finalize, the
-    activation each experts kernel is given, and the specialized decode."""
+    """Read per layer what the post-load path left behind: the MoE kernel objects (with the all2all manager
+    their prepare/finalize dispatches through under expert parallelism), the latent tail fusion (whose fused
+    path vLLM re-evaluates once the MoE kernel exists), deferred finalize, the activation each experts kernel
+    is given, and the specialized decode."""
+    manager = _all2all_manager()
     for name, module in model.named_modules():
         layer = _layer(name)
         if layer is None:
@@ -322,6 +335,8 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
                 fused = getattr(kernel, "fused_experts", None)
                 facts["fused_experts"] = _cls(fused)
                 facts["prepare_finalize"] = _cls(getattr(kernel, "prepare_finalize", None))
+                if manager is not None:
+                    facts["all2all_manager"] = _cls(manager)
                 if callable(getattr(kernel, "output_is_reduced", None)):
                     facts["output_is_reduced"] = _try(lambda: bool(kernel.output_is_reduced()))
             act = getattr(experts, "activation", None)
@@ -344,6 +359,9 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
             if hasattr(module, "_transformed_l1_weights"):  # classes that transform their weights after load
                 facts["transformed"] = getattr(module, "_transformed_l1_weights", None) is not None
             rec.emit("postload-module", role=role, name=name, layer=layer, what="mega-moe", facts=facts)
+    pc = getattr(vllm_config, "parallel_config", None)
+    rec.emit("postload-comm", role=role, all2all_backend=getattr(pc, "all2all_backend", None),
+             all2all_manager=_cls(manager))
     lm = _language_model(model)
     if hasattr(lm, "specialized_decode_config"):
         cfg = lm.specialized_decode_config

@@ -143,6 +143,11 @@ HUMMING_ATTRIBUTES = {
 }
 
 
+#: fields Humming derives in its extension that are not given here (reading one raises: not simulated)
+HUMMING_DERIVED = ("l2_cache_size_mb", "l1_cache_size", "l1_cache_size_kb", "max_smem_size_kb", "tensorcore_tops",
+                   "memory_bandwidth_gbps")
+
+
 class SimulatedHummingDevice:
     """Humming's ``_DeviceInfo`` for the simulated SKU: the driver attributes measured on the real GPU, read
     the way Humming's extension reads them. One Humming derives itself from them is given here by its
@@ -156,9 +161,11 @@ class SimulatedHummingDevice:
         self._where = props.attributes_source or "no measured attribute set"
 
     def _attr(self, driver_name: str):
-        if driver_name in ("COMPUTE_CAPABILITY_MAJOR", "COMPUTE_CAPABILITY_MINOR"):
-            p = simulate._State.props
+        p = simulate._State.props
+        if driver_name in ("COMPUTE_CAPABILITY_MAJOR", "COMPUTE_CAPABILITY_MINOR"):  # the simulated SKU's own
             return p.major if driver_name.endswith("MAJOR") else p.minor
+        if driver_name == "MULTIPROCESSOR_COUNT":
+            return p.multi_processor_count
         if driver_name not in self._attrs:
             raise RuntimeError(f"device attribute {driver_name} of the simulated {self.name} is not known "
                                f"({self._where}): not simulated")
@@ -173,7 +180,9 @@ class SimulatedHummingDevice:
             return self.sm_major * 10 + self.sm_minor
         if item == "memory_bandwidth_gbps" and self.sm_version != 121:
             return self.memory_clock_khz * 2 * self.memory_bus_width / 8.0 / 1e6
-        raise RuntimeError(f"Humming's device field {item!r} is not simulated")
+        if item in HUMMING_DERIVED:
+            raise RuntimeError(f"Humming's device field {item!r} is not simulated")
+        raise AttributeError(item)
 
 
 def install_humming(hooks) -> None:
@@ -426,6 +435,35 @@ def _meta_or(original, fake):
     return call
 
 
+def install_expert_map_on_cpu(hooks) -> None:
+    """vLLM's expert map (which of the experts this rank holds: values fixed by the configuration) is built on
+    the default device; on the meta device its values do not exist and the line vLLM logs from them
+    (``torch.where(map != -1)`` and ``.item()``, 0.27-0.32) cannot run. vLLM 0.33 builds the map on the CPU
+    itself when the default device is meta; this does the same for earlier releases (a no-op where vLLM already
+    does it). The map's values are vLLM's own."""
+    def patch(mod):
+        cls = getattr(mod, "ExpertMapManager", None)
+        original = getattr(cls, "_calculate_expert_maps", None)
+        if original is None:
+            return
+
+        @functools.wraps(original)
+        def _calculate_expert_maps(self, *args, **kwargs):
+            import torch
+
+            if torch.get_default_device().type == "meta":
+                with torch.device("cpu"):
+                    return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
+
+        cls._calculate_expert_maps = _calculate_expert_maps
+
+    SIMULATED["vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager._calculate_expert_maps"] = (
+        "the expert map is built on the CPU when the default device is meta, as vLLM 0.33 does itself (its values "
+        "come from the configuration)")
+    hooks.register("vllm.model_executor.layers.fused_moe.expert_map_manager", patch)
+
+
 def no_nccl() -> None:
     """The expert-parallel group's device communicator opens a NCCL communicator with its peers; the fake
     process group has none. vLLM's own "NCCL is not usable" state is what it gets (the state vLLM sets when the
@@ -461,3 +499,4 @@ def install(hooks) -> None:
     install_humming(hooks)
     install_inert_jit(hooks)
     install_deep_gemm(hooks)
+    install_expert_map_on_cpu(hooks)

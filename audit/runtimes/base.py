@@ -226,7 +226,8 @@ def learn_imports(cache_dir: Path, evidence_dir: Path) -> None:
 
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str,
                learned: list[str] = (), where: Callable[[Path | str], str] = str,
-               harness_env: list[str] = (), redact_env: list[str] = (), name: str = "plan.json") -> Path:
+               harness_env: list[str] = (), redact_env: list[str] = (), name: str = "plan.json",
+               memo_dir: str | None = None) -> Path:
     """``plan.json`` for ``probes.resolve.agent``. *where* maps a host path to the path the agent sees
     (identity for the local runtime, the mount point inside a container)."""
     plan = {
@@ -243,6 +244,8 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "slice": request.slice,
         "observe_install": request.observe_install,
         "postload_every_layer": request.postload_every_layer,
+        # pure computations below vLLM kept across cells and audits (probes/resolve/memo.py); None: none kept
+        "memo_dir": where(memo_dir) if memo_dir else None,
         "draft_weights": list(request.profile.draft_weights),
         "profile": request.profiler,
         "warm_third_party": ["torch", "transformers", "triton"],

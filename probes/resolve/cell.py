@@ -121,6 +121,10 @@ def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
             simulate.install_in_process_registry(hooks)
             simulate.install_node_topology(hooks)
             standins.install(hooks)
+            from probes.resolve import memo
+
+            memo.install(hooks, None if plan.get("postload_every_layer") else plan.get("memo_dir"),
+                         standins.humming_facts)
             platform = simulate.install_platform()
             simulate.stand_in_cuda_streams()
             base = type(platform).__mro__[1]
@@ -159,11 +163,18 @@ def run_cell(plan: dict, cell: dict, rec, Stage, warm: dict) -> None:
         rec.emit("availability", **availability())
         rec.emit("simulated", items=dict(sorted(simulate.SIMULATED.items())),
                  stand_in_calls=simulate.STAND_IN_CALLS, kernel_calls=dict(sorted(standins.KERNEL_CALLS.items())),
+                 memo=_memo_stats(),
                  device={"name": system["device_name"], "capability": list(system["capability"]),
                          "total_memory_gib": system["total_memory_gib"], "sm_count": system["sm_count"],
                          "device_count": layout["world_size"]})
         if probes is not None:
             probes.finalize()
+
+
+def _memo_stats() -> dict:
+    from probes.resolve import memo
+
+    return {k: dict(v) for k, v in sorted(memo.STATS.items())}
 
 
 def _run_stages(plan, cell, rec, Stage) -> None:

@@ -155,8 +155,8 @@ class SimulatedHummingDevice:
 
     def __init__(self, index: int = 0):
         props = simulate._State.props
-        self.index, self.name = index, props.name
-        self.is_ppu = self.name.startswith(("PPU", "ZW"))
+        self.index = index
+        self._name = props.name
         self._attrs = props.attributes
         self._where = props.attributes_source or "no measured attribute set"
 
@@ -174,8 +174,21 @@ class SimulatedHummingDevice:
     def __getattr__(self, item):
         if item.startswith("_"):
             raise AttributeError(item)
+        value = self._field(item)
+        from probes.resolve import memo
+
+        memo.note_fact(item, value)
+        return value
+
+    def _field(self, item):
         if item in HUMMING_ATTRIBUTES:
             return self._attr(HUMMING_ATTRIBUTES[item])
+        if item == "name":
+            return self._name
+        if item == "is_ppu":  # what Humming's extension derives from the name
+            return self._name.startswith(("PPU", "ZW"))
+        if item == "index":
+            return self.index
         if item == "sm_version":
             return self.sm_major * 10 + self.sm_minor
         if item == "memory_bandwidth_gbps" and self.sm_version != 121:
@@ -218,6 +231,12 @@ def install_humming(hooks) -> None:
         "FakeTensor): it computes and checks its output shape and skips its kernel, as it does under "
         "torch.compile tracing")
     hooks.register("humming.ops", ops)
+
+
+def humming_facts(fields: list[str]) -> dict:
+    """The simulated SKU's values for Humming device fields (what the memo compares)."""
+    dev = SimulatedHummingDevice()
+    return {f: dev._field(f) for f in fields}
 
 
 def on_fake_cuda(fn, label: str):

@@ -37,7 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--layouts", default="all", help="comma list of layouts (tp8, tp16, dep8), or 'all'")
     a.add_argument("--lock", default="images.lock", help="path to images.lock")
     a.add_argument("--reports", default="reports", help="reports directory")
-    a.add_argument("--parallel", type=int, default=2, help="processes resolving at once (default 2)")
+    a.add_argument("--parallel", type=int, default=None,
+                   help="processes resolving at once (default: one per core, as many as the available memory "
+                        "holds)")
+    a.add_argument("--postload-every-layer", action="store_true",
+                   help="run vLLM's MoE weight conversion on every layer instead of carrying the first layer's "
+                        "result to identical layers (the same routing; slower)")
     a.add_argument("--timeout", type=_seconds, default=None, help="give up after this many seconds")
     a.add_argument("--no-cache", dest="cache", action="store_false",
                    help="run every cell even when its evidence is cached for the same inputs (resolve mode, "
@@ -319,7 +324,8 @@ def _audit(args, out, err) -> int:
     from .lock import load
     from .runtimes import get_runtime
 
-    _positive(args.parallel, "parallel")
+    if args.parallel is not None:
+        _positive(args.parallel, "parallel")
     from .errors import UsageError
 
     if args.runtime == "auto":  # the runtime follows the pin: its wheel locally, else its image under docker
@@ -352,7 +358,8 @@ def _audit(args, out, err) -> int:
                             timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
                             baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
                             cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name,
-                            profiler=args.profiler, replace=args.replace, cache=args.cache)
+                            profiler=args.profiler, replace=args.replace, cache=args.cache,
+                            postload_every_layer=args.postload_every_layer)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
         err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -60,19 +61,40 @@ def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda
     return " ".join([f"make audit PIN={pin}", *(f"{var}={v}" for var, _, v in given)])
 
 
+#: resident memory one resolving process (an SM's vLLM import plus the cell it runs) needs at its peak, with
+#: headroom: measured by `make bench` (README, "peak RSS per process")
+PROCESS_GIB = 2.5
+
+
+def default_parallel() -> int:
+    """Processes resolving at once when --parallel is not given: one per core, as many as the available
+    memory holds at PROCESS_GIB each, at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            avail_kib = next(int(line.split()[1]) for line in fh if line.startswith("MemAvailable:"))
+        by_memory = int(avail_kib / (PROCESS_GIB * 1024 * 1024))
+    except (OSError, StopIteration, ValueError):
+        by_memory = cores
+    return max(1, min(cores, by_memory))
+
+
 def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: str = "local",
               systems: str | list | None = None, layouts: str | list | None = None,
-              reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int = 2,
+              reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int | None = None,
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
               cuda_toolkit: bool = True, baseline: str | None = "auto",
               expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
               wait: bool = True, mode: str = "resolve", slice_name: str = "",
-              profiler: bool = True, replace: bool = False, cache: bool = True) -> AuditOutcome:
+              profiler: bool = True, replace: bool = False, cache: bool = True,
+              postload_every_layer: bool = False) -> AuditOutcome:
     import math
 
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
                                       and timeout_s > 0):
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
+    if parallel is None:
+        parallel = default_parallel()
     if not isinstance(parallel, int) or parallel < 1:
         raise UsageError(f"--parallel must be at least 1, got {parallel!r}")
     lock = lockmod.load(lock_path)
@@ -100,7 +122,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         raise UsageError(f"unknown slice {slice_name!r} for {profile.title}",
                          hint="known slices: " + ", ".join(profile.slices))
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
-                         timeout_s=timeout_s, mode=mode, slice=slice_name, profiler=profiler)
+                         timeout_s=timeout_s, mode=mode, slice=slice_name, profiler=profiler,
+                         postload_every_layer=postload_every_layer)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit, lock=str(lock_path),
                                   expectations=str(expectations) if expectations not in (None, "") else "none",
                                   baseline="" if baseline in (None, "auto") else baseline)

@@ -322,6 +322,13 @@ def _postload(f: EvidenceFile) -> dict | None:
                                    # vLLM decided, never of how long it took
                                    "step": ({k: v for k, v in state_steps[0].items() if k != "seconds"}
                                             if state_steps else None)} if spec else None,
+            # how each group of identical per-layer steps was run (probes/resolve/carry.py): a function of the
+            # run's mode, not of what vLLM decided, so a comparison of two paths leaves it out
+            "carry": [{"role": r.get("role", "target"), "step": str(r.get("fn", "")).rsplit(":", 1)[-1],
+                       "modules": r.get("modules", ""), "members": r.get("members", 0),
+                       "ran": format_ranges(r.get("ran") or []), "carried": format_ranges(r.get("carried") or []),
+                       "carried_count": len(r.get("carried") or []), "check": r.get("check"),
+                       "notes": r.get("notes") or []} for r in f.of_kind("postload-carry")],
             "_modules": f.of_kind("postload-module"),
             "_activation_checks": f.of_kind("activation_check")}
 
@@ -383,6 +390,9 @@ def _reading_tail(facts: dict, what: str, **_) -> str | None:
         limit = facts.get("tail_max_tokens")
         return "on (fused path holds" + (f"; fused tail up to {limit} tokens)" if limit else ")")
     if fused is False:
+        why = facts.get("fused_path_fails")
+        if why:
+            return f"off (enabled at construction; vLLM's fused-path condition fails at `{why}`)"
         return "off (enabled at construction; the fused path does not hold once the MoE kernel exists)"
     return f"enabled at construction; fused path unknown ({fused})"
 
@@ -398,7 +408,9 @@ def _reading_deferred(facts: dict, what: str, **_) -> str | None:
         if "moe_kernel" in facts and facts["moe_kernel"] is None:  # experts built at load may lower the cap
             text += "; cap as at construction (no MoE kernel was built)"
         return text
-    return "requested, not in effect on this deployment"
+    why = facts.get("defer_fails")
+    return f"requested, not in effect on this deployment (vLLM's condition fails at `{why}`)" if why else \
+        "requested, not in effect on this deployment"
 
 
 POSTLOAD_READINGS = {"moe_kernel": _reading_kernel, "activation": _reading_activation, "tail_fusion": _reading_tail,

@@ -270,6 +270,35 @@ def _try(fn, default=None):
         return f"<{type(exc).__name__}: {str(exc)[:200]}>" if default is None else default
 
 
+def failing_condition(method, obj) -> str | None:
+    """For a vLLM method whose body is ``return <a> and <b> and ...``, the source text of the first operand that
+    is false for ``obj``: the check that decided. Each operand is vLLM's own expression, evaluated as written
+    with ``self`` bound to ``obj``; None when the method has another shape or every operand holds."""
+    import ast
+    import inspect as _inspect
+    import textwrap
+
+    fn = _unwrap(getattr(method, "__func__", method))
+    try:
+        tree = ast.parse(textwrap.dedent(_inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    body = [n for n in tree.body[0].body if not isinstance(n, ast.Expr)] if tree.body else []
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.BoolOp) \
+            or not isinstance(body[0].value.op, ast.And):
+        return None
+    scope = {**fn.__globals__, "self": obj}
+    for operand in body[0].value.values:
+        text = ast.unparse(operand)
+        try:
+            value = eval(compile(ast.Expression(operand), "<vllm condition>", "eval"), scope)
+        except Exception as exc:
+            return f"{text} (could not be evaluated: {type(exc).__name__})"
+        if not value:
+            return text
+    return None
+
+
 def _unwrap(fn):
     import inspect as _inspect
 
@@ -286,10 +315,14 @@ def _moe_config_facts(cfg) -> dict:
     requested = getattr(cfg, "_defer_moe_finalize", None)
     if requested is None and isinstance(getattr(cfg, "defer_moe_finalize", None), bool):
         requested = cfg.defer_moe_finalize  # before 0.33 a field, since then a method
-    return {"defer_requested": requested,
-            "defer_effective": _try(lambda: bool(cfg.use_deferred_moe_finalize)) if hasattr(type(cfg), "use_deferred_moe_finalize") else None,
-            "defer_max_tokens": getattr(cfg, "defer_moe_finalize_max_num_tokens", None),
-            "activation": describe(getattr(cfg, "activation", None))}
+    prop = getattr(type(cfg), "use_deferred_moe_finalize", None)
+    effective = _try(lambda: bool(cfg.use_deferred_moe_finalize)) if prop is not None else None
+    out = {"defer_requested": requested, "defer_effective": effective,
+           "defer_max_tokens": getattr(cfg, "defer_moe_finalize_max_num_tokens", None),
+           "activation": describe(getattr(cfg, "activation", None))}
+    if requested and effective is False and isinstance(prop, property):  # the check in vLLM's condition that decided
+        out["defer_fails"] = _try(lambda: failing_condition(prop.fget, cfg))
+    return out
 
 
 def _all2all_manager():
@@ -320,6 +353,8 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
                 facts["tail_fusion_enabled"] = bool(module.enable_k3_latent_moe_tail_fusion)
                 if callable(getattr(module, "_use_fused_path", None)):
                     facts["fused_path"] = _try(lambda: bool(module._use_fused_path()))
+                    if facts["fused_path"] is False:  # the check in vLLM's condition that decided
+                        facts["fused_path_fails"] = _try(lambda: failing_condition(module._use_fused_path, module))
                 op = getattr(module, "_k3_latent_moe_tail_op", None)
                 contract = getattr(op, "contract", None)
                 facts["tail_op"] = _cls(op)

@@ -6,7 +6,6 @@ function, a LOAD_REFUSED verdict), must not invent one where vLLM's check passes
 change planted in the pinned vLLM's gate.
 """
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from audit import evidence, expectations, lock, routing, verdicts
 from audit.profiles import KIMI_K3
 from audit.render import render_ledger
 from tests.conftest import ROOT
+from tests.plant import sitecustomize
 
 pytestmark = pytest.mark.vllm
 
@@ -34,38 +34,6 @@ LOAD_TAIL_PLANT = ("vllm.models.kimi_k3.nvidia.model",
                     ("        return loader.load_weights(weights)\n",
                      "        loaded = loader.load_weights(weights); self.model.finalize_mega_moe_weights(); return loaded\n")])
 
-PLANT = textwrap.dedent('''
-    import importlib.abc, importlib.util, sys
-
-    TARGET, CHANGES = %r
-
-    class Plant(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-        def find_spec(self, name, path=None, target=None):
-            if name != TARGET:
-                return None
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    self.origin = spec.origin
-                    return importlib.util.spec_from_file_location(name, spec.origin, loader=self)
-            return None
-
-        def create_module(self, spec):
-            return None
-
-        def exec_module(self, module):
-            with open(self.origin, encoding="utf-8") as fh:
-                source = fh.read()
-            for old, new in CHANGES:
-                if source.count(old) != 1:
-                    raise RuntimeError("the planted change no longer applies to this vLLM: " + old)
-                source = source.replace(old, new)
-            exec(compile(source, self.origin, "exec"), module.__dict__)
-
-    sys.meta_path.insert(0, Plant())
-''')
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +53,7 @@ def _run(env030, tmp_path_factory, name, cells, *, plant=None, **kw):
     rt, pin, _ = env030
     run_dir = tmp_path_factory.mktemp(name)
     if plant:  # the agent's PYTHONPATH is the run directory: Python runs this at start, before vLLM
-        (run_dir / "sitecustomize.py").write_text(PLANT % (plant,), encoding="utf-8")
+        (run_dir / "sitecustomize.py").write_text(sitecustomize([plant]), encoding="utf-8")
     req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in cells],
                      run_dir=run_dir, parallel=2, **kw)
     result = rt.run(req, lambda *a, **k: None)
@@ -152,26 +120,28 @@ def test_vllm_refuses_megamoe_at_load_on_sm90(probed, env030):
 
 
 def test_no_refusal_where_the_check_passes(probed):
-    """On SM 10.0 the gate passes; DeepGEMM's weight transform then needs a device: a stated limit,
-    never a verdict, and the rows it stopped keep the construction level."""
+    """On SM 10.0 the gate passes, and post-load runs to its end: DeepGEMM's scale layout transform is a
+    meta kernel (a stand-in) and its MegaMoE weight transform is plain torch, so the weights are transformed
+    and the rows are post-load evidence; nothing is refused."""
     cell = probed["cells"][("b200_sxm", "dep8")]
     post = cell["postload"]
     assert cell["load_refused"] is None and post["refused"] == 0
-    assert post["limit"] >= 1 and all(g["rule"] for g in post["limits"])
+    assert post["limit"] == 0 and post["ok"] == post["steps"] and post["limits"] == []
     assert not any(v["verdict"] == "LOAD_REFUSED" for v in probed["routing"]["verdicts"]["rows"]
                    if v["system"] == "b200_sxm")
-    levels = {g["level"] for g in cell["lanes"]["moe.kernel"]}
-    assert levels == {"construction; post-load stopped at a simulation limit"}
-    # steps that ran to their end are post-load evidence; the MegaMoE experts ran under SiTU
-    assert post["ok"] == post["steps"] - post["limit"]
+    assert {(g["value"], g["level"]) for g in cell["lanes"]["moe.kernel"]} == {
+        ("DeepGEMM MegaMoE weights transformed", "post-load")}
     assert {g["value"] for g in cell["lanes"]["moe.activation"]} == {
         "situ (MegaMoE; vLLM records no kernel-support check)"}
+    # the stand-in that made the transform's output exist is listed, and it ran
+    assert "deep_gemm:transform_sf_into_required_layout" in cell["simulated"]
 
 
 def test_planted_gate_change_changes_the_ledger(probed, planted):
     before, after = probed["cells"][("h100_sxm", "dep8")], planted["cells"][("h100_sxm", "dep8")]
     assert before["load_refused"] is not None
-    # with the gate admitting SM 9.x, vLLM no longer refuses; post-load goes on until the simulation stops
+    # with the gate admitting SM 9.x, vLLM no longer refuses; post-load goes on into DeepGEMM's transform,
+    # whose compiled extension has no SM 9 code for it: a stated limit there, not a refusal
     assert after["load_refused"] is None and after["postload"]["refused"] == 0 and after["postload"]["limit"] >= 1
     assert not any(v["verdict"] == "LOAD_REFUSED" for v in planted["routing"]["verdicts"]["rows"])
     assert "vLLM refuses to load" not in planted["ledger"]

@@ -368,7 +368,7 @@ class LocalRuntime:
         plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub),
                           out_dir=str(request.evidence_dir), learned=learned_imports(caches),
                           harness_env=["CUDA_HOME"],  # chosen by this runtime, stated in the provenance
-                          memo_dir=str(caches / "memo"))
+                          memo_dir=os.environ.get("SERVING_TRUTH_MEMO") or str(caches / "memo"))
         log = request.run_dir / "agent.log"
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")

@@ -141,6 +141,24 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
+def split_groups(cells: list[dict], slots: int) -> list[list[dict]]:
+    """The cells of one SM capability share one process that imports vLLM (import-time state follows the
+    device). With more slots than capabilities, the largest groups are split in halves (each half imports vLLM
+    for itself) until every slot has a group or every group is one cell: more cores, shorter critical path."""
+    by_sm: dict[tuple, list[dict]] = {}
+    for cell in cells:
+        by_sm.setdefault(tuple(cell["system"]["capability"]), []).append(cell)
+    groups = list(by_sm.values())
+    while len(groups) < slots:
+        largest = max(groups, key=len)
+        if len(largest) < 2:
+            break
+        groups.remove(largest)
+        half = (len(largest) + 1) // 2
+        groups += [largest[:half], largest[half:]]
+    return groups
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     plan = read_plan(argv, "python -m probes.resolve.agent PLAN.json", nargs=1)
@@ -156,10 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
     resolve.prepare_process(plan)
     _freeze()
-    groups: dict[tuple, list[dict]] = {}
-    for cell in plan["cells"]:
-        groups.setdefault(tuple(cell["system"]["capability"]), []).append(cell)
     parallel = max(1, int(plan.get("parallel", 1)))
+    groups = split_groups(plan["cells"], parallel)
     running: dict[int, None] = {}
     groups_of: dict[int, str] = {}
     cells_of: dict[int, list] = {}
@@ -179,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return code != 0
 
     # larger groups first, so the last one to start is a short one
-    for cells in sorted(groups.values(), key=len, reverse=True):
+    for cells in sorted(groups, key=len, reverse=True):
         while len(running) >= parallel:
             failed += reap_one()
         pid = _fork(run_group, plan, cells)

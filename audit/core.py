@@ -131,8 +131,9 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "") + ("" if profiler else " PROFILER=0")
     cached: dict = {}
     keys: dict = {}
-    if cache and mode == "resolve" and hasattr(rt, "cache_identity"):
-        keys, cached = _from_cache(rt, request, progress)
+    discarded: list = []
+    if mode == "resolve" and hasattr(rt, "cache_identity"):  # --no-cache looks nothing up, but refreshes
+        keys, cached, discarded = _from_cache(rt, request, progress, use=cache)
     todo = [c for c in cells if (c[0].name, c[1].name) not in cached]
     try:
         if todo:
@@ -152,7 +153,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         _to_cache(rt, request, keys, cached, result, run_dir)
         run_info["cache"] = {"hits": sorted([s, l, e.get("run", "?"), e.get("date", "?")]
                                             for (s, l), e in cached.items()),
-                             "ran": len(todo)}
+                             "ran": len(todo), "discarded": sorted(discarded), "used": cache}
     if slice_name:
         s = profile.slices[slice_name]
         run_info["slice"] = {"name": s.name, "layers": s.layers, "kept": s.kept, "cut": s.cut}
@@ -170,12 +171,14 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
 INCOMPLETE_REPORTS = "incomplete-report"
 
 
-def _from_cache(rt, request: RunRequest, progress: Progress) -> tuple[dict, dict]:
-    """Each cell's cache key, and the cells whose evidence is cached (restored into the run directory)."""
+def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True) -> tuple[dict, dict, list]:
+    """Each cell's cache key, the cells whose evidence is cached (checked against the entry's seal, then restored
+    into the run directory), and ``[system, layout, why]`` for entries found damaged and discarded. With
+    ``use`` False nothing is looked up: the keys only tell which entries the fresh run refreshes."""
     from . import evcache
     from .runtimes.base import model_dir_name, write_model_dirs
 
-    progress("stage", text="looking up cached evidence")
+    progress("stage", text="looking up cached evidence" if use else "computing evidence-cache keys")
     identity = rt.cache_identity(request.pin, progress)
     write_model_dirs(request)
     plan = {"probes": request.probes, "extra_targets": list(request.extra_targets), "stop_after": request.stop_after,
@@ -183,18 +186,24 @@ def _from_cache(rt, request: RunRequest, progress: Progress) -> tuple[dict, dict
             "postload_every_layer": request.postload_every_layer, "draft_weights": list(request.profile.draft_weights),
             "harness_env": identity.get("harness_env", []), "redact_env": []}
     probes = evcache.probes_digest()
-    keys, cached = {}, {}
+    keys, cached, discarded = {}, {}, []
     for system, layout in request.cells:
         cell = {"system": system.as_job(), "layout": layout.as_job()}
         key, inputs = evcache.cell_key(identity, plan, cell,
                                        evcache.dir_digest(request.run_dir / model_dir_name(request, layout)), probes)
         keys[(system.name, layout.name)] = (key, inputs)
-        entry = evcache.lookup(rt.root, key)
+        if not use:
+            continue
+        entry, why = evcache.check(rt.root, key, (system.name, layout.name))
+        if why:
+            evcache.discard(rt.root, key)
+            discarded.append([system.name, layout.name, why])
+            continue
         if entry is not None:
-            evcache.restore(rt.root, key, request.evidence_dir / cell_dir_name(system.name, layout.name))
+            evcache.restore(rt.root, key, request.evidence_dir / cell_dir_name(system.name, layout.name), entry)
             cached[(system.name, layout.name)] = entry
             progress("cell-done", system=system.name, layout=layout.name)
-    return keys, cached
+    return keys, cached, discarded
 
 
 def _to_cache(rt, request: RunRequest, keys: dict, cached: dict, result: RunResult, run_dir: Path) -> None:

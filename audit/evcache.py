@@ -8,8 +8,15 @@ nothing that only shapes the report (expectations, templates, verdicts) is part 
 expectations never re-runs probes.
 
 Layout: ``<cache>/evidence-cache/<key>/`` holds the cell's evidence directory as the run left it and
-``entry.json`` (the run it came from, its date, the inputs). Entries are written to a sibling first and
-renamed into place, so a reader never sees half an entry.
+``entry.json`` (the run it came from, its date, the inputs, and the sha256 of every file beside it). Entries
+are written to a sibling first and renamed into place, so a reader never sees half an entry.
+
+An entry is **sealed** like a content-addressed store: before it is reused, the entry directory must be a
+real directory holding exactly the files ``entry.json`` names (regular files, no links, nothing extra), each
+with the digest recorded when it was written, and its evidence must be that cell's. Anything else (an edited,
+truncated, planted, swapped or linked entry; a FIFO) is a miss: the entry is taken out of the cache, the cell
+runs again and its fresh evidence replaces the entry. Nothing damaged is ever reused, and nothing needs a
+manual delete. ``--no-cache`` runs every cell and refreshes the entries it ran.
 """
 from __future__ import annotations
 
@@ -17,14 +24,15 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
-CACHE_SCHEMA = 1
+CACHE_SCHEMA = 2
 ENTRY = "entry.json"
 #: plan fields that change what a cell records (parallelism and warm-up lists only change speed)
 PLAN_FIELDS = ("probes", "extra_targets", "stop_after", "serve_args", "slice", "observe_install", "harness_env",
-               "redact_env")
+               "redact_env", "postload_every_layer", "draft_weights")
 #: files of a cell's evidence directory worth keeping
 KEEP = ("evidence-", "agent.log", "imported-modules.json")
 
@@ -67,30 +75,109 @@ def cell_key(identity: dict, plan: dict, cell: dict, model_digest: str, probes: 
     return hashlib.sha256(blob).hexdigest(), inputs
 
 
-def lookup(root: Path, key: str) -> dict | None:
-    """The entry for *key*, or None (also for a damaged entry, which is then ignored)."""
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _regular(path: Path) -> bool:
+    """A regular file, not a link, FIFO or device (lstat: a link is never followed)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def check(root: Path, key: str, cell: tuple[str, str] | None = None) -> tuple[dict | None, str]:
+    """``(entry, "")`` for a sound entry of *key*; ``(None, "")`` when there is none; ``(None, why)`` when one is
+    there but cannot be trusted (the seal is broken)."""
     d = cache_dir(root) / key
     try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, f"the entry cannot be read ({exc.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return None, "the entry is not a directory (a link or another kind of file)"
+    if not _regular(d / ENTRY):
+        return None, f"{ENTRY} is missing or not a regular file"
+    try:
         entry = json.loads((d / ENTRY).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(entry, dict) or entry.get("key") != key or not any(d.glob("evidence-*.jsonl")):
-        return None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None, f"{ENTRY} is not readable JSON"
+    files = entry.get("files") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(files, dict):
+        return None, f"{ENTRY} is not this key's (or was written without a seal)"
+    try:
+        present = {p.name for p in d.iterdir()} - {ENTRY}
+    except OSError as exc:
+        return None, f"the entry cannot be listed ({exc.strerror})"
+    if present != set(files):
+        extra, lost = sorted(present - set(files)), sorted(set(files) - present)
+        return None, "files differ from the seal: " + "; ".join(
+            x for x in (f"extra {', '.join(extra)}" if extra else "", f"missing {', '.join(lost)}" if lost else "") if x)
+    if not any(name.startswith("evidence-") for name in files):
+        return None, "the entry holds no evidence file"
+    for name, digest in sorted(files.items()):
+        if not _regular(d / name):
+            return None, f"{name} is not a regular file"
+        if _sha256(d / name) != digest:
+            return None, f"{name} does not match its recorded sha256"
+    if cell is not None:
+        for name in files:
+            if name.startswith("evidence-"):
+                try:
+                    with open(d / name, encoding="utf-8") as fh:
+                        header = json.loads(fh.readline())
+                except (OSError, ValueError):
+                    return None, f"{name} has no readable header"
+                got = header.get("cell") or {}
+                if (got.get("system"), got.get("layout")) != tuple(cell):
+                    return None, f"{name} is the evidence of {got.get('system')}/{got.get('layout')}, not {cell[0]}/{cell[1]}"
+    return entry, ""
+
+
+def lookup(root: Path, key: str, cell: tuple[str, str] | None = None) -> dict | None:
+    """The sound entry for *key*, or None (a damaged one is discarded: :func:`discard`)."""
+    entry, why = check(root, key, cell)
+    if why:
+        discard(root, key)
     return entry
 
 
-def restore(root: Path, key: str, dest: Path) -> None:
-    """Copy a cached cell's evidence into *dest* (a cell directory of the new run)."""
+def discard(root: Path, key: str) -> None:
+    """Take an entry out of the cache: renamed aside in one step (so no reader sees it again), then removed."""
+    d = cache_dir(root) / key
+    aside = d.with_name(f".discarded-{key[:16]}-{os.getpid()}-{os.urandom(3).hex()}")
+    try:
+        os.rename(d, aside)
+    except OSError:
+        return
+    if os.path.islink(aside) or not aside.is_dir():
+        try:
+            os.unlink(aside)
+        except OSError:
+            pass
+    else:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def restore(root: Path, key: str, dest: Path, entry: dict) -> None:
+    """Copy a checked entry's evidence into *dest* (a cell directory of the new run): only the sealed files."""
     src = cache_dir(root) / key
     dest.mkdir(parents=True, exist_ok=True)
-    for p in sorted(src.iterdir()):
-        if p.is_file() and p.name.startswith(KEEP):
-            shutil.copy2(p, dest / p.name)
+    for name in sorted(entry["files"]):
+        shutil.copyfile(src / name, dest / name, follow_symlinks=False)
 
 
 def store(root: Path, key: str, cell_dir: Path, *, run: str, date: str, inputs: dict, info: dict) -> bool:
-    """Keep a finished cell's evidence under *key*; False when there is nothing to keep or no room."""
-    files = [p for p in sorted(Path(cell_dir).iterdir()) if p.is_file() and p.name.startswith(KEEP)]
+    """Keep a finished cell's evidence under *key*, sealed, replacing any entry there; False when there is
+    nothing to keep or no room."""
+    files = [p for p in sorted(Path(cell_dir).iterdir()) if _regular(p) and p.name.startswith(KEEP)]
     if not any(p.name.startswith("evidence-") for p in files):
         return False
     base = cache_dir(root)
@@ -99,12 +186,15 @@ def store(root: Path, key: str, cell_dir: Path, *, run: str, date: str, inputs: 
         tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}.", dir=base))
         try:
             for p in files:
-                shutil.copy2(p, tmp / p.name)
-            (tmp / ENTRY).write_text(json.dumps({"key": key, "run": run, "date": date, "inputs": inputs, "info": info},
-                                                indent=1, sort_keys=True), encoding="utf-8")
+                shutil.copyfile(p, tmp / p.name)
+            seal = {p.name: _sha256(tmp / p.name) for p in files}
+            (tmp / ENTRY).write_text(json.dumps({"key": key, "run": run, "date": date, "inputs": inputs, "info": info,
+                                                 "files": seal}, indent=1, sort_keys=True), encoding="utf-8")
+            if os.path.lexists(base / key):
+                discard(root, key)  # an older or damaged entry: this run's evidence replaces it
             try:
                 os.rename(tmp, base / key)
-            except OSError:  # another audit stored the same key first: theirs is as good
+            except OSError:  # another audit stored the same key meanwhile: theirs is as good
                 shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -114,4 +204,4 @@ def store(root: Path, key: str, cell_dir: Path, *, run: str, date: str, inputs: 
     return True
 
 
-__all__ = ["cell_key", "dir_digest", "lookup", "probes_digest", "restore", "store"]
+__all__ = ["cell_key", "check", "dir_digest", "discard", "lookup", "probes_digest", "restore", "store"]

@@ -3,6 +3,7 @@ ledger, and routes exactly as the run it came from; any change of input is a dif
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,19 +94,109 @@ def test_probes_digest_follows_the_probes_sources(tmp_path, monkeypatch):
     assert evcache.probes_digest() != before
 
 
-def test_a_damaged_entry_is_a_miss_and_store_is_atomic(tmp_path, monkeypatch):
-    monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(tmp_path / "c"))
-    cell = tmp_path / "cell"
+def _cell(tmp_path, system="b200_sxm", layout="tp8", name="cell"):
+    cell = tmp_path / name
     cell.mkdir()
-    (cell / "evidence-h-1-abc.jsonl").write_text('{"kind": "header", "schema": 1}\n')
+    header = {"kind": "header", "schema": 1, "cell": {"system": system, "layout": layout}}
+    (cell / "evidence-h-1-abc.jsonl").write_text(json.dumps(header) + "\n" + '{"kind": "x"}\n')
     (cell / "agent.log").write_text("log\n")
     (cell / "stray.tmp").write_text("x")
+    return cell
+
+
+def test_a_damaged_entry_is_a_miss_and_store_is_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(tmp_path / "c"))
+    cell = _cell(tmp_path)
     assert evcache.store(tmp_path, "k1", cell, run="r1", date="2026-12-02", inputs={}, info={"runtime": "x"})
-    assert evcache.lookup(tmp_path, "k1")["run"] == "r1"
+    entry = evcache.lookup(tmp_path, "k1", ("b200_sxm", "tp8"))
+    assert entry["run"] == "r1" and sorted(entry["files"]) == ["agent.log", "evidence-h-1-abc.jsonl"]
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["k1"]
     dest = tmp_path / "restored"
-    evcache.restore(tmp_path, "k1", dest)
+    evcache.restore(tmp_path, "k1", dest, entry)
     assert sorted(p.name for p in dest.iterdir()) == ["agent.log", "evidence-h-1-abc.jsonl"]
     (tmp_path / "c" / "k1" / "entry.json").write_text("{truncated")
     assert evcache.lookup(tmp_path, "k1") is None
+    assert not (tmp_path / "c" / "k1").exists()  # discarded: no manual delete needed
     assert evcache.lookup(tmp_path, "missing") is None
+
+
+def _damage_cases(tmp_path):
+    """Each breaks the seal of entry k1 in one way a hostile or unlucky hand would."""
+    base = tmp_path / "c"
+    entry = base / "k1"
+    ev = entry / "evidence-h-1-abc.jsonl"
+
+    def edit():  # swap a backend name inside the evidence
+        ev.write_text(ev.read_text().replace('"x"', '"y"'))
+
+    def truncate():
+        ev.write_text(ev.read_text()[:10])
+
+    def empty():
+        ev.write_text("")
+
+    def plant():  # an extra evidence file dropped in (it would win)
+        (entry / "evidence-h-2-zzz.jsonl").write_text(ev.read_text())
+
+    def file_link():  # a cached file replaced by a link out of the cache
+        outside = tmp_path / "outside.jsonl"
+        outside.write_text(ev.read_text())
+        ev.unlink()
+        ev.symlink_to(outside)
+
+    def dir_link():  # the entry directory itself a link out of the cache
+        elsewhere = tmp_path / "elsewhere"
+        shutil.copytree(entry, elsewhere)
+        shutil.rmtree(entry)
+        entry.symlink_to(elsewhere)
+
+    def fifo():  # entry.json a FIFO: reading it would hang
+        (entry / "entry.json").unlink()
+        os.mkfifo(entry / "entry.json")
+
+    def foreign():  # another cell's entry under this key (two entries swapped)
+        other = _cell(tmp_path, "h100_sxm", "tp8", name="other")
+        shutil.rmtree(entry)
+        evcache.store(tmp_path, "k1", other, run="r2", date="d", inputs={}, info={})
+
+    def unsealed():  # an entry from before seals
+        meta = json.loads((entry / "entry.json").read_text())
+        meta.pop("files")
+        (entry / "entry.json").write_text(json.dumps(meta))
+
+    return {f.__name__: f for f in (edit, truncate, empty, plant, file_link, dir_link, fifo, foreign, unsealed)}
+
+
+def test_every_broken_seal_is_a_miss_that_the_next_store_repairs(tmp_path, monkeypatch):
+    import signal
+
+    monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(tmp_path / "c"))
+    signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("the cache check hung")))
+    for name in _damage_cases(tmp_path):
+        work = tmp_path / name
+        work.mkdir()
+        cell = _cell(work)
+        monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(work / "c"))
+        assert evcache.store(work, "k1", cell, run="good", date="d", inputs={}, info={})
+        _damage_cases(work)[name]()
+        signal.alarm(10)
+        try:
+            entry, why = evcache.check(work, "k1", ("b200_sxm", "tp8"))
+        finally:
+            signal.alarm(0)
+        assert entry is None and why, name
+        assert evcache.lookup(work, "k1", ("b200_sxm", "tp8")) is None, name
+        assert not os.path.lexists(work / "c" / "k1"), name  # taken out of the cache
+        # the cell runs again: its fresh evidence is stored and sound
+        assert evcache.store(work, "k1", cell, run="fresh", date="d", inputs={}, info={})
+        assert evcache.lookup(work, "k1", ("b200_sxm", "tp8"))["run"] == "fresh", name
+
+
+def test_a_store_replaces_an_existing_entry(tmp_path, monkeypatch):
+    """--no-cache refreshes: the entry a fresh run stores replaces whatever was there."""
+    monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(tmp_path / "c"))
+    cell = _cell(tmp_path)
+    assert evcache.store(tmp_path, "k1", cell, run="old", date="d", inputs={}, info={})
+    assert evcache.store(tmp_path, "k1", cell, run="new", date="d", inputs={}, info={})
+    assert evcache.lookup(tmp_path, "k1")["run"] == "new"
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["k1"]

@@ -16,6 +16,9 @@ BASELINE ?=
 REPLACE ?=
 CACHE   ?= 1
 BIN     := $(VENV)/bin
+# $(call q,VALUE): VALUE as one single-quoted shell word, whatever it holds (make audit PIN='x; rm -rf y' audits
+# a pin named "x; rm -rf y", which images.lock then refuses; nothing is run)
+q = '$(subst ','\'',$(1))'
 
 .PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve lock-add selftest-gpu
 
@@ -29,22 +32,22 @@ $(VENV)/.installed: pyproject.toml
 
 # Build (once, cached under ~/.cache/serving-truth) the environment holding the pinned vLLM wheel.
 env: setup
-	$(BIN)/serving-truth env $(PIN)
+	$(BIN)/serving-truth env $(call q,$(PIN))
 
 # make exits 2 whenever a recipe fails, whatever the tool's code; the recipe prints the tool's own exit
 # code (0 ok, 1 findings, 2 bad input, 3 environment, 4 run failed/INCOMPLETE, 5 report not written,
 # 70 internal error, 130 interrupted). A CI gate that needs the code calls .venv/bin/serving-truth directly.
 audit: setup
-	@$(BIN)/serving-truth audit $(PIN) --runtime $(RUNTIME) --systems $(SYSTEMS) --layouts $(LAYOUTS) \
-		--lock $(LOCK) --mode $(MODE) $(if $(SLICE),--slice $(SLICE)) $(if $(filter 0,$(PROFILER)),--no-profiler) \
-		$(if $(PASS_ENV),--pass-env $(PASS_ENV)) $(if $(CLUSTER),--cluster $(CLUSTER)) \
-		$(if $(EXPECTATIONS),--expectations $(EXPECTATIONS)) $(if $(BASELINE),--baseline $(BASELINE)) \
+	@$(BIN)/serving-truth audit $(call q,$(PIN)) --runtime $(call q,$(RUNTIME)) --systems $(call q,$(SYSTEMS)) --layouts $(call q,$(LAYOUTS)) \
+		--lock $(call q,$(LOCK)) --mode $(call q,$(MODE)) $(if $(SLICE),--slice $(call q,$(SLICE))) $(if $(filter 0,$(PROFILER)),--no-profiler) \
+		$(if $(PASS_ENV),--pass-env $(call q,$(PASS_ENV))) $(if $(CLUSTER),--cluster $(call q,$(CLUSTER))) \
+		$(if $(EXPECTATIONS),--expectations $(call q,$(EXPECTATIONS))) $(if $(BASELINE),--baseline $(call q,$(BASELINE))) \
 		$(if $(filter 1,$(REPLACE)),--replace) $(if $(filter 0,$(CACHE)),--no-cache) \
 		|| { rc=$$?; echo "serving-truth audit exited $$rc (see README: exit codes)" >&2; exit $$rc; }
 
 # On a host with one NVIDIA GPU: serve the smallest K3 slice and check that every lane's probes fired.
 selftest-gpu: setup
-	$(BIN)/serving-truth selftest-gpu --pin $(PIN)
+	$(BIN)/serving-truth selftest-gpu --pin $(call q,$(PIN))
 
 # Remove containers left behind by serving-truth runs whose harness died (docker runtime).
 clean-containers: setup
@@ -52,7 +55,7 @@ clean-containers: setup
 
 # Fill in a pin's registry digests (image, platform_digests) from its registry: make lock-resolve PIN=...
 lock-resolve: setup
-	$(BIN)/serving-truth lock resolve $(PIN) --lock $(LOCK)
+	$(BIN)/serving-truth lock resolve $(call q,$(PIN)) --lock $(call q,$(LOCK))
 
 # Pin a vLLM build that is not on PyPI (checked: downloaded, hashed, its own metadata read), e.g.
 #   make lock-add PIN=nightly-0731 COMMIT=<sha>      a commit's wheel from vLLM's per-commit index
@@ -60,25 +63,25 @@ lock-resolve: setup
 #   make lock-add PIN=nightly-1202 NIGHTLY=1          the commit vLLM's nightly index points at now
 #   make lock-add PIN=rc WHEEL_URL=https://...whl    IMAGE_TAG=repo:tag adds (or pins only) an image
 lock-add: setup
-	$(BIN)/serving-truth lock add $(PIN) --lock $(LOCK) $(if $(COMMIT),--commit $(COMMIT)) $(if $(DATE),--date $(DATE)) \
+	$(BIN)/serving-truth lock add $(call q,$(PIN)) --lock $(call q,$(LOCK)) $(if $(COMMIT),--commit $(call q,$(COMMIT))) $(if $(DATE),--date $(call q,$(DATE))) \
 		$(if $(filter 1,$(NIGHTLY)),--nightly) \
-		$(if $(WHEEL_URL),--wheel-url $(WHEEL_URL)) $(if $(SHA256),--sha256 $(SHA256)) \
-		$(if $(IMAGE_TAG),--image-tag $(IMAGE_TAG)) $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) \
-		$(if $(VARIANT),--variant $(VARIANT)) $(if $(INDEX_URL),--index-url $(INDEX_URL))
+		$(if $(WHEEL_URL),--wheel-url $(call q,$(WHEEL_URL))) $(if $(SHA256),--sha256 $(call q,$(SHA256))) \
+		$(if $(IMAGE_TAG),--image-tag $(call q,$(IMAGE_TAG))) $(if $(VLLM_VERSION),--vllm-version $(call q,$(VLLM_VERSION))) \
+		$(if $(VARIANT),--variant $(call q,$(VARIANT))) $(if $(INDEX_URL),--index-url $(call q,$(INDEX_URL)))
 
 # Build (root; cached) a local image carrying Python and PIN's vLLM wheel, and build/test-images.lock
 # pinning it as <PIN>-image: then `make audit PIN=<PIN>-image RUNTIME=docker LOCK=build/test-images.lock`.
 test-image: setup
 	mkdir -p build
-	$(BIN)/python tests/images/build_vllm_image.py --pin $(PIN) --lock $(LOCK) --lock-out build/test-images.lock
+	$(BIN)/python tests/images/build_vllm_image.py --pin $(call q,$(PIN)) --lock $(call q,$(LOCK)) --lock-out build/test-images.lock
 
 # Re-render a ledger from a run directory's evidence: make render RUN=~/.cache/serving-truth/runs/...
 render: setup
-	$(BIN)/serving-truth render $(RUN)
+	$(BIN)/serving-truth render $(call q,$(RUN))
 
 # reports/diffs/<FROM>..<TO>.md from two audited pins: make diff FROM=v0.30.0 TO=v0.33.0
 diff: setup
-	$(BIN)/serving-truth diff $(FROM) $(TO)
+	$(BIN)/serving-truth diff $(call q,$(FROM)) $(call q,$(TO))
 
 # Re-audit every pin with a wheel in release order and rewrite reports/ and reports/diffs/ (the committed
 # reports are exactly what this writes). Builds one environment at a time and drops it after use.
@@ -86,17 +89,17 @@ diff: setup
 # templates or verdict code changed; no vLLM environment needed).
 FROM_RUNS ?=
 reports: setup
-	$(BIN)/serving-truth regenerate --lock $(LOCK) $(if $(filter 1,$(FROM_RUNS)),--from-runs,--drop-envs)
+	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(filter 1,$(FROM_RUNS)),--from-runs,--drop-envs)
 
 pins: setup
-	$(BIN)/serving-truth pins --lock $(LOCK)
+	$(BIN)/serving-truth pins --lock $(call q,$(LOCK))
 
 test: setup
 	$(BIN)/python -m pytest
 
 bench: setup
 	$(BIN)/python benchmarks/bench_counting.py
-	$(BIN)/python benchmarks/bench_audit.py --pin $(PIN)
+	$(BIN)/python benchmarks/bench_audit.py --pin $(call q,$(PIN))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

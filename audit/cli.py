@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         raise Interrupted(f"interrupted by signal {signum}; no report was written or changed")
 
     signal.signal(signal.SIGTERM, on_signal)
+    # a harness started with Ctrl-C ignored (a background job of a non-interactive shell inherits SIG_IGN) must
+    # still stop on Ctrl-C and clean up, as the README promises
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.command == "pins":
             return _pins(args, out)

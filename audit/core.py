@@ -118,6 +118,9 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     run_dir = new_run_dir(pin, root=getattr(rt, "run_root", None))
     if mode not in ("resolve", "observe"):
         raise UsageError(f"unknown mode {mode!r}", hint="resolve (no GPU) or observe (serves on real GPUs)")
+    if slice_name and mode != "observe":
+        raise UsageError(f"--slice {slice_name} serves a model slice, which only observe mode does",
+                         hint="resolve mode always builds every layer: drop --slice, or add --mode observe")
     if slice_name and slice_name not in profile.slices:
         raise UsageError(f"unknown slice {slice_name!r} for {profile.title}",
                          hint="known slices: " + ", ".join(profile.slices))
@@ -184,7 +187,8 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
     plan = {"probes": request.probes, "extra_targets": list(request.extra_targets), "stop_after": request.stop_after,
             "serve_args": list(request.serve_args), "slice": request.slice, "observe_install": request.observe_install,
             "postload_every_layer": request.postload_every_layer, "draft_weights": list(request.profile.draft_weights),
-            "harness_env": identity.get("harness_env", []), "redact_env": []}
+            # the evidence names its pin: two pins of the same wheel keep their own entries
+            "pin": request.pin.name, "harness_env": identity.get("harness_env", []), "redact_env": []}
     probes = evcache.probes_digest()
     keys, cached, discarded = {}, {}, []
     for system, layout in request.cells:
@@ -304,6 +308,41 @@ def _read_run_json(run_dir: Path) -> dict:
     return meta
 
 
+def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
+    """Every evidence file must say it is evidence of this run: its pin (by name and by the wheel's sha256,
+    checked against the lock), one of the run's cells, and for resolve cells the ``vllm serve`` arguments that
+    cell's layout gives. Evidence of another pin, another cell or other arguments is refused, never rendered
+    under this run's name."""
+    from .systems import LAYOUTS
+
+    cells = {tuple(c) for c in meta.get("cells") or []}
+    if not cells:
+        raise EvidenceError("run.json names no cell", path=str(run_dir / "run.json"),
+                            hint="a run directory written by `serving-truth audit` lists the cells it ran")
+    try:
+        plan = json.loads((run_dir / "plan.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        plan = {}
+    for f in files:
+        h, where = f.header, str(f.path)
+        if h.get("mode") == "resolve" or "pin" in h:
+            if h.get("pin") != pin.name:
+                raise EvidenceError(f"evidence of pin {h.get('pin')!r} in a run of {pin.name}", path=where,
+                                    hint="run.json and the evidence disagree: audit the pin again")
+            if pin.wheel_sha256 and h.get("wheel_sha256", "") != pin.wheel_sha256:
+                raise EvidenceError(f"evidence of wheel sha256 {str(h.get('wheel_sha256'))[:16]}..., images.lock pins "
+                                    f"{pin.name} to {pin.wheel_sha256[:16]}...", path=where,
+                                    hint="the evidence was made from another build: audit the pin again")
+        if f.cell is not None and f.cell not in cells:
+            raise EvidenceError(f"evidence of cell {f.cell[0]}/{f.cell[1]}, which this run does not list", path=where)
+        argv = h.get("argv")
+        if h.get("mode") == "resolve" and f.cell is not None and argv is not None and f.cell[1] in LAYOUTS:
+            expected = [*LAYOUTS[f.cell[1]].serve_args, *plan.get("serve_args", [])] if plan else None
+            if expected is not None and list(argv[3:]) != expected:
+                raise EvidenceError(f"evidence of `vllm serve` arguments {' '.join(argv[3:])!r}, not the "
+                                    f"{f.cell[1]} layout's", path=where)
+
+
 def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
                reports_dir: str | Path = "reports", baseline: str | None = "auto",
                expectations: str | None = "auto", replace: bool = True, _beside_run: bool = False) -> AuditOutcome:
@@ -329,6 +368,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         meta["missing"] = [[k[0], k[1], v] for k, v in sorted(missing.items())]
         write_atomic(run_dir / "run.json", json.dumps(meta, indent=1, sort_keys=True))
     files = evidence.read_dir(run_dir / "evidence")
+    check_evidence_identity(files, meta, pin, run_dir)
     aborted = bool(meta["run"].get("aborted"))
     if not files and not aborted:
         raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}",

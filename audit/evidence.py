@@ -1,11 +1,17 @@
 """Read the per-process evidence files the probes write, check their schema, and combine them.
 
-Every file starts with a header record ``{"kind": "header", "schema": N, ...}``. A reader refuses a
-schema it does not know, naming both versions. Combining keeps every record, tagged with the cell
-(system, layout) and the process it came from, in a stable order.
+Every file starts with a header record ``{"kind": "header", "schema": N, ...}`` naming what it is evidence
+of (mode, pin, the wheel's sha256, the cell, the ``vllm serve`` argv), and ends with a closing record
+(``{"kind": "end", "records": N, "sha256": ..., "final": bool}``: the records before it, the digest of their
+lines, whether it was the process's last write). A reader refuses a schema it does not know, naming both
+versions. A file without its closing record (cut short), or whose records do not match it (changed after it
+was written), is *damaged*: its ``damage`` says how, and the host treats its cell as INCOMPLETE rather than
+render what is left. Combining keeps every record, tagged with the cell (system, layout) and the process it
+came from, in a stable order.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +19,7 @@ from pathlib import Path
 from .errors import EvidenceError
 
 #: the evidence schema this harness reads (probes.EVIDENCE_SCHEMA writes it; kept in step by a test)
-SCHEMA = 1
+SCHEMA = 2
 
 
 @dataclass
@@ -21,6 +27,10 @@ class EvidenceFile:
     path: Path
     header: dict
     records: list[dict] = field(default_factory=list)
+    #: "" for whole evidence; else why it cannot be trusted (cut short, changed, the process never finished)
+    damage: str = ""
+    #: the closing record said this was the process's last write
+    final: bool = True
 
     @property
     def cell(self) -> tuple[str, str] | None:
@@ -61,7 +71,19 @@ def read_file(path: str | Path) -> EvidenceFile:
             path=str(path), line=1,
             hint="re-run the audit with this harness's probes, or use the harness that wrote it",
         )
-    return EvidenceFile(path=path, header=header, records=records[1:])
+    body = [line for line in lines if line.strip()]
+    end = records[-1] if records[-1].get("kind") == "end" else None
+    if end is None:
+        damage = "cut short: the file has no closing record"
+    elif end.get("records") != len(records) - 2:
+        damage = (f"the closing record counts {end.get('records')} records, the file holds {len(records) - 2}: "
+                  "records were added or removed after it was written")
+    elif end.get("sha256") != hashlib.sha256(("\n".join(body[:-1]) + "\n").encode("utf-8")).hexdigest():
+        damage = "the records do not match the closing record's sha256: the file was changed after it was written"
+    else:
+        damage = ""
+    return EvidenceFile(path=path, header=header, records=records[1:-1] if end is not None else records[1:],
+                        damage=damage, final=bool(end and end.get("final")))
 
 
 def read_dir(directory: str | Path) -> list[EvidenceFile]:

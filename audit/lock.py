@@ -51,11 +51,11 @@ from .errors import LockError, UnknownPinError
 from .tomlpos import header_lines, key_line, read_toml
 
 SCHEMA = 1
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-_IMAGE = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)@(?P<digest>sha256:[0-9a-f]{64})$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
-_PY = re.compile(r"^3\.\d{1,2}$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+_IMAGE = re.compile(r"^(?P<repo>[a-z0-9][a-z0-9._/:-]*?)@(?P<digest>sha256:[0-9a-f]{64})\Z")
+_SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*\Z")
+_PY = re.compile(r"^3\.\d{1,2}\Z")
 _PLATFORMS = ("linux/amd64", "linux/arm64")
 _KNOWN_KEYS = {
     "name", "vllm_version", "python", "wheel", "wheel_sha256", "image", "platform_digests",
@@ -67,11 +67,11 @@ _VERSION = re.compile(
     r"(?:(?P<pre_l>a|b|rc)(?P<pre_n>\d+))?"
     r"(?:\.post(?P<post>\d+))?"
     r"(?:\.dev(?P<dev>\d+))?"
-    r"(?:\+(?P<local>[a-z0-9]+(?:\.[a-z0-9]+)*))?$")
+    r"(?:\+(?P<local>[a-z0-9]+(?:\.[a-z0-9]+)*))?\Z")
 #: {distribution}-{version}(-{build})?-{python}-{abi}-{platform}.whl, each part free of path characters
 _WHEEL = re.compile(r"^(?P<dist>[A-Za-z0-9_.]+?)-(?P<version>[A-Za-z0-9_.+!]+)(?:-(?P<build>\d[A-Za-z0-9_]*))?"
-                    r"-(?P<py>[A-Za-z0-9_.]+)-(?P<abi>[A-Za-z0-9_.]+)-(?P<plat>[A-Za-z0-9_.]+)\.whl$")
-_COMMIT = re.compile(r"^g?[0-9a-f]{7,40}$")
+                    r"-(?P<py>[A-Za-z0-9_.]+)-(?P<abi>[A-Za-z0-9_.]+)-(?P<plat>[A-Za-z0-9_.]+)\.whl\Z")
+_COMMIT = re.compile(r"^g?[0-9a-f]{7,40}\Z")
 _URL_SCHEMES = ("https", "http", "file")
 
 
@@ -317,7 +317,7 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
     if digests and not image:
         raise err(ctx + "platform_digests need the image they belong to", "platform_digests")
     tag = raw.get("image_tag", "")
-    if tag and ("@" in tag or not re.match(r"^[a-z0-9][a-z0-9._/:-]*:[A-Za-z0-9_][A-Za-z0-9._-]*$", tag)):
+    if tag and ("@" in tag or not re.match(r"^[a-z0-9][a-z0-9._/:-]*:[A-Za-z0-9_][A-Za-z0-9._-]*\Z", tag)):
         raise err(ctx + f"image_tag must look like repo:tag, got {tag!r}", "image_tag",
                   hint="a digest belongs in image; image_tag is what `serving-truth lock resolve` resolves")
     if not wheel and not image and not config_digest and not tag:

@@ -146,10 +146,14 @@ def resolve_pin(lock_path: str | Path, pin_name: str) -> dict:
     if platforms != pin.platform_digests:
         changes["platform_digests"] = platforms
     if changes:
-        text = lock_path.read_text(encoding="utf-8")
-        new = _edit_pin(text, pin.line, image=image, platform_digests=platforms, path=str(lock_path))
-        write_atomic(lock_path, new)
-        lockmod.load(lock_path)  # what was written must parse
+        from .fsutil import DirLock
+
+        with DirLock(lock_path):  # the same lock `lock add` takes: edits of images.lock never interleave
+            pin = lockmod.load(lock_path).get(pin_name)  # where the pin is now
+            text = lock_path.read_text(encoding="utf-8")
+            new = _edit_pin(text, pin.line, image=image, platform_digests=platforms, path=str(lock_path))
+            write_atomic(lock_path, new)
+            lockmod.load(lock_path)  # what was written must parse
     return changes
 
 

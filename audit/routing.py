@@ -253,13 +253,30 @@ def _step_layer(r: dict) -> int | None:
 MODEL_STEPS = ("model-load", "model")
 
 
+def _rejudged(r: dict) -> dict:
+    """A post-load step record whose outcome is decided here again, by the rule the probes apply
+    (probes.core.stages.stop_rule), from what the record says was raised: the host never takes "refused" or
+    "limit" on the record's word. Where the two disagree the rule wins and the record says so."""
+    if r.get("outcome") not in ("refused", "limit"):
+        return r
+    where = str(r.get("raised_where") or "")
+    in_vllm = where.startswith("vllm/") or "/vllm/" in where
+    raised_in = str(r.get("raised_in") or "").rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    outcome, rule = stop_rule(in_vllm=in_vllm, assertion=str(r.get("type", "")).endswith(":AssertionError"),
+                              raise_line=r.get("raise_line"), cause=r.get("cause"), message=str(r.get("message") or ""),
+                              fed_no_weights=r.get("step") == "model-load", raised_in=raised_in)
+    if outcome == r.get("outcome"):
+        return r
+    return {**r, "outcome": outcome, "rule": f"{rule} (the record said {r.get('outcome')}; the rule decided)"}
+
+
 def _postload(f: EvidenceFile) -> dict | None:
     """What vLLM's post-load path did in this cell: every step's outcome, vLLM's refusals (findings)
     apart from the places the simulation could not go further (limits), and per layer how far it went."""
     stage = next((r for r in f.of_kind("stage") if r["stage"] == POSTLOAD_STAGE), None)
     if stage is None:
         return None
-    steps = [{**r, "message": _plain(r.get("message"))} if "message" in r else r
+    steps = [_rejudged({**r, "message": _plain(r.get("message"))} if "message" in r else r)
              for r in f.of_kind("postload-step")]  # the target's steps, then a speculative draft's
     counts = {k: sum(1 for r in steps if r.get("outcome") == k) for k in _WORST}
     refusals: dict[tuple, dict] = {}
@@ -578,6 +595,13 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
                   missing: dict[tuple[str, str], dict] | None = None, run: dict | None = None,
                   scrub: dict[str, str] | None = None) -> dict:
     """The whole routing model of one audit: provenance plus one entry per expected cell."""
+    damaged: dict[tuple, list[str]] = defaultdict(list)
+    for f in files:  # evidence that cannot be trusted makes its cell INCOMPLETE; none of it is rendered
+        why = f.damage or ("" if f.final or f.header.get("mode") == "observe"
+                           else "the process ended before its last write")
+        if why and f.cell:
+            damaged[f.cell].append(f"{f.path.name}: {why}")
+    files = [f for f in files if f.cell not in damaged]
     observe_files: dict[tuple, list[EvidenceFile]] = defaultdict(list)
     for f in files:
         if f.cell and f.header.get("mode") == "observe":
@@ -594,6 +618,9 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
             cells.append(cell)
         elif seen:
             cells.append(observed_cell(system, layout, _observed(seen)))
+        elif (system, layout) in damaged:
+            cells.append(incomplete_cell(system, layout, reason="evidence damaged: " + "; ".join(damaged[(system, layout)]),
+                                         log_tail=""))
         else:
             info = (missing or {}).get((system, layout), {})
             cells.append(incomplete_cell(system, layout, reason=info.get("reason", "no evidence was written"),

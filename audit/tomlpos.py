@@ -2,7 +2,9 @@
 only for syntax errors)."""
 from __future__ import annotations
 
+import os
 import re
+import stat
 import tomllib
 from pathlib import Path
 
@@ -11,6 +13,15 @@ def read_toml(path: str | Path, error: type, *, hint: str | None = None) -> tupl
     """(text, data) of a TOML file; unreadable or malformed files raise ``error`` (an InputFileError
     subclass) with the path and, for syntax errors, the line."""
     spath = str(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise error("file not found", path=spath, hint=hint) from None
+    except OSError as exc:
+        raise error(f"cannot read: {exc.strerror or exc}", path=spath, hint=hint) from None
+    if not stat.S_ISREG(mode):  # a FIFO would block the read forever, a directory cannot be read
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise error(f"is {kind}, not a TOML file", path=spath, hint=hint)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -256,9 +256,38 @@ def grouped(rows: list[dict]) -> list[dict]:
                                                g["actual"], g["why"]))
 
 
+def unjudgeable(routing: dict, exp: Expectations, rows: list[dict]) -> list[dict]:
+    """Rows for the (system, layout) pairs a claim covers that this run cannot judge: a layout that does not
+    exist on the system's SM, a system or layout this run did not audit. A claim is never dropped: each such
+    pair is UNVERIFIED with the reason, one row per claim and reason."""
+    from .systems import LAYOUTS, SYSTEMS
+
+    cells = {(c["system"], c["layout"]) for c in routing["cells"]}
+    judged = {(r["claim"], r["system"], r["layout"]) for r in rows}
+    out = []
+    for c in exp.claims:
+        reasons: dict[str, list[str]] = {}
+        for system in c.systems:
+            for layout in c.layouts:
+                if (system, layout) in cells or (c.id, system, layout) in judged:
+                    continue
+                s, l = SYSTEMS.get(system), LAYOUTS.get(layout)
+                if s is not None and l is not None and not l.applies_to(s):
+                    why = f"the {layout} layout does not exist on SM {s.sm} ({l.scope})"
+                else:
+                    why = "not audited in this run"
+                reasons.setdefault(why, []).append(f"{system}/{layout}")
+        for why, pairs in sorted(reasons.items()):
+            out.append({"system": "—", "layout": "—", "lane": c.harness_lane, "evidence": "none", "claim": c.id,
+                        "layers": "", "verdict": "UNVERIFIED", "expected": c.backend or c.kernel_source, "actual": "",
+                        "label": "", "why": f"not judged: {why}: " + ", ".join(pairs)})
+    return out
+
+
 def attach(routing: dict, exp: Expectations, *, display_path: str) -> dict:
     """Judge and store the verdicts in the routing model (so ledger and diff see them)."""
     rows = judge(routing, exp)
+    rows += unjudgeable(routing, exp, rows)
     routing["verdicts"] = {"expectations": display_path, "summary": summary(rows), "rows": rows,
                            "claims": [{"id": c.id, "lane": c.lane, "layouts": list(c.layouts),
                                        "systems": list(c.systems), "kernel_source": c.kernel_source,

@@ -71,11 +71,25 @@ class WheelEntry:
 
 
 # -- HTTP --------------------------------------------------------------------------------------------
+class _SameHostRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to the host (and scheme) the request went to: an index, a metadata file or a
+    wheel is never taken from a host other than the one named."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
+        if (new.scheme, new.netloc) != (old.scheme, old.netloc):
+            raise WheelSourceError(f"{req.full_url} redirects to another host ({new.scheme}://{new.netloc}); "
+                                   "refused", url=req.full_url, step="wheel index",
+                                   hint="point --index-url / the wheel URL at the host that serves the files")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def _opener(url: str) -> urllib.request.OpenerDirector:
     host = urllib.parse.urlsplit(url).hostname or ""
+    handlers = [_SameHostRedirects()]
     if host in ("127.0.0.1", "localhost", "::1"):  # never through a proxy
-        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    return urllib.request.build_opener()
+        handlers.append(urllib.request.ProxyHandler({}))
+    return urllib.request.build_opener(*handlers)
 
 
 def _open(url: str, *, what: str, step: str, accept: str = ""):
@@ -182,7 +196,8 @@ def read_commit_index(base: str, commit: str, variant: str | None = None) -> tup
             if not isinstance(item, dict) or not isinstance(item.get("filename"), str) \
                     or not isinstance(item.get("path"), str):
                 continue
-            if urllib.parse.urlsplit(item["path"]).scheme:  # relative paths only, as the generator writes them
+            split = urllib.parse.urlsplit(item["path"])
+            if split.scheme or split.netloc:  # relative paths only, as the generator writes them (no //host/...)
                 continue
             e = _entry(item["filename"], urllib.parse.urljoin(pkg, item["path"]), variant=item.get("variant") or "",
                        sha256=hashes.get(item["filename"], ""))
@@ -191,7 +206,7 @@ def read_commit_index(base: str, commit: str, variant: str | None = None) -> tup
     elif html_links is not None:
         for href in html_links:
             split = urllib.parse.urlsplit(href)
-            if split.scheme:
+            if split.scheme or split.netloc:  # a link to another host (absolute or //host/...) is not this index's
                 continue
             name = urllib.parse.unquote(split.path).rsplit("/", 1)[-1]
             e = _entry(name, urllib.parse.urljoin(pkg, urllib.parse.urlunsplit(split._replace(fragment=""))),
@@ -535,14 +550,21 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
         notes.insert(0, note)
     fields["note"] = "; ".join(notes)
 
-    old = lock_path.read_text(encoding="utf-8")
-    new = old.rstrip("\n") + "\n\n" + pin_block(fields)
-    write_atomic(lock_path, new)
-    try:
-        lockmod.load(lock_path)
-    except LockError:
-        write_atomic(lock_path, old)  # never leave a lock that does not parse
-        raise
+    from .fsutil import DirLock
+
+    with DirLock(lock_path):  # concurrent `lock add`s append one after the other, each to what the last wrote
+        current = lockmod.load(lock_path)
+        if name in current.pins:
+            raise UsageError(f"pin {name!r} was added to {lock_path} meanwhile (line {current.pins[name].line})",
+                             hint="choose another name, or delete that [[pin]] first")
+        old = lock_path.read_text(encoding="utf-8")
+        new = old.rstrip("\n") + "\n\n" + pin_block(fields)
+        write_atomic(lock_path, new)
+        try:
+            lockmod.load(lock_path)
+        except LockError:
+            write_atomic(lock_path, old)  # never leave a lock that does not parse
+            raise
     return fields
 
 

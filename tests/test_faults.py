@@ -480,3 +480,134 @@ def test_silent_fallback_and_required_drift_fail_the_gate():
     assert _findings_exit(outcome({"MATCH": 3}), False, Quiet()) == ExitCode.OK
     assert _findings_exit(outcome({"MATCH": 3}, ["kda.prefill"]), False, Quiet()) == ExitCode.FINDINGS
     assert _findings_exit(outcome({"MATCH": 3, "UNVERIFIED": 1}), True, Quiet()) == ExitCode.FINDINGS
+
+
+# --- evidence that checks itself (issue: a sealed cache, self-describing evidence) ---------------------------
+def _evidence_of(run, cell="b200_sxm--tp8"):
+    return sorted((run / "evidence" / cell).glob("evidence-*.jsonl"))[0]
+
+
+@pytest.mark.vllm
+def test_evidence_changed_or_cut_short_never_renders_as_a_complete_cell(run_copy, report_copy):
+    """Emptied fields, records removed (post-load's, say), a cut at a record boundary: the closing record no
+    longer fits, the cell is INCOMPLETE, render exits 4 and the report stays as it was."""
+    before = snapshot(report_copy)
+    ev = _evidence_of(run_copy)
+    good = ev.read_text()
+    lines = good.splitlines()
+    edits = {
+        "emptied": "\n".join(l.replace('"outcome": "ok"', '"outcome": ""') for l in lines) + "\n",
+        "postload removed": "\n".join(l for l in lines if '"kind": "postload' not in l) + "\n",
+        "cut at a record boundary": "\n".join(lines[:-3]) + "\n",
+        "closing record alone dropped": "\n".join(lines[:-1]) + "\n",
+    }
+    for name, text in edits.items():
+        ev.write_text(text)
+        r = cli("render", str(run_copy), "--reports", str(report_copy))
+        assert r.returncode == ExitCode.RUN_FAILED, (name, r.stderr[-2000:])
+        assert "INCOMPLETE" in r.stderr or "incomplete" in r.stderr.lower(), (name, r.stderr[-2000:])
+        ledger = next((run_copy / "incomplete-report").rglob("ledger.md"))
+        assert "evidence damaged" in ledger.read_text(), name
+        assert snapshot(report_copy) == before, name
+    ev.write_text(good)
+
+
+@pytest.mark.vllm
+def test_a_run_record_that_does_not_match_its_evidence_is_refused(run_copy, report_copy):
+    before = snapshot(report_copy)
+    meta = json.loads((run_copy / "run.json").read_text())
+    for name, edited, fragment in (
+            ("no cell", {**meta, "cells": []}, "run.json names no cell"),
+            ("another pin", {**meta, "pin": "v0.32.0"}, "evidence of pin 'v0.33.0' in a run of v0.32.0"),
+            ("another cell", {**meta, "cells": [["h100_sxm", "tp8"], ["b200_sxm", "dep8"]]},
+             "evidence of cell b200_sxm/tp8, which this run does not list")):
+        (run_copy / "run.json").write_text(json.dumps(edited))
+        r = cli("render", str(run_copy), "--reports", str(report_copy))
+        assert r.returncode == ExitCode.RUN_FAILED and fragment in r.stderr, (name, r.stderr[-2000:])
+    (run_copy / "run.json").write_text(json.dumps(meta))
+    # evidence made from another wheel (its header names that wheel's sha256)
+    ev = _evidence_of(run_copy)
+    lines = ev.read_text().splitlines()
+    header = json.loads(lines[0])
+    header["wheel_sha256"] = "0" * 64
+    ev.write_text("\n".join([json.dumps(header, sort_keys=True), *lines[1:]]) + "\n")
+    r = cli("render", str(run_copy), "--reports", str(report_copy))
+    assert r.returncode == ExitCode.RUN_FAILED and "evidence of wheel sha256 0000000000000000" in r.stderr
+    assert snapshot(report_copy) == before
+
+
+@pytest.mark.vllm
+def test_a_poisoned_cache_entry_is_discarded_and_the_cell_runs_again(audited, tmp_path, monkeypatch):
+    """Edit a cached cell's evidence (a backend name swapped) and audit again: the seal is broken, the entry is
+    discarded, the cell runs, and the ledger says why; the next audit reuses the fresh, sound entry."""
+    cache = tmp_path / "evidence-cache"
+    env = {**os.environ, "SERVING_TRUTH_EVIDENCE_CACHE": str(cache)}
+    args = ["audit", "v0.33.0", "--systems", "b200_sxm", "--layouts", "tp8", "--expectations", "none",
+            "--baseline", "none"]
+    r = subprocess.run([*CLI, *args, "--reports", str(tmp_path / "r1")], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=1800)
+    assert r.returncode == ExitCode.OK, r.stderr[-2000:]
+    (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    ev = next(entry.glob("evidence-*.jsonl"))
+    ev.write_text(ev.read_text().replace("TrtLlmMxfp4ExpertsMonolithic", "MarlinExperts"))
+    r = subprocess.run([*CLI, *args, "--reports", str(tmp_path / "r2")], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=1800)
+    assert r.returncode == ExitCode.OK, r.stderr[-2000:]
+    assert "from the evidence cache" not in r.stderr
+    routing = json.loads((tmp_path / "r2" / "v0.33.0" / "routing.json").read_text())
+    (discarded,) = routing["run"]["cache"]["discarded"]
+    assert discarded[:2] == ["b200_sxm", "tp8"] and "does not match its recorded sha256" in discarded[2]
+    assert "MarlinExperts" not in (tmp_path / "r2" / "v0.33.0" / "ledger.md").read_text()
+    assert "evidence cache, discarded" in (tmp_path / "r2" / "v0.33.0" / "ledger.md").read_text()
+    r = subprocess.run([*CLI, *args, "--reports", str(tmp_path / "r3")], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=1800)
+    assert r.returncode == ExitCode.OK and "all 1 cell(s) from the evidence cache" in r.stderr, r.stderr[-2000:]
+
+
+# --- the smaller gate holes ---------------------------------------------------------------------------------
+def test_slice_is_refused_outside_observe_mode():
+    r = cli("audit", "v0.33.0", "--slice", "slice4", "--systems", "b200_sxm", "--layouts", "tp8")
+    assert r.returncode == ExitCode.USAGE and "only observe mode does" in r.stderr, r.stderr[-1000:]
+
+
+def test_a_fifo_given_as_an_input_file_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "images.lock"
+    os.mkfifo(fifo)
+    for args in (["pins", "--lock", str(fifo)],
+                 ["audit", "v0.33.0", "--expectations", str(fifo), "--systems", "b200_sxm", "--layouts", "tp8"]):
+        r = cli(*args, timeout=60)
+        assert r.returncode == ExitCode.USAGE and "is a FIFO" in r.stderr, (args, r.stderr[-1000:])
+
+
+def test_make_variables_are_one_shell_word(tmp_path):
+    """`make audit PIN='x; cmd; true'` audits a pin of that name (refused: not in images.lock); nothing runs."""
+    marker = tmp_path / "pwned"
+    r = subprocess.run(["make", "-s", "audit", f"PIN=x; touch {marker}; true", "SYSTEMS=b200_sxm"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode != 0 and not marker.exists(), r.stdout + r.stderr
+    assert "not in" in r.stderr and "images.lock" in r.stderr
+
+
+def test_ctrl_c_stops_a_harness_started_with_sigint_ignored(tmp_path):
+    """A harness started as a background job inherits SIGINT ignored: it must still stop on Ctrl-C (130)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)  # accepts, never answers: the harness waits on it
+    port = server.getsockname()[1]
+    lock = tmp_path / "images.lock"
+    lock.write_text((ROOT / "images.lock").read_text())
+    proc = subprocess.Popen([*CLI, "lock", "add", "nightly-x", "--lock", str(lock), "--commit", "a" * 40,
+                             "--index-url", f"http://127.0.0.1:{port}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    conn, _ = server.accept()  # the harness is now inside its request
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        conn.close()
+        server.close()
+    assert proc.returncode == ExitCode.INTERRUPTED, err[-1000:]
+    assert lock.read_text() == (ROOT / "images.lock").read_text()

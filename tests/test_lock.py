@@ -175,3 +175,14 @@ def test_docker_only_pin_names_the_runtime_that_can(write):
         LocalRuntime().check(pin)
     assert "RUNTIME=docker" in str(e.value)
     assert e.value.supported == ["docker"]
+
+
+@pytest.mark.parametrize("old, new", [('name = "v9.0.0"', 'name = "v9.0.0\\n"'),
+                                      ('vllm_version = "9.0.0"', 'vllm_version = "9.0.0\\n"'),
+                                      (f'wheel_sha256 = "{SHA}"', f'wheel_sha256 = "{SHA}\\n"'),
+                                      (f'wheel_sha256 = "{SHA}"', f'wheel_sha256 = "{SHA}"\nvllm_commit = "gabcdef1\\n"')])
+def test_a_trailing_newline_is_not_part_of_a_valid_name(write, old, new):
+    """`$` also matches before a final newline: every pattern must end at the very end of the value."""
+    path = write("images.lock", GOOD.replace(old, new, 1))
+    with pytest.raises(LockError):
+        lock.load(path)

@@ -386,3 +386,65 @@ def test_nightly_flow_on_the_real_wheel_ends_in_a_ledger_naming_url_hash_commit(
     assert "| environment | verified before the audit: the " in prov and f"files {wheel.name} installs match" in prov
     routing = json.loads((reports / "nightly-0731" / "routing.json").read_text())
     assert routing["pin"]["wheel_url"] == url and routing["run"]["vllm_commit"] == commit
+
+
+# -- links and redirects that leave the index host ----------------------------------------------------------
+def test_links_to_another_host_are_not_followed(tmp_path, lock_copy):
+    """A protocol-relative link (//other-host/...) in index.html or metadata.json names another host: it is not
+    this index's wheel, so the commit has none for this platform; images.lock is unchanged."""
+    wheel = make_wheel(tmp_path / "src", DEV, commit=COMMIT[:9])
+    root = tmp_path / "index"
+    publish_commit(root, COMMIT, {None: [wheel]})
+    pkg = root / COMMIT / "vllm"
+    meta = json.loads((pkg / "metadata.json").read_text())
+    for item in meta:
+        item["path"] = f"//127.0.0.2:1/{wheel.name}"
+    (pkg / "metadata.json").write_text(json.dumps(meta))
+    html = (pkg / "index.html").read_text()
+    (pkg / "index.html").write_text(html.replace('href="../', 'href="//127.0.0.2:1/'))
+    before = lock_copy.read_bytes()
+    with IndexServer(root) as srv, pytest.raises(NoWheelForPlatform):
+        wheelindex.add_pin(lock_copy, "n", commit=COMMIT, arch="x86_64", index_url=srv.url,
+                           cache_root=tmp_path / "cache")
+    _unchanged(lock_copy, before, tmp_path / "cache")
+
+
+def test_a_redirect_to_another_host_is_refused(tmp_path, lock_copy):
+    import http.server
+    import threading
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{closed_port()}{self.path}")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    before = lock_copy.read_bytes()
+    try:
+        with pytest.raises(WheelSourceError) as e:
+            wheelindex.add_pin(lock_copy, "n", commit=COMMIT, arch="x86_64",
+                               index_url=f"http://127.0.0.1:{httpd.server_address[1]}", cache_root=tmp_path / "cache")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert "redirects to another host" in str(e.value)
+    _unchanged(lock_copy, before, tmp_path / "cache")
+
+
+def test_concurrent_lock_adds_keep_every_pin(tmp_path, lock_copy):
+    """Six `lock add`s at once, each of its own wheel: every one is in images.lock afterwards, which parses."""
+    import concurrent.futures
+
+    wheels = [make_wheel(tmp_path / f"src{i}", f"0.34.0rc1.dev{100 + i}") for i in range(6)]
+    with concurrent.futures.ProcessPoolExecutor(6) as pool:
+        futures = [pool.submit(wheelindex.add_pin, lock_copy, f"rc-{i}", wheel_url=w.as_uri(),
+                               cache_root=tmp_path / "cache") for i, w in enumerate(wheels)]
+        for f in futures:
+            f.result()
+    pins = lockmod.load(lock_copy).pins
+    assert {f"rc-{i}" for i in range(6)} <= set(pins)

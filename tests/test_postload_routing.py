@@ -204,3 +204,22 @@ def test_a_load_weights_fed_nothing_is_never_refused_for_what_it_did_not_get(tmp
     gate = classify(_raised(tmp_path / "b", "load_weights_and_finalize"), fed_no_weights=True)
     assert gate["outcome"] == "refused" and gate["raised_in"].endswith("_check_device")
     assert gate["message"] == "this kernel requires SM100 GPUs."
+
+
+def test_the_host_decides_refused_or_limit_by_the_rule_not_the_record():
+    """A record's outcome is decided again from what it says was raised: "refused" for an exception raised in
+    torch is a limit; "limit" for an explicit raise in vLLM's own code is a refusal."""
+    f = _file("b200_sxm", "tp8", [
+        _step(1, "refused", raised_in="torch._ops:OpOverloadPacket.__call__", raised_where="torch/_ops.py:1350",
+              type="builtins:NotImplementedError", message="no meta kernel", raise_line=True, cause=None),
+        _step(2, "limit", raised_in=GATE, raised_where="vllm/models/deepseek_v4/nvidia/model.py:338",
+              type="builtins:NotImplementedError", message="DeepGEMM MegaMoE requires SM100 GPUs.", raise_line=True,
+              cause=None),
+        {"kind": "postload-model", "role": "target", "specialized_decode_requested": False},
+    ])
+    post = routing.build_cell(f, KIMI_K3)["postload"]
+    assert (post["refused"], post["limit"]) == (1, 1)
+    assert post["refused_at"]["function"] == GATE and post["refused_at"]["layer"] == 2
+    (limit,) = post["limits"]
+    assert limit["raised_in"] == "torch._ops:OpOverloadPacket.__call__"
+    assert limit["rule"].startswith("raised outside vLLM") and "(the record said refused; the rule decided)" in limit["rule"]

@@ -265,3 +265,22 @@ def test_a_one_phase_lane_cannot_be_claimed_at_another_phase(tmp_path):
     with pytest.raises(ExpectationsError) as e:
         expectations.load(path)
     assert "lane kda.context is measured at prefill only, not 'decode 1'" in str(e.value)
+
+
+def test_a_claim_no_cell_of_the_run_can_judge_stays_in_the_table_with_why():
+    """A subset run (one system) and a layout that does not exist on an SM: every claim still has rows, the ones
+    this run cannot judge UNVERIFIED, saying why and which (system, layout) pairs."""
+    from audit.verdicts import attach
+
+    exp = expectations.load(SHIPPED)
+    r = routing()
+    r["cells"] = [c for c in r["cells"] if c["system"] == "b200_sxm"]
+    attach(r, exp, display_path="kimi-k3.toml")
+    rows = r["verdicts"]["rows"]
+    assert {c.id for c in exp.claims} <= {v["claim"] for v in rows}
+    apart = [v for v in rows if v["system"] == "—"]
+    assert apart and {v["verdict"] for v in apart} == {"UNVERIFIED"}
+    assert any("not audited in this run" in v["why"] and "h100_sxm/tp8" in v["why"] for v in apart)
+    r = routing()
+    attach(r, exp, display_path="kimi-k3.toml")
+    assert any("the tp8-specdec layout does not exist on SM 9.0" in v["why"] for v in r["verdicts"]["rows"])

@@ -233,6 +233,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
     plan = {
         "schema": 1,
         "pin": request.pin.name,
+        "wheel_sha256": request.pin.wheel_sha256 or "",
         "model_dir": where(model_dir),
         "stub_libcuda": where(stub_libcuda),
         "out_dir": where(out_dir),

@@ -221,7 +221,17 @@ class LocalRuntime:
 
     def ensure_env(self, pin: Pin, progress: Progress) -> Path:
         """Build (once) the venv holding the pinned wheel; verify it carries a CUDA torch. Every call checks
-        the installed vLLM against the wheel's RECORD (:meth:`verify_env`) and refuses an edited one."""
+        the installed vLLM against the wheel's RECORD (:meth:`verify_env`) and refuses an edited one. A disk
+        error on the way is the environment's (exit 3), never mistaken for a report that could not be written."""
+        try:
+            return self._ensure_env(pin, progress)
+        except OSError as exc:
+            where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+            raise EnvironmentBuildError(f"{exc.strerror or exc}{where}", step="build or verify the environment",
+                                        hint="free disk space or fix the permissions of the cache "
+                                             "(SERVING_TRUTH_CACHE moves it), then audit again") from None
+
+    def _ensure_env(self, pin: Pin, progress: Progress) -> Path:
         env = self.env_dir(pin)  # validated: a direct child of <cache>/envs, not a symbolic link
         marker = env / ENV_MARKER
         if marker.is_file():

@@ -1,13 +1,18 @@
 """Per-process evidence: one versioned JSON Lines file per process, combined on the host.
 
-The first record of every file is a header carrying the schema version; the host refuses files whose
-version it does not know. Records are buffered in memory and written at flush/exit, so recording a
-selection costs a list append.
+The first record of every file is a header carrying the schema version and what the evidence is of (the
+pin, the wheel's sha256, the cell); the host refuses files whose version it does not know and checks the rest
+against the run and the lock. Every write ends with a closing record: how many records precede it, the
+sha256 of their lines, and whether it was the process's last write; evidence cut short (no closing record),
+changed after it was written (the count or the digest disagree) or left by a process that never made its last
+write is told from evidence that is whole. Records are buffered in memory and
+written at flush/exit, so recording a selection costs a list append.
 """
 from __future__ import annotations
 
 import atexit
 import enum
+import hashlib
 import json
 import os
 import secrets
@@ -47,6 +52,12 @@ def describe(value, _depth: int = 0):
         return "<undescribable>"
 
 
+def closing(lines: list[str], final: bool) -> dict:
+    """The closing record of a file whose lines (header first) are ``lines``."""
+    digest = hashlib.sha256(("\n".join(lines) + "\n").encode("utf-8")).hexdigest()
+    return {"kind": "end", "records": len(lines) - 1, "sha256": digest, "final": bool(final)}
+
+
 class Recorder:
     """Collects evidence records of one process and writes them as one JSON Lines file."""
 
@@ -66,13 +77,13 @@ class Recorder:
             **(meta or {}),
         }
         if out_dir:
-            atexit.register(self.flush)
+            atexit.register(self.flush, final=True)
 
     def retarget(self, out_dir: str, **meta) -> None:
         """Send this (possibly forked) recorder's records to a new file, with more header fields."""
         with self._lock:
             if not self.out_dir:
-                atexit.register(self.flush)
+                atexit.register(self.flush, final=True)
             self.out_dir = out_dir
             self.path = None
             self._header = {**self._header, **meta, "pid": os.getpid()}
@@ -103,8 +114,9 @@ class Recorder:
         with self._lock:
             return [self._header, *self._records]
 
-    def flush(self) -> str | None:
-        """Write everything recorded so far (rewrites the process's file atomically)."""
+    def flush(self, final: bool = False) -> str | None:
+        """Write everything recorded so far (rewrites the process's file atomically), ending with the closing
+        record. ``final``: the process's last write (a periodic flush of a running process is not)."""
         if not self.out_dir:
             return None
         with self._lock:
@@ -113,6 +125,7 @@ class Recorder:
                 name = f"evidence-{host}-{os.getpid()}-{secrets.token_hex(3)}.jsonl"
                 self.path = os.path.join(self.out_dir, name)
             lines = [json.dumps(r, sort_keys=True, default=str) for r in (self._header, *self._records)]
+            lines.append(json.dumps(closing(lines, final), sort_keys=True))
             os.makedirs(self.out_dir, exist_ok=True)
             tmp = self.path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as fh:

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         session = plugin.observe_session()
         if session is not None:
             session.flush()
-        rec.flush()
+        rec.flush(final=True)
     return code
 
 

@@ -85,7 +85,8 @@ def run_group(plan: dict, cells: list[dict]) -> int:
     """One SM: install probes and platform, import vLLM, then one forked process per cell."""
     from probes.resolve import cell as resolve
 
-    rec = Recorder(None, role="resolve-agent", meta={"mode": "resolve", "pin": plan.get("pin", "")})
+    rec = Recorder(None, role="resolve-agent", meta={"mode": "resolve", "pin": plan.get("pin", ""),
+                                                     "wheel_sha256": plan.get("wheel_sha256", "")})
     first = cells[0]
     warm = resolve.prepare_group(plan, first, rec, Stage)
     _freeze()
@@ -126,7 +127,7 @@ def _run_cell(plan, cell, rec, warm, out) -> int:
     except StageFailed:
         pass
     finally:
-        path = rec.flush()
+        path = rec.flush(final=True)
         print(f"evidence: {path}", flush=True)
         imported = [m for m in list(sys.modules) if m not in before]
         with open(os.path.join(out, IMPORTED_FILE), "w", encoding="utf-8") as fh:

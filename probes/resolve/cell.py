@@ -149,7 +149,9 @@ def run_cell(plan: dict, cell: dict, rec, Stage, warm: dict) -> None:
 
     system, layout = cell["system"], cell["layout"]
     probes = warm.get("probes")
-    rec.emit("job", system=system, layout=layout, argv=["vllm", "serve", *serve_argv(plan, cell)])
+    argv = ["vllm", "serve", *serve_argv(plan, cell)]
+    rec.update_header(argv=argv)  # what the evidence is of: the host checks it against the run
+    rec.emit("job", system=system, layout=layout, argv=argv)
     if warm.get("error") is not None:
         if probes is not None:
             probes.finalize()

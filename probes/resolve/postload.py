@@ -83,12 +83,13 @@ def classify(exc: BaseException, *, fed_no_weights: bool = False) -> dict:
             break
     cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     line = linecache.getline(inner_frame.f_code.co_filename, inner_line).strip() if inner_frame else ""
+    facts = {"raise_line": line.startswith("raise"), "cause": type(cause).__name__ if cause is not None else None}
     outcome, rule = stop_rule(in_vllm=inner_frame is not None and _is_vllm_file(inner_frame.f_code.co_filename),
-                              assertion=isinstance(exc, AssertionError), raise_line=line.startswith("raise"),
-                              cause=type(cause).__name__ if cause is not None else None, message=str(exc),
+                              assertion=isinstance(exc, AssertionError), message=str(exc),
                               fed_no_weights=fed_no_weights,
-                              raised_in=inner_frame.f_code.co_name if inner_frame is not None else "")
-    out.update(outcome=outcome, rule=rule)
+                              raised_in=inner_frame.f_code.co_name if inner_frame is not None else "", **facts)
+    # what the rule read is recorded too, so the host applies the same rule to the record (audit.routing)
+    out.update(outcome=outcome, rule=rule, **facts)
     return out
 
 

@@ -12,12 +12,20 @@ from .layers import format_ranges
 
 #: lane id -> title, in the order the ledger shows them
 LANE_TITLES = {
+    "serving_path": "Serving path (CUDA-graph mode; K3 specialized decode)",
+    "specialized_decode": "K3 specialized decode (steps it takes)",
     "latent_tail": "Latent MoE tail tier",
     "shared_overlap": "Shared experts stream overlap",
     "moe_experts": "Routed experts per-call variant",
+    "router": "MoE router GEMM",
+    "down_proj_overlap": "Routed down-projection stream overlap",
     "mla": "MLA attention path",
     "low_latency_gemm": "K3 low-latency BF16 GEMMs",
+    "lm_head": "lm_head low-latency GEMM (at the step's logits rows)",
+    "kda_projection_overlap": "KDA input-projection stream overlap",
 }
+#: the specialized decode's own component for a construction lane (what serves a step it takes)
+SPECIALIZED_PARTS = {"moe": "experts", "mla.decode": "mla_core", "kda.decode": "kda", "kda.spec_verify": "kda"}
 LEVEL_TEXT = ("dispatch: resolved; vLLM's own per-call dispatch function ran on the built modules for a batch "
               "of that many tokens (meta tensors, simulated platform); no kernel ran")
 PHASE_ORDER = {"decode": 0, "prefill": 1, "verify": 2}
@@ -192,11 +200,37 @@ def tier_choice(cell: dict, dlane: str, layers: list[int], workload: str) -> tup
     return None
 
 
+def serving_path(cell: dict, workload: str) -> str | None:
+    """The cell's serving-path choice at *workload* (its CUDA-graph mode, and whether K3's specialized decode
+    takes the step), or None when not resolved."""
+    found = tier_choice(cell, "serving_path", [], workload)
+    return found[0] if found else None
+
+
+def specialized_group(cell: dict, lane: str, group: dict, workload: str) -> dict | None:
+    """The group that serves *workload* when the specialized decode takes the step: its own component for the
+    lane (from its dispatch tier), with the dispatch level; None when the stock path serves it."""
+    path = serving_path(cell, workload)
+    if not path or not path.endswith(": specialized decode"):
+        return None
+    part = SPECIALIZED_PARTS.get(lane, "stock lane outside the specialized decode")
+    found = tier_choice(cell, "specialized_decode", [], workload)
+    detail = found[0] if found else "specialized decode"
+    return {"layers": group["layers"], "ranges": group.get("ranges", ""), "level": "resolved (dispatch)",
+            "value": f"specialized decode ({part}): {detail}",
+            "raw": {"source": "specialized_decode", "fields": [part]}}
+
+
 def serving_group(cell: dict, lane: str, group: dict, workload: str) -> tuple[str, dict, str] | str:
-    """Which construction lane group serves *workload* for the layers of *group*: for MLA the metadata
-    builder's decode/prefill split decides (a short prefill chunk can take the decode path); other
-    lanes serve every workload with the group built. Returns (lane, group, note) or a reason it is
-    unknown."""
+    """Which construction lane group serves *workload* for the layers of *group*. A step K3's specialized decode
+    takes (vLLM's graph dispatch and the decode's prepared batch sizes decide) is served by the specialized
+    decode's own kernels, not the lane's; for MLA the metadata builder's decode/prefill split decides (a short
+    prefill chunk can take the decode path); other lanes serve every workload with the group built. Returns
+    (lane, group, note) or a reason it is unknown."""
+    special = specialized_group(cell, lane, group, workload)
+    if special is not None:
+        return lane, special, (f"a {workload} step replays a FULL CUDA graph that K3's specialized decode takes "
+                               f"({serving_path(cell, workload)}), so its own kernels serve it")
     if not lane.startswith("mla."):
         return lane, group, ""
     found = tier_choice(cell, "mla", group["layers"], workload)

@@ -49,6 +49,9 @@ def derive(lane: str, group: dict, label_map: dict[str, str]) -> tuple[str, str,
     raw = group.get("raw") or {}
     fields = raw.get("fields") or []
     source = raw.get("source", "")
+    if source == "specialized_decode":  # a step K3's specialized decode takes: its own CuTe DSL kernels serve it
+        part = short(fields[0]).lower() if fields else lane.split(".", 1)[0]
+        return f"vllm_specialized_decode_{part}", "specialized_decode", "K3's specialized decode serves this step"
     if lane == "moe":
         if source == "moe.mega_moe_experts":
             return "vllm_megamoe_" + short(fields[0]).lower(), "deepgemm", "MegaMoE experts (DeepGEMM fp8_fp4_mega_moe)"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from .dispatch import serving_group, tier_choice
+from .dispatch import serving_group, serving_path, specialized_group, tier_choice
 from .expectations import PERF_LANES, sm_family
 from .labels import derive
 from .routing import short
@@ -32,7 +32,8 @@ HARNESS_LANES = {
 }
 #: dispatch lanes (audit.dispatch) whose per-call choices refine a harness lane, by tier prefix
 DISPATCH_FOR = {
-    "moe": (("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", "")),
+    "moe": (("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", ""), ("router", ""),
+            ("down_proj_overlap", "")),
     "mla.decode": (("mla", "decode"),),
     "mla.prefill": (("mla", "prefill"),),
 }
@@ -74,7 +75,8 @@ def _tiers(cell: dict, lane: str, layers: list[int]) -> dict:
 
 
 #: the workloads (by phase) a harness lane serves
-_PHASES_OF = {"moe": ("decode", "prefill", "verify"), "mla.decode": ("decode", "verify"), "mla.prefill": ("prefill",)}
+_PHASES_OF = {"moe": ("decode", "prefill", "verify"), "mla.decode": ("decode", "verify"), "mla.prefill": ("prefill",),
+              "kda.decode": ("decode",), "kda.spec_verify": ("verify",)}
 
 
 def _by_tokens(cell: dict, lane: str, group: dict, label_map: dict[str, str]) -> list[dict]:
@@ -95,10 +97,19 @@ def _by_tokens(cell: dict, lane: str, group: dict, label_map: dict[str, str]) ->
             if note:
                 entry["why"] = note
         choices = {}
-        for dlane, _prefix in DISPATCH_FOR.get(lane, ()):
-            found = tier_choice(cell, dlane, group["layers"], workload)
+        path = serving_path(cell, workload)
+        if path:
+            choices["serving_path"] = path
+        if specialized_group(cell, lane, group, workload) is not None:
+            # the stock per-call choices do not serve a step the specialized decode takes
+            found = tier_choice(cell, "specialized_decode", [], workload)
             if found is not None:
-                choices[dlane] = found[0]
+                choices["specialized_decode"] = found[0]
+        else:
+            for dlane, _prefix in DISPATCH_FOR.get(lane, ()):
+                found = tier_choice(cell, dlane, group["layers"], workload)
+                if found is not None:
+                    choices[dlane] = found[0]
         entry["choices"] = choices
         out.append(entry)
     return out

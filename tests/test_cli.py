@@ -32,7 +32,8 @@ def run(*args, cwd=ROOT, **kw):
     (["audit", "v0.33.0", "--pass-env", "HOME"], "--pass-env only applies to --runtime docker"),
     (["audit", "v0.33.0", "--no-wait"], "--cluster and --no-wait only apply to --runtime slurm"),
     (["audit", "v0.33.0", "--mode", "replay"], "invalid choice: 'replay'"),
-    (["audit", "v0.33.0", "--slice", "slice3"], "unknown slice 'slice3'"),
+    (["audit", "v0.33.0", "--mode", "observe", "--slice", "slice3"], "unknown slice 'slice3'"),
+    (["audit", "v0.33.0", "--slice", "slice4"], "only observe mode does"),
     (["lock", "resolve", "v0.33.0"], "names no registry image (image or image_tag) to resolve"),
 ])
 def test_bad_input_exits_2(args, fragment):

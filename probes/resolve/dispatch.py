@@ -253,6 +253,8 @@ _GPU_EXPERTS = {
     "DeepGemmFP4Experts": "DeepGEMM's runtime picks the grouped GEMM's configuration per call",
     "DeepGemmMegaMoEExperts": "BLOCK_M from DeepGEMM's MegaMoE scheduler, sized by a symmetric buffer allocated on the device",
     "KimiK3MegaMoEExperts": "BLOCK_M from DeepGEMM's MegaMoE scheduler, sized by a symmetric buffer allocated on the device",
+    "HummingGroupedExperts": "Humming's kernel launcher picks the config from the tuning table built at load by "
+                             "the rows routed to this rank (M) on each call; it depends on M",
 }
 #: MegaMoE experts are a module of their own, with no MoE runner around them
 _MEGAMOE = ("DeepGemmMegaMoEExperts", "KimiK3MegaMoEExperts")
@@ -295,7 +297,8 @@ def lane_moe_experts(models, vllm_config, works):
                         except Exception as exc:
                             choice = f"not resolved: {_err(exc)}"
                 else:
-                    choice = f"no per-call variant known to this stage for {cname}"
+                    choice = (f"not resolved: this stage has no resolver for {cname}'s per-call choice "
+                              "(it may depend on the token count)")
                 tiers.append(choice)
             yield role, name, tiers, source
         for name, module in model.named_modules():
@@ -406,47 +409,383 @@ def _config_text(config) -> str:
                     if f.name != "num_rows" and getattr(config, f.name) is not None)
 
 
+def _gemm_availability() -> tuple[bool, bool]:
+    """Whether the CuTe skinny GEMM and the dsv3 fused-A op the low-latency plans name are usable here."""
+    import torch
+
+    skinny = _optional("vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm:shape_dynamic_skinny_gemm")
+    try:
+        skinny_ok = bool(skinny.is_available()) if skinny is not None else False
+    except Exception:
+        skinny_ok = False
+    return skinny_ok, hasattr(torch.ops._C, "dsv3_fused_a_gemm")
+
+
+def _plan_choice(qm, m: int, skinny_ok: bool, dsv3_ok: bool) -> str:
+    """What a K3 low-latency method's per-M plan runs for an M-row call (its table entry, or the base GEMM)."""
+    plan = getattr(qm, "_plan", {}) or {}
+    gemm = getattr(getattr(qm, "_gemm_impl", None), "__name__", "base GEMM")
+    fallback = f"base linear ({gemm})"
+    entry = plan.get(m)
+    if entry is None:
+        return fallback
+    if entry[0] == "cute":
+        return f"CuTe skinny GEMM ({_config_text(entry[1])})" if skinny_ok else \
+            f"{fallback}: the plan's CuTe skinny GEMM is not available here"
+    return str(entry[0]) if dsv3_ok else f"{fallback}: the plan's {entry[0]} op is not compiled in"
+
+
 def lane_low_latency_gemm(models, vllm_config, works):
     """K3's shape-selected decode GEMMs: the per-M plan KimiK3LowLatencyLinearMethod consults on each call
     (built by vLLM from its measured table for this SM), then the runtime gates it checks on the host."""
     cls = _optional("vllm.models.kimi_k3.nvidia.low_latency_gemm:KimiK3LowLatencyLinearMethod")
     if cls is None:
         return
-    skinny = _optional("vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm:shape_dynamic_skinny_gemm")
-    try:
-        skinny_ok = bool(skinny.is_available()) if skinny is not None else False
-    except Exception:
-        skinny_ok = False
-    import torch
-
-    dsv3_ok = hasattr(torch.ops._C, "dsv3_fused_a_gemm")
+    skinny_ok, dsv3_ok = _gemm_availability()
     for role, model in models:
         for name, module in model.named_modules():
             qm = getattr(module, "quant_method", None)
             if type(qm) is not cls:
                 continue
-            plan = getattr(qm, "_plan", {}) or {}
-            gemm = getattr(getattr(qm, "_gemm_impl", None), "__name__", "base GEMM")
-            fallback = f"base linear ({gemm})"
-            tiers = []
-            for w in works:
-                entry = plan.get(w.tokens)
-                if entry is None:
-                    tiers.append(fallback)
-                elif entry[0] == "cute":
-                    tiers.append(f"CuTe skinny GEMM ({_config_text(entry[1])})" if skinny_ok else
-                                 f"{fallback}: the plan's CuTe skinny GEMM is not available here")
-                else:
-                    tiers.append(str(entry[0]) if dsv3_ok else f"{fallback}: the plan's {entry[0]} op is not compiled in")
+            tiers = [_plan_choice(qm, w.tokens, skinny_ok, dsv3_ok) for w in works]
             yield role, name, tiers, f"{cls.__module__}:{cls.__qualname__}._plan"
 
 
+# --- the path a batch takes: its CUDA-graph mode, and the specialized decode ------------------------------
+
+def _bind(fn, **kwargs):
+    """``fn`` called with the keyword arguments its signature takes (vLLM's signatures grow by release)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _min_cudagraph_support(vllm_config):
+    """The least CUDA-graph support among the attention backends' metadata builders, as vLLM's GPU model
+    runner computes it before it resolves the graph mode (each builder class's own get_cudagraph_support)."""
+    layers_of = _attr("vllm.config:get_layers_from_vllm_config")
+    base = _attr("vllm.model_executor.layers.attention_layer_base:AttentionLayerBase") \
+        if _optional("vllm.model_executor.layers.attention_layer_base:AttentionLayerBase") else \
+        _attr("vllm.attention.layer:AttentionLayerBase")
+    support_cls = _attr("vllm.v1.attention.backend:AttentionCGSupport")
+    support, name = support_cls.ALWAYS, None
+    for layer in layers_of(vllm_config, base).values():
+        spec = layer.get_kv_cache_spec(vllm_config)
+        if spec is None:
+            continue
+        backend = layer.get_attn_backend()
+        s = backend.get_builder_cls().get_cudagraph_support(vllm_config, spec)
+        if s.value < support.value:
+            support, name = s, backend.__name__
+    return support, name
+
+
+def _graph_manager(model, vllm_config):
+    """vLLM's V2 model runner's CUDA-graph manager for this deployment, in the state it is in once its graphs
+    are captured at startup: the mode vLLM resolves from the attention backends' support, the capture sizes of
+    the config. Its ``dispatch`` is the runner's own per-step decision."""
+    import copy
+
+    import torch
+
+    cls = _optional("vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager") or \
+        _attr("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager")
+    spec = getattr(vllm_config, "speculative_config", None)
+    q = int(getattr(spec, "num_speculative_tokens", 0) or 0) + 1 if spec is not None else 1
+    support, name = _min_cudagraph_support(vllm_config)
+    cc = copy.copy(vllm_config.compilation_config)  # resolving writes the mode back; the cell's config stays
+    envs = importlib.import_module("vllm.envs")
+    mode = _bind(cc.resolve_cudagraph_mode_and_sizes, min_cg_support=support, min_cg_attn_backend=name,
+                 uniform_decode_query_len=q, use_v2_model_runner=True, kv_cache_config=None,
+                 max_num_reqs=vllm_config.scheduler_config.max_num_seqs, is_profiling=False,
+                 piecewise_capture_available=bool(getattr(envs, "VLLM_USE_BREAKABLE_CUDAGRAPH", False)))
+    config = copy.copy(vllm_config)
+    config.compilation_config = cc
+    manager = cls.__new__(cls)
+    _bind(manager.__init__, vllm_config=config, device=torch.device("cuda", 0), cudagraph_mode=mode,
+          decode_query_len=q)
+    return manager, mode, q
+
+
+def _graph_step(manager, w: Workload):
+    """(mode name, padded tokens, uniform count) vLLM's dispatch gives a step of workload ``w``."""
+    uniform_of = _optional("vllm.v1.worker.utils:get_uniform_decode_token_count")
+    prefill = w.phase == "prefill"
+    uniform = uniform_of(w.requests, w.tokens, w.per_request, decode_graph_eligible=not prefill) \
+        if uniform_of is not None else None
+    desc = _bind(manager.dispatch, num_reqs=w.requests, num_tokens=w.tokens, uniform_token_count=uniform,
+                 num_active_loras=0, max_query_len=None if prefill else w.per_request)
+    return getattr(desc.cg_mode, "name", str(desc.cg_mode)), int(desc.num_tokens), uniform
+
+
+def _specialized(model, vllm_config):
+    """K3's specialized decode, as far as vLLM's own constructor goes before it builds anything (its prepared
+    batch sizes, query widths, MLA core policy): None where the layout does not ask for it."""
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    config = getattr(lm, "specialized_decode_config", None)
+    if config is None:
+        return None
+    mod = importlib.import_module("vllm.models.kimi_k3.nvidia.specialized_decode.runtime.decode")
+    planner = mod.SpecializedDecode.__new__(mod.SpecializedDecode)
+    with _capture(mod, "get_tp_group"):  # the constructor's first step past its batch plan
+        try:
+            mod.SpecializedDecode.__init__(planner, lm.model, config)
+        except _Stop:
+            pass
+    return planner
+
+
+#: set by lane_serving_path for the lanes after it: per role, per workload index, (mode, padded, specialized?)
+_PATHS: dict = {}
+
+
+def lane_serving_path(models, vllm_config, works):
+    """Which path serves each workload: the CUDA-graph mode vLLM's GPU model runner dispatches the step to (FULL
+    graphs replay with no Python; PIECEWISE graphs here are K3's breakable graphs, whose KDA and MLA attention run
+    eagerly on every replay), and, where the layout has K3's specialized decode, whether it takes the step: it
+    does when the step replays a FULL graph whose padded batch is one of its prepared batch sizes (and, with
+    speculation, a uniform verify of its query width), else the stock forward runs."""
+    _PATHS.clear()
+    for role, model in models:
+        if role != "target":
+            continue
+        try:
+            manager, mode, q = _graph_manager(model, vllm_config)
+            manager._graphs_captured = True  # the state after vLLM captures its graphs at startup
+        except Exception as exc:
+            yield role, "", [f"not resolved: vLLM's CUDA-graph manager could not be built ({_err(exc)})"] * len(works), \
+                "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.dispatch"
+            return
+        try:
+            planner = _specialized(model, vllm_config)
+        except Exception as exc:
+            planner = exc
+        tiers = []
+        for i, w in enumerate(works):
+            try:
+                cg, padded, uniform = _graph_step(manager, w)
+            except Exception as exc:
+                tiers.append(f"not resolved: {_err(exc)}")
+                continue
+            text = {"FULL": "FULL graph", "PIECEWISE": "PIECEWISE graph (breakable: attention eager)",
+                    "NONE": "eager"}.get(cg, cg) + f", {padded} tokens"
+            takes = None
+            if isinstance(planner, Exception):
+                text += f"; specialized decode not resolved ({_err(planner)})"
+            elif planner is not None:
+                takes = cg == "FULL" and padded in planner.batches and padded % planner.q == 0 and \
+                    (planner.q == 1 or uniform == planner.q)
+                text += ": specialized decode" if takes else ": stock path (specialized decode not taken)"
+            _PATHS[(role, i)] = (cg, padded, takes)
+            tiers.append(text)
+        source = f"{type(manager).__module__}:{type(manager).__qualname__}.dispatch (mode {getattr(mode, 'name', mode)})"
+        if planner is not None and not isinstance(planner, Exception):
+            source += "; SpecializedDecode.batches " + ",".join(map(str, planner.batches))
+        yield role, "", tiers, source
+
+
+def lane_specialized_decode(models, vllm_config, works):
+    """What the specialized decode runs for a step it takes, at the depth the simulation reaches: its MLA core
+    per batch (vLLM's core_for), its input projection policy (projection_policies); its CuTe experts, KDA kernel
+    and o-projection are built and sized on the device (not simulated)."""
+    for role, model in models:
+        if role != "target":
+            continue
+        try:
+            planner = _specialized(model, vllm_config)
+        except Exception:
+            planner = None
+        if planner is None:
+            continue
+        core_for = _optional("vllm.models.kimi_k3.nvidia.specialized_decode.cutedsl.mla.prepared:core_for")
+        tiers = []
+        for i, w in enumerate(works):
+            path = _PATHS.get((role, i))
+            if path is None or not path[2]:
+                tiers.append("not taken: the stock path serves this step")
+                continue
+            batch = path[1]
+            try:
+                core = core_for(batch // planner.q if planner.q > 1 else batch, planner.mla_core, planner.q) \
+                    if core_for is not None and getattr(planner, "dcp", 1) <= 1 else "tokenspeed (DCP)"
+            except Exception as exc:
+                core = f"not resolved ({_err(exc)})"
+            tiers.append(f"specialized decode at batch {batch}: MLA core {core}; experts, KDA and projections: "
+                         "CuTe DSL kernels compiled and sized for the device (needs GPU)")
+        yield role, "", tiers, "vllm.models.kimi_k3.nvidia.specialized_decode.runtime.decode:SpecializedDecode"
+
+
+# --- more per-call lanes ---------------------------------------------------------------------------------------
+
+def _logits_rows(w: Workload) -> int:
+    """Rows the lm_head computes for a step: one per request for a decode step, the last token of a prefill
+    chunk, every verified token (vLLM's runner gathers hidden states at its logits indices)."""
+    return {"decode": w.requests, "prefill": 1, "verify": w.tokens}.get(w.phase, w.tokens)
+
+
+def lane_lm_head(models, vllm_config, works):
+    """The lm_head's low-latency GEMM plan (K3's per-M table, KimiK3LowLatencyEmbeddingMethod), at the number of
+    logits rows of each step."""
+    cls = _optional("vllm.models.kimi_k3.nvidia.low_latency_gemm:KimiK3LowLatencyEmbeddingMethod")
+    if cls is None:
+        return
+    skinny_ok, dsv3_ok = _gemm_availability()
+    for role, model in models:
+        for name, module in model.named_modules():
+            qm = getattr(module, "quant_method", None)
+            if type(qm) is not cls:
+                continue
+            tiers = []
+            for w in works:
+                m = _logits_rows(w)
+                tiers.append(f"M={m}: {_plan_choice(qm, m, skinny_ok, dsv3_ok)}")
+            yield role, name, tiers, f"{cls.__module__}:{cls.__qualname__}._plan"
+
+
+def lane_router(models, vllm_config, works):
+    """The MoE router GEMM's tier: GateLinear.forward, run on a meta batch, stopped at the kernel it picks."""
+    gate_cls = _optional("vllm.model_executor.layers.fused_moe.router.gate_linear:GateLinear")
+    ll = _optional("vllm.model_executor.kernels.linear.cute_dsl.ll_bf16:ll_bf16_gemm")
+    if gate_cls is None:
+        return
+    ll_mod = importlib.import_module("vllm.model_executor.kernels.linear.cute_dsl.ll_bf16") if ll else None
+    import torch
+
+    for role, model in models:
+        for name, gate in model.named_modules():
+            if not isinstance(gate, gate_cls):
+                continue
+            k = gate.weight.shape[1]
+            tiers = []
+            for w in works:
+                x = torch.empty(w.tokens, k, dtype=torch.bfloat16, device="meta")
+                seen: dict = {}
+                try:
+                    with (_capture(ll_mod, "ll_bf16_gemm") if ll_mod else contextlib.nullcontext({})) as seen, \
+                            _Calls() as calls:
+                        gate.forward(x)
+                except _Stop:
+                    pass
+                except Exception as exc:
+                    tiers.append(f"not resolved: {_err(exc)}")
+                    continue
+                if "args" in seen:
+                    key = ll_mod.ll_bf16_gemm_kernel.dispatch(M=w.tokens, K=k, N=gate.weight.shape[0])
+                    variant = f"{key.backend} bs={key.bs}" if key.backend == "dotprod" else \
+                        f"{key.backend} split_k={key.split_k} stages={key.num_stages}"
+                    tiers.append(f"CuTe ll_bf16_gemm ({variant})")
+                else:
+                    tiers.append(calls.first_gemm() or "not resolved: no GEMM was reached")
+            yield role, name, tiers, f"{gate_cls.__module__}:{gate_cls.__qualname__}.forward"
+
+
+class _Calls:
+    """Records the torch-level GEMM calls a function makes (a TorchFunctionMode), to name the one it reached."""
+
+    _GEMMS = {"mm": "cuBLAS torch.mm", "linear": "F.linear (cuBLAS)", "matmul": "torch.matmul (cuBLAS)"}
+
+    def __enter__(self):
+        import torch
+
+        outer = self
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types_, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in _Calls._GEMMS:
+                    outer.seen.append((name, kwargs or {}))
+                return func(*args, **(kwargs or {}))
+
+        self.seen: list = []
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
+
+    def first_gemm(self) -> str:
+        if not self.seen:
+            return ""
+        name, kwargs = self.seen[0]
+        out = kwargs.get("out_dtype")
+        return self._GEMMS[name] + (f" (out_dtype {str(out).replace('torch.', '')})" if out is not None else "")
+
+
+def lane_down_proj_overlap(models, vllm_config, works):
+    """K3's routed-expert down projection beside the router: KimiMoE._maybe_overlap_router_and_down_proj hands
+    maybe_execute_in_parallel an auxiliary stream or None by the step's token count; inside a breakable (PIECEWISE)
+    capture maybe_execute_in_parallel runs both on one stream."""
+    moe_cls = _optional("vllm.models.kimi_k3.nvidia.model:KimiMoE")
+    if moe_cls is None or not hasattr(moe_cls, "_maybe_overlap_router_and_down_proj"):
+        return
+    mod = importlib.import_module(moe_cls.__module__)
+    for role, model in models:
+        for name, moe in model.named_modules():
+            if not isinstance(moe, moe_cls) or getattr(moe, "routed_expert_down_proj", None) is None:
+                continue
+            hidden = moe.gate.weight.shape[1] if hasattr(moe, "gate") else None
+            tiers = []
+            for i, w in enumerate(works):
+                with _capture(mod, "maybe_execute_in_parallel") as seen:
+                    try:
+                        moe._maybe_overlap_router_and_down_proj(_meta(w.tokens, hidden))
+                    except _Stop:
+                        pass
+                    except Exception as exc:
+                        tiers.append(f"not resolved: {_err(exc)}")
+                        continue
+                args = list(seen.get("args", ())) + list(seen.get("kwargs", {}).values())
+                if len(args) < 5:
+                    tiers.append("not resolved: maybe_execute_in_parallel was not reached")
+                    continue
+                stream = args[4]
+                path = _PATHS.get(("target", i))
+                if stream is None:
+                    tiers.append("sequential (no auxiliary stream at this token count)")
+                elif path is not None and path[0] == "PIECEWISE":
+                    tiers.append("sequential (inside a breakable capture maybe_execute_in_parallel uses one stream)")
+                else:
+                    tiers.append("overlapped on the auxiliary stream")
+            yield role, name, tiers, f"{moe_cls.__module__}:{moe_cls.__qualname__}._maybe_overlap_router_and_down_proj"
+
+
+def lane_kda_projection_overlap(models, vllm_config, works):
+    """K3 KDA's input projections split over two streams for small steps: enabled at construction only for CUDA
+    weights at TP8, and the token bound is widened by FlashInfer autotuning at kernel warmup; it applies only
+    while a CUDA graph is being captured. All of that happens on the device: stated, not guessed."""
+    kda_cls = _optional("vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention")
+    if kda_cls is None:
+        return
+    for role, model in models:
+        for name, layer in model.named_modules():
+            if not isinstance(layer, kda_cls) or not hasattr(layer, "_projection_overlap_max_tokens"):
+                continue
+            tiers = []
+            for i, w in enumerate(works):
+                path = _PATHS.get(("target", i))
+                if path is not None and path[0] == "NONE":
+                    tiers.append("not overlapped (an eager step: the overlap applies only while a graph is captured)")
+                else:
+                    tiers.append("needs GPU: the bound is set for CUDA weights at construction and widened by "
+                                 "FlashInfer's autotuning at kernel warmup (autotune_kda_qkvg)")
+            yield role, name, tiers, f"{kda_cls.__module__}:{kda_cls.__qualname__}.forward (_projection_overlap_max_tokens)"
+
+
 LANES = (
+    ("serving_path", lane_serving_path),
+    ("specialized_decode", lane_specialized_decode),
     ("latent_tail", lane_latent_tail),
     ("shared_overlap", lane_shared_overlap),
     ("moe_experts", lane_moe_experts),
+    ("router", lane_router),
+    ("down_proj_overlap", lane_down_proj_overlap),
     ("mla", lane_mla),
     ("low_latency_gemm", lane_low_latency_gemm),
+    ("lm_head", lane_lm_head),
+    ("kda_projection_overlap", lane_kda_projection_overlap),
 )
 
 

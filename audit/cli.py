@@ -5,8 +5,8 @@ import argparse
 import signal
 import sys
 
-from . import __version__
-from .errors import AuditError, ExitCode, Interrupted
+from audit import __version__
+from audit.errors import AuditError, ExitCode, Interrupted
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -146,7 +146,7 @@ def _seconds(text: str) -> float:
 
 
 def _positive(value: int, name: str) -> int:
-    from .errors import UsageError
+    from audit.errors import UsageError
 
     if value < 1:
         raise UsageError(f"--{name} must be at least 1, got {value}")
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "pins":
             return _pins(args, out)
         if args.command == "diff":
-            from .diff import write_diff
+            from audit.report.diff import write_diff
 
             md, _, d = write_diff(args.reports, args.from_pin, args.to_pin)
             err.print("no change" if d["empty"] else f"{len(d['changes'])} change row(s)")
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "env":
             return _env(args, out, err)
         if args.command == "regenerate":
-            from .core import regenerate_reports
+            from audit.core import regenerate_reports
 
             pins = [p.strip() for p in args.pins.split(",") if p.strip()]
             with err.status("regenerating reports") as status:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.print(f"{o.pin}: {o.ledger} ({v})")
             return ExitCode.OK
         if args.command == "clean-containers":
-            from .runtimes.docker import sweep
+            from audit.runtimes.docker import sweep
 
             removed = sweep(everything=args.all)
             err.print(f"removed {len(removed)} container(s)" + (": " + ", ".join(removed) if removed else ""))
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 return _lock_add(args, out, err)
             return _lock_resolve(args, out, err)
         if args.command == "selftest-gpu":
-            from .selftest import run_selftest
+            from audit.selftest import run_selftest
 
             res = run_selftest(args.pin, lock_path=args.lock)
             for lane, paths in res["fired"].items():
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             err.print(f"selftest-gpu passed on {res['system']}; evidence: {res['run_dir']}")
             return ExitCode.OK
         if args.command == "render":
-            from .core import render_run
+            from audit.core import render_run
 
             o = render_run(args.run_dir, lock_path=args.lock, reports_dir=args.reports, baseline=args.baseline,
                            expectations=args.expectations, replace=args.replace)
@@ -280,9 +280,9 @@ def _escape(text: str) -> str:
 def _pins(args, out) -> int:
     from rich.table import Table
 
-    from .lock import load
+    from audit.pins.lock import load
 
-    from .lock import sorted_pins
+    from audit.pins.lock import sorted_pins
 
     lock = load(args.lock)
     t = Table("pin", "vLLM", "runtimes", "wheel sha256 / image", "from")
@@ -303,8 +303,8 @@ def _pin_source(pin) -> str:
 
 
 def _env(args, out, err) -> int:
-    from .lock import load
-    from .runtimes.local import LocalRuntime
+    from audit.pins.lock import load
+    from audit.runtimes.local import LocalRuntime
 
     pin = load(args.lock).get(args.pin)
     rt = LocalRuntime()
@@ -321,18 +321,18 @@ def _env(args, out, err) -> int:
 def _audit(args, out, err) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .core import run_audit
-    from .systems import LAYOUTS, SYSTEMS, cells_of, select
+    from audit.core import run_audit
+    from audit.systems import LAYOUTS, SYSTEMS, cells_of, select
 
-    from .lock import load
-    from .runtimes import get_runtime
+    from audit.pins.lock import load
+    from audit.runtimes import get_runtime
 
     if args.parallel is not None:
         _positive(args.parallel, "parallel")
-    from .errors import UsageError
+    from audit.errors import UsageError
 
     if args.runtime == "auto":  # the runtime follows the pin: its wheel locally, else its image under docker
-        from .lock import default_runtime
+        from audit.pins.lock import default_runtime
 
         args.runtime = default_runtime(load(args.lock).get(args.pin))
     pass_env = [n.strip() for n in args.pass_env.split(",") if n.strip()]
@@ -389,7 +389,7 @@ def _say_where(outcome, err) -> None:
 
 
 def _lock_resolve(args, out, err) -> int:
-    from .registry import resolve_pin
+    from audit.pins.registry import resolve_pin
 
     changes = resolve_pin(args.lock, args.pin)
     if not changes:
@@ -400,7 +400,7 @@ def _lock_resolve(args, out, err) -> int:
 
 
 def _lock_add(args, out, err) -> int:
-    from .wheelindex import add_pin
+    from audit.pins.wheelindex import add_pin
 
     with err.status(f"pinning {args.pin}") as status:
         fields = add_pin(args.lock, args.pin, commit=args.commit, as_of=args.as_of, nightly=args.nightly,
@@ -420,7 +420,7 @@ def _findings_exit(outcome, strict: bool, err) -> int:
     crashed (CRASH), vLLM refused the deployment at load (LOAD_REFUSED: the ledger says where), or a
     required probe target drifted; with --strict also when a lane is UNVERIFIED
     (which includes claims the audit could not judge). The ledger is written either way."""
-    from .verdicts import FAILING
+    from audit.report.verdicts import FAILING
 
     drifted = outcome.required_drift or []
     if drifted:

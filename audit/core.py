@@ -9,14 +9,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import evidence, lock as lockmod, routing as routingmod
-from .errors import AuditError, EvidenceError, ReportWriteError, RunAborted, RunIncomplete, UsageError
-from .profiles import KIMI_K3, Profile
-from .fsutil import DirLock, replace_dir, report_dir_for, write_atomic
-from .render import report_files
-from .runtimes import RunRequest, RunResult, get_runtime, refresh_missing
-from .runtimes.base import Progress, cache_root, cell_dir_name, new_run_dir, prune_runs, runs_of
-from .systems import LAYOUTS, SYSTEMS, cells_of, select
+from audit.evidence import files as evidence
+from audit.pins import lock as lockmod
+from audit.report import routing as routingmod
+from audit.errors import AuditError, EvidenceError, ReportWriteError, RunAborted, RunIncomplete, UsageError
+from audit.profiles import KIMI_K3, Profile
+from audit.fsutil import DirLock, cache_root, replace_dir, report_dir_for, write_atomic
+from audit.report.render import report_files
+from audit.runtimes import RunRequest, RunResult, get_runtime, refresh_missing
+from audit.runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs, runs_of
+from audit.systems import LAYOUTS, SYSTEMS, cells_of, select
 
 
 @dataclass
@@ -178,8 +180,8 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
     """Each cell's cache key, the cells whose evidence is cached (checked against the entry's seal, then restored
     into the run directory), and ``[system, layout, why]`` for entries found damaged and discarded. With
     ``use`` False nothing is looked up: the keys only tell which entries the fresh run refreshes."""
-    from . import evcache
-    from .runtimes.base import model_dir_name, write_model_dirs
+    from audit.evidence import cache as evcache
+    from audit.runtimes.base import model_dir_name, write_model_dirs
 
     progress("stage", text="looking up cached evidence" if use else "computing evidence-cache keys")
     identity = rt.cache_identity(request.pin, progress)
@@ -211,7 +213,7 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
 
 
 def _to_cache(rt, request: RunRequest, keys: dict, cached: dict, result: RunResult, run_dir: Path) -> None:
-    from . import evcache
+    from audit.evidence import cache as evcache
 
     for (s, l), (key, inputs) in keys.items():
         if (s, l) in cached or (s, l) in result.missing:
@@ -250,7 +252,7 @@ def load_expectations(spec: str | None, *, lock_path, profile: Profile):
     """``auto``: ``expectations/<model>.toml`` beside images.lock, else in the working directory (a lock
     copied elsewhere still finds the project's claims); ``none``: no verdicts, said in the ledger. ``auto``
     that finds no file is bad input, never a silent "nothing judged"."""
-    from .expectations import ExpectationsError, load
+    from audit.report.expectations import ExpectationsError, load
 
     if spec in (None, "none", ""):
         return None, ""
@@ -313,7 +315,7 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
     checked against the lock), one of the run's cells, and for resolve cells the ``vllm serve`` arguments that
     cell's layout gives. Evidence of another pin, another cell or other arguments is refused, never rendered
     under this run's name."""
-    from .systems import LAYOUTS
+    from audit.systems import LAYOUTS
 
     cells = {tuple(c) for c in meta.get("cells") or []}
     if not cells:
@@ -377,7 +379,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
                                        missing=missing, run=meta["run"], scrub=_machine_paths(run_dir))
     exp, exp_path = load_expectations(expectations, lock_path=lock_path, profile=profile)
     if exp is not None:
-        from .verdicts import attach
+        from audit.report.verdicts import attach
 
         attach(routing, exp, display_path=exp_path)
     else:
@@ -408,7 +410,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     if baseline in ("none", ""):
         baseline = None
     if baseline and not beside:
-        from .diff import diff_routings, load_routing
+        from audit.report.diff import diff_routings, load_routing
 
         changes = diff_routings(load_routing(Path(reports_dir), baseline), routing)
     files_out = report_files(routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"],
@@ -439,7 +441,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
 
 def _machine_paths(run_dir: Path) -> dict[str, str]:
     """Paths that differ between machines, and what evidence shows instead."""
-    from .runtimes.base import cache_root
+    from audit.fsutil import cache_root
 
     out = {str(run_dir.resolve()): "<run>", str(run_dir): "<run>", str(cache_root()): "<cache>"}
     try:
@@ -472,8 +474,8 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
     With ``from_runs`` nothing is audited: each pin's reports are rendered again from the evidence of its
     newest run of every cell (:func:`newest_full_run`), with today's verdicts, templates and expectations;
     no vLLM environment is needed."""
-    from .diff import write_diff
-    from .runtimes.local import LocalRuntime
+    from audit.report.diff import write_diff
+    from audit.runtimes.local import LocalRuntime
 
     lock = lockmod.load(lock_path)
     chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and (not pins or p.name in pins)]
@@ -519,6 +521,6 @@ def newest_full_run(pin, root: Path | None = None) -> Path | None:
 
 
 def clean_cache(keep_envs: bool = True) -> None:
-    from .runtimes.base import cache_root
+    from audit.fsutil import cache_root
 
     shutil.rmtree(cache_root() / "runs", ignore_errors=True)

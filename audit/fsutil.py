@@ -1,12 +1,21 @@
 """Atomic file writes: a reader sees the old file or the new one, never a partial one."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import tempfile
 from pathlib import Path
 
-from .errors import UsageError
+from audit.errors import UsageError
+
+
+def cache_root() -> Path:
+    """Where environments, wheels, runs and the evidence cache live: ``$SERVING_TRUTH_CACHE``, else
+    ``~/.cache/serving-truth``."""
+    root = os.environ.get("SERVING_TRUTH_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "serving-truth"
 
 
 def _umask() -> int:
@@ -189,3 +198,38 @@ def report_dir_for(reports_dir: str | Path, pin: str) -> Path:
         raise UsageError(f"pin name {pin!r} cannot name a report directory",
                          hint="pin names are letters, digits and . _ + - (not 'diffs', no '..')")
     return Path(reports_dir) / pin
+
+
+# -- file hashes, remembered per stat ------------------------------------------------------------
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def memo_hash(path: Path, memo: dict | None, compute) -> str:
+    """``compute(path)``, or, with *memo* (path -> [inode, size, mtime_ns, ctime_ns, hash]), the hash recorded
+    when the file last had this inode, size, mtime and ctime (git's index does the same: any write, rename
+    over or chmod moves ctime, which no user-level call can set). New hashes are added to *memo*."""
+    if memo is None:
+        return compute(path)
+    st = path.stat()
+    stamp = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    key = str(path)
+    if memo.get(key, [None])[:4] != stamp:
+        memo[key] = [*stamp, compute(path)]
+    return memo[key][4]
+
+
+def load_memo(path: Path) -> dict:
+    try:
+        memo = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def save_memo(path: Path, memo: dict) -> None:
+    write_atomic(path, json.dumps(memo, sort_keys=True))

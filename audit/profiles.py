@@ -20,7 +20,7 @@ class Source:
     on the module name); ``fields`` are ``result`` (a selector's return value), ``attrs.<name>``
     (what a constructed object chose), ``facts.<name>`` (read off the built module) or ``cls``.
     ``postload`` sources read the post-load stage's records; ``target`` names the reading
-    (``audit.routing.POSTLOAD_READINGS``) and ``fields`` are unused.
+    (``audit.report.routing.POSTLOAD_READINGS``) and ``fields`` are unused.
     """
 
     kind: str

@@ -11,9 +11,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from . import cudastub
-from .errors import AuditError, EnvironmentBuildError, ExitCode
-from .systems import SYSTEMS, Layout
+from audit.runtimes import cudastub
+from audit.errors import AuditError, EnvironmentBuildError, ExitCode
+from audit.systems import SYSTEMS, Layout
 
 SELFTEST_LAYOUT = Layout("tp1-selftest", "one GPU, TP1 (selftest only)", ("--tensor-parallel-size", "1"), 1)
 SELFTEST_SLICE = "slice4"
@@ -54,10 +54,12 @@ def detect_system():
 
 def run_selftest(pin_name: str = "v0.33.0", *, lock_path: str | Path = "images.lock", progress=lambda *a, **k: None,
                  timeout_s: float | None = 3600) -> dict:
-    from . import evidence, lock as lockmod, routing
-    from .profiles import KIMI_K3
-    from .runtimes.base import RunRequest, new_run_dir
-    from .runtimes.local import LocalRuntime
+    from audit.evidence import files as evidence
+    from audit.pins import lock as lockmod
+    from audit.report import routing
+    from audit.profiles import KIMI_K3
+    from audit.runtimes.base import RunRequest, new_run_dir
+    from audit.runtimes.local import LocalRuntime
 
     system = detect_system()
     pin = lockmod.load(lock_path).get(pin_name)

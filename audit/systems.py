@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import SelectionError
+from audit.errors import SelectionError
 
 
 @dataclass(frozen=True)

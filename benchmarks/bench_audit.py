@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from audit import lock  # noqa: E402
+from audit.pins import lock  # noqa: E402
 from audit.core import run_audit  # noqa: E402
 from audit.profiles import KIMI_K3  # noqa: E402
 from audit.runtimes import RunRequest  # noqa: E402
@@ -86,7 +86,7 @@ GROUP_STAGES = ("platform", "imports")
 def stage_seconds(evidence_dir: Path) -> dict[str, float]:
     """Seconds each stage took, summed over a run: cell stages over every cell, the SM process's own stages
     (platform, imports) once per SM capability (from the cells' own stage records)."""
-    from audit.evidence import read_dir
+    from audit.evidence.files import read_dir
 
     out: dict[str, float] = {}
     seen_groups: set[tuple] = set()
@@ -106,7 +106,7 @@ def stage_seconds(evidence_dir: Path) -> dict[str, float]:
 def cell_costs(evidence_dir: Path) -> tuple[dict[tuple, float], dict[tuple, list[float]]]:
     """From a run's stage records: each SM process's own setup (platform + imports) and each cell's seconds
     (its own stages and the dispatch stage), by capability."""
-    from audit.evidence import read_dir
+    from audit.evidence.files import read_dir
 
     setup: dict[tuple, float] = {}
     cells: dict[tuple, list[float]] = {}

@@ -17,7 +17,8 @@ def comparable(cell: dict) -> dict:
 
 def local_cells(probed_run) -> dict:
     """Routing cells of the session's local run (tests.conftest.probed_run), by (system, layout)."""
-    from audit import evidence, routing
+    from audit.evidence import files as evidence
+    from audit.report import routing
     from audit.profiles import KIMI_K3
 
     req, _ = probed_run

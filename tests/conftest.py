@@ -30,7 +30,7 @@ VLLM_CELLS = (("h100_sxm", "tp8"), ("h100_sxm", "dep8"), ("b200_sxm", "tp8"), ("
 @pytest.fixture(scope="session")
 def vllm_env():
     """The environment holding the wheel pinned in images.lock (built once, cached across runs)."""
-    from audit import lock
+    from audit.pins import lock
     from audit.runtimes.local import LocalRuntime
 
     pin = lock.load(ROOT / "images.lock").get(VLLM_PIN)
@@ -90,7 +90,7 @@ def vllm_image(docker_client, vllm_env, tmp_path_factory):
     engine), and a lock file pinning it by config digest as ``<pin>-image``."""
     from tests.images.build_vllm_image import build, lock_entry
 
-    from audit import lock
+    from audit.pins import lock
 
     pin = lock.load(ROOT / "images.lock").get(VLLM_PIN)
     built = build(pin)

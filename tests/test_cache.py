@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from audit import evcache
+from audit.evidence import cache as evcache
 from audit.errors import ExitCode
 from tests.conftest import ROOT
 

@@ -33,7 +33,8 @@ def _trace(prefix, rank, kernels):
 
 def _cell(tmp_path, *, traces, probe_rows, kernel_map=MAP, profiled=True):
     """Evidence of one observed cell: an agent file (map + traces) and a rank-0 worker file (counts)."""
-    from audit import evidence, routing
+    from audit.evidence import files as evidence
+    from audit.report import routing
     from audit.profiles import KIMI_K3
 
     out = tmp_path / "evidence" / "b200_sxm--tp8"
@@ -59,7 +60,7 @@ def _cell(tmp_path, *, traces, probe_rows, kernel_map=MAP, profiled=True):
 
 
 def _render(built):
-    from audit.render import render_ledger
+    from audit.report.render import render_ledger
 
     return render_ledger(built, profile_title="Kimi-K3", reproduce="make audit")
 

@@ -1,4 +1,4 @@
-"""Tests for audit.cudastub: pure-Python ELF symbol collection and the generated stub libcuda."""
+"""Tests for audit.runtimes.cudastub: pure-Python ELF symbol collection and the generated stub libcuda."""
 from __future__ import annotations
 
 import ctypes
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from audit import cudastub
-from audit.cudastub import (
+from audit.runtimes import cudastub
+from audit.runtimes.cudastub import (
     ALWAYS_DEFINED,
     build_stub,
     needed_cuda_symbols,
@@ -432,7 +432,7 @@ def test_main_refuses_with_real_driver(tmp_path, capsys, monkeypatch):
 
 @needs_gcc
 def test_module_entry_point(site, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "audit.cudastub", str(site), "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "audit.runtimes.cudastub", str(site), "--out", str(tmp_path)],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
     if proc.returncode == 3 and "real NVIDIA driver" in proc.stderr:
         pytest.skip("a real driver is present on this host")
@@ -444,7 +444,7 @@ def test_module_entry_point(site, tmp_path):
 def test_audit_does_not_import_vllm_or_torch():
     code = textwrap.dedent("""
         import sys
-        import audit.cudastub
+        import audit.runtimes.cudastub
         bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')]
         assert not bad, bad
     """)

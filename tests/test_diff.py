@@ -2,7 +2,7 @@
 import copy
 import json
 
-from audit.diff import diff_routings, render_diff
+from audit.report.diff import diff_routings, render_diff
 from tests.conftest import ROOT
 from tests.goldtest import compare
 
@@ -45,7 +45,7 @@ def test_a_single_change_is_one_row_naming_all_cells():
 
 
 def test_ledger_shows_changes_since_its_baseline():
-    from audit.render import render_ledger
+    from audit.report.render import render_ledger
 
     old, new = load("v0.30.0"), load("v0.33.0")
     text = render_ledger(new, profile_title="Kimi-K3", reproduce="x", changes=diff_routings(old, new))

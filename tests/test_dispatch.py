@@ -2,8 +2,9 @@
 import json
 from pathlib import Path
 
-from audit import dispatch, render
-from audit.evidence import EvidenceFile
+from audit.report import dispatch
+from audit.report import render
+from audit.evidence.files import EvidenceFile
 from tests.test_render import load
 
 WORKLOADS = [{"phase": "decode", "tokens": t, "requests": t} for t in (1, 8, 64, 256)] + \
@@ -63,7 +64,7 @@ def test_ledger_without_dispatch_has_no_section():
 
 
 def test_diff_names_moved_tiers():
-    from audit import diff
+    from audit.report import diff
 
     before, after = load(), load()
     before["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]))

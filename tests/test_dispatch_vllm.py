@@ -9,9 +9,10 @@ import textwrap
 
 import pytest
 
-from audit import evidence, routing
+from audit.evidence import files as evidence
+from audit.report import routing
 from audit.profiles import KIMI_K3
-from audit.render import render_ledger
+from audit.report.render import render_ledger
 from audit.runtimes import RunRequest
 from audit.systems import LAYOUTS, SYSTEMS
 from tests.test_probes_vllm import cells_of, k3_layers
@@ -164,8 +165,8 @@ def test_planted_threshold_changes_the_tier_table(probed_run, planted_run, tmp_p
     assert ("**decode 1–8**: TAIL_FUSION (deferred top-k finalize); **decode 64–256**: ALLREDUCE_OVERLAP; "
             "**prefill 512–8192**: COLUMN_PARALLEL") in section
     # a claim about decode 64 on the fused tail holds on the wheel and fails on the planted change
-    from audit import expectations
-    from audit.verdicts import judge
+    from audit.report import expectations
+    from audit.report.verdicts import judge
 
     claims = tmp_path / "claims.toml"
     claims.write_text('schema = 1\nmodel = "kimi-k3"\nframework = "vllm"\narchitecture = "KimiK3ForConditionalGeneration"\n'

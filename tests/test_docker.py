@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from audit import lock as lockmod
+from audit.pins import lock as lockmod
 from audit.errors import ExitCode, ImageDigestMismatch, ImageError, RegistryError
 from audit.runtimes.docker import LABEL_MANAGED, LABEL_OWNER, LABEL_ROLE, LABEL_RUN, DockerRuntime, sweep
 from tests.conftest import ROOT
@@ -143,7 +143,7 @@ def test_lock_resolve_without_a_registry_fails_clearly(tmp_path):
 
 
 def test_registry_errors_are_typed():
-    from audit.registry import Registry
+    from audit.pins.registry import Registry
 
     with pytest.raises(RegistryError) as e:
         Registry("localhost:1").manifest("x", "latest")

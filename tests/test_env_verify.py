@@ -10,7 +10,7 @@ import zipfile
 
 import pytest
 
-from audit import lock as lockmod
+from audit.pins import lock as lockmod
 from audit.errors import EnvironmentModified, ExitCode, UnsafeLockPath
 from audit.runtimes.local import ENV_MARKER, LocalRuntime, find_python
 from tests.wheel_index_util import make_wheel, sha256_of
@@ -153,7 +153,7 @@ def test_the_real_environment_verifies(vllm_env):
     relative to an audit (the whole installed vLLM is hashed)."""
     rt, pin, env = vllm_env
     t0 = time.monotonic()
-    summary = rt.verify_env(env, pin, rt.find_wheel(pin), NOP)
+    summary = rt.verify_env(env, pin, rt.wheels.find(pin), NOP)
     took = time.monotonic() - t0
     assert summary["files"] > 5000 and summary["skipped"] == 0
     assert took < 60, f"verifying took {took:.1f}s"

@@ -1,8 +1,9 @@
 """Evidence files that describe themselves: written by the real recorder (probes.core.recorder), read back by
-the host (audit.evidence), and every way a file can be cut short or changed is told from a whole one."""
+the host (audit.evidence.files), and every way a file can be cut short or changed is told from a whole one."""
 import json
 
-from audit import evidence, routing
+from audit.evidence import files as evidence
+from audit.report import routing
 from audit.profiles import KIMI_K3
 from probes.core.recorder import Recorder
 

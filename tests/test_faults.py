@@ -78,7 +78,7 @@ def newest_run(cache: Path, before: set) -> Path | None:
 
 @pytest.fixture(scope="module")
 def cache_root():
-    from audit.runtimes.base import cache_root as root
+    from audit.fsutil import cache_root as root
 
     return root()
 
@@ -304,7 +304,7 @@ def test_damaged_run_directories_fail_with_their_own_code_and_a_cause(run_copy, 
 
 @pytest.mark.vllm
 def test_evidence_holds_no_machine_path(audited):
-    from audit.runtimes.base import cache_root
+    from audit.fsutil import cache_root
 
     text = (audited["reports"] / "v0.33.0" / "routing.json").read_text()
     assert str(cache_root()) not in text and str(audited["original_run_dir"]) not in text
@@ -373,7 +373,7 @@ lane = "w4a16_mxfp4"
     ('claim = "x"', "'claim' must be an array of tables", 0),
 ])
 def test_expectations_of_the_wrong_type_exit_2_with_file_and_line(tmp_path, field, fragment, line):
-    from audit.expectations import ExpectationsError, load
+    from audit.report.expectations import ExpectationsError, load
 
     path = tmp_path / "claims.toml"
     text = CLAIMS.format(field=field)
@@ -390,7 +390,7 @@ def test_expectations_of_the_wrong_type_exit_2_with_file_and_line(tmp_path, fiel
 
 def test_expectations_about_another_model_are_refused(tmp_path):
     from audit.core import load_expectations
-    from audit.expectations import ExpectationsError
+    from audit.report.expectations import ExpectationsError
     from audit.profiles import KIMI_K3
 
     text = (ROOT / "expectations" / "kimi-k3.toml").read_text().replace('model = "kimi-k3"', 'model = "other"', 1)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from audit import cudastub
+from audit.runtimes import cudastub
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from audit import evidence
+from audit.evidence import files as evidence
 from audit.errors import EvidenceError
 from tests.conftest import ROOT
 
@@ -68,35 +68,34 @@ def test_evidence_schema_is_in_step_and_checked(tmp_path):
     assert e.value.line == 2
 
 
-def _probe_imports() -> dict[str, set[str]]:
-    """module -> the probes modules it imports (at the top or inside functions), read from the source."""
+def _imports(package: str, modules: list[str]) -> dict[str, set[str]]:
+    """module -> the modules of *package* it imports (at the top or inside functions), read from the source."""
     import ast
 
     graph = {}
-    for mod in PROBE_MODULES:
+    for mod in modules:
         path = ROOT / (mod.replace(".", "/") + ".py")
         if not path.exists():
             path = ROOT / mod.replace(".", "/") / "__init__.py"
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("probes"):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                raise AssertionError(f"{mod}: relative import; {package}/ imports by absolute name")
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
-                    deps.add(full if full in PROBE_MODULES else node.module)
+                    deps.add(full if full in modules else node.module)
             elif isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name.startswith("probes")}
+                deps |= {a.name for a in node.names if a.name.split(".")[0] == package}
         graph[mod] = deps - {mod}
     return graph
 
 
-def test_probes_layers_flow_one_way_without_cycles():
-    graph = _probe_imports()
-    assert {"probes.core.recorder", "probes.resolve.agent", "probes.observe.agent"} <= set(graph)
-    for mod, deps in graph.items():
-        if mod.startswith("probes.core"):
-            assert all(d == "probes" or d.startswith("probes.core") for d in deps), (mod, deps)
-        if mod.startswith("probes.observe"):
-            assert not any(d.startswith("probes.resolve") for d in deps), (mod, deps)
+def _probe_imports() -> dict[str, set[str]]:
+    return _imports("probes", PROBE_MODULES)
+
+
+def _assert_acyclic(graph: dict[str, set[str]]) -> None:
     state: dict[str, int] = {}
 
     def visit(mod, path):
@@ -110,3 +109,56 @@ def test_probes_layers_flow_one_way_without_cycles():
     for mod in graph:
         if mod not in state:
             visit(mod, [mod])
+
+
+def test_probes_layers_flow_one_way_without_cycles():
+    graph = _probe_imports()
+    assert {"probes.core.recorder", "probes.resolve.agent", "probes.observe.agent"} <= set(graph)
+    for mod, deps in graph.items():
+        if mod.startswith("probes.core"):
+            assert all(d == "probes" or d.startswith("probes.core") for d in deps), (mod, deps)
+        if mod.startswith("probes.observe"):
+            assert not any(d.startswith("probes.resolve") for d in deps), (mod, deps)
+    _assert_acyclic(graph)
+
+
+#: audit/'s layers, lowest first: a module imports only from its own layer or below (the house order
+#: cli -> core -> report output -> runtimes -> routing/evidence -> pins and the shared base)
+AUDIT_LAYERS = [
+    ("base", ("audit", "audit.errors", "audit.fsutil", "audit.tomlpos", "audit.systems", "audit.profiles")),
+    ("pins", ("audit.pins",)),
+    ("evidence and routing", ("audit.evidence", "audit.report.routing", "audit.report.dispatch",
+                              "audit.report.observed", "audit.report.corroborate", "audit.report.layers")),
+    ("runtimes", ("audit.runtimes",)),
+    ("report output", ("audit.report",)),
+    ("core", ("audit.core", "audit.selftest")),
+    ("cli", ("audit.cli",)),
+]
+
+
+def audit_layer(mod: str) -> int:
+    """The layer of *mod*: the most specific prefix listed wins."""
+    best = (-1, -1)
+    for rank, (_, prefixes) in enumerate(AUDIT_LAYERS):
+        for prefix in prefixes:
+            if mod == prefix or mod.startswith(prefix + "."):
+                best = max(best, (len(prefix), rank))
+    assert best[1] >= 0, f"{mod} is in no layer of AUDIT_LAYERS: place it"
+    return best[1]
+
+
+def test_audit_layers_flow_one_way_without_cycles():
+    modules = _modules("audit")
+    graph = _imports("audit", modules)
+    assert {"audit.pins.wheelindex", "audit.runtimes.local", "audit.report.render"} <= set(graph)
+    upward = [(mod, dep, AUDIT_LAYERS[audit_layer(dep)][0]) for mod, deps in sorted(graph.items())
+              for dep in sorted(deps) if audit_layer(dep) > audit_layer(mod)]
+    assert not upward, "imports against the layer order (module, imported, its layer): " + repr(upward)
+    _assert_acyclic(graph)
+
+
+def test_the_layer_check_sees_an_upward_import_and_a_cycle():
+    graph = {"audit.pins.lock": {"audit.runtimes.local"}, "audit.runtimes.local": {"audit.pins.lock"}}
+    assert audit_layer("audit.runtimes.local") > audit_layer("audit.pins.lock")
+    with pytest.raises(AssertionError, match="import cycle"):
+        _assert_acyclic(graph)

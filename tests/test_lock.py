@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from audit import lock
+from audit.pins import lock
 from audit.errors import ExitCode, LockError, RuntimeUnsupportedError, UnknownPinError
 from audit.runtimes.local import LocalRuntime
 from tests.conftest import ROOT

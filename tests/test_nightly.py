@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from audit import lock as lockmod
+from audit.pins import lock as lockmod
 from audit.errors import (DownloadHashMismatch, ExitCode, NoWheelForPlatform, TruncatedDownload, WheelHashMismatch,
                           WheelSourceError)
-from audit.runtimes.local import LocalRuntime, sha256_file
-from audit import wheelindex
+from audit.fsutil import sha256_file
+from audit.runtimes.local import LocalRuntime
+from audit.pins import wheelindex
 from tests.conftest import ROOT, VLLM_PIN
 from tests.wheel_index_util import (IndexServer, closed_port, make_wheel, publish_commit, publish_nightly,
                                      sha256_of)
@@ -90,7 +91,7 @@ def test_lock_add_commit_picks_the_platform_wheel_and_writes_only_checked_facts(
     # the index vLLM writes is what was read: metadata.json, and the wheel through its relative path
     assert f"/{COMMIT}/vllm/metadata.json" in index.requests
     # the wheel is cached where the local runtime looks for it, so the audit does not fetch it again
-    cached = LocalRuntime(root=tmp_path / "cache").find_wheel(pin)
+    cached = LocalRuntime(root=tmp_path / "cache").wheels.find(pin)
     assert cached is not None and sha256_file(cached) == pin.wheel_sha256
     # release order: the nightly follows v0.33.0 and precedes nothing pinned
     lk = lockmod.load(lock_copy)
@@ -359,7 +360,7 @@ def test_nightly_flow_on_the_real_wheel_ends_in_a_ledger_naming_url_hash_commit(
     pin, and an audit of it (one system, one layout) reuses the v0.33.0 environment (same bytes) and writes a
     ledger whose provenance names the URL, the hash and the commit, and says the environment was verified."""
     rt, pin, env = vllm_env
-    wheel = rt.find_wheel(pin)
+    wheel = rt.wheels.find(pin)
     assert wheel is not None
     reported = wheelindex.inspect_wheel(wheel)["commit"].removeprefix("g")  # the short sha the wheel reports
     commit = reported + hashlib.sha1(b"test index directory").hexdigest()[: 40 - len(reported)]

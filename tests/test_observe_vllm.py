@@ -32,7 +32,7 @@ def dry_request(vllm_env, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dry_run(dry_request):
-    from audit import evidence
+    from audit.evidence import files as evidence
 
     out = {}
     for f in evidence.read_dir(dry_request.evidence_dir):
@@ -45,7 +45,8 @@ def dry_run(dry_request):
 
 @pytest.fixture(scope="module")
 def dry_run_routing(dry_request):
-    from audit import evidence, routing
+    from audit.evidence import files as evidence
+    from audit.report import routing
     from audit.profiles import KIMI_K3
 
     built = routing.build_routing(evidence.read_dir(dry_request.evidence_dir), KIMI_K3, pin={},
@@ -172,9 +173,10 @@ def test_observe_agent_records_the_map_and_its_profiler_wiring_without_a_gpu(vll
     import json
     import subprocess
 
-    from audit import evidence, routing
+    from audit.evidence import files as evidence
+    from audit.report import routing
     from audit.profiles import KIMI_K3
-    from audit.render import render_ledger
+    from audit.report.render import render_ledger
     from audit.runtimes import RunRequest
     from audit.runtimes.base import observe_env, stage_probes, write_model_dirs, write_plan
     from audit.systems import SYSTEMS, Layout

@@ -57,11 +57,12 @@ def _write_ranks(tmp_path):
 
 
 def test_ranks_merge_with_disagreement_and_graph_replays(tmp_path):
-    from audit import evidence, routing
-    from audit.expectations import load
+    from audit.evidence import files as evidence
+    from audit.report import routing
+    from audit.report.expectations import load
     from audit.profiles import KIMI_K3
-    from audit.render import render_ledger
-    from audit.verdicts import attach
+    from audit.report.render import render_ledger
+    from audit.report.verdicts import attach
 
     files = evidence.read_dir(_write_ranks(tmp_path))
     assert sorted(f.header["rank"] for f in files) == [0, 1]
@@ -93,8 +94,8 @@ def test_ranks_merge_with_disagreement_and_graph_replays(tmp_path):
 
 
 def test_ranks_that_agree_raise_no_disagreement(tmp_path):
-    from audit.observed import merge
-    from audit import evidence
+    from audit.report.observed import merge
+    from audit.evidence import files as evidence
 
     d = _write_ranks(tmp_path)
     files = [f for f in evidence.read_dir(d) if f.header["rank"] == 0]

@@ -2,9 +2,9 @@
 the database's own vocabulary, checked on the routing of real audits."""
 import json
 
-from audit.expectations import PERF_LANES, load, load_label_map
-from audit.perflabels import build_labels, labels_json, moe_perf_lane
-from audit.verdicts import judge
+from audit.report.expectations import PERF_LANES, load, load_label_map
+from audit.report.perflabels import build_labels, labels_json, moe_perf_lane
+from audit.report.verdicts import judge
 from tests.conftest import ROOT
 
 DATA = ROOT / "tests" / "data"

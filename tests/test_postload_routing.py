@@ -3,11 +3,12 @@ LOAD_REFUSED verdict and the ledger, from evidence records shaped as probes/reso
 (tests/test_postload_vllm.py checks the same path against the real wheel)."""
 from pathlib import Path
 
-from audit import routing, verdicts
-from audit.evidence import EvidenceFile
-from audit.expectations import Claim, Expectations
+from audit.report import routing
+from audit.report import verdicts
+from audit.evidence.files import EvidenceFile
+from audit.report.expectations import Claim, Expectations
 from audit.profiles import KIMI_K3
-from audit.render import render_ledger
+from audit.report.render import render_ledger
 
 TRT = "vllm.model_executor.layers.fused_moe.experts.trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsMonolithic"
 GATE = "vllm.models.deepseek_v4.nvidia.model:DeepseekV4MegaMoEExperts._check_runtime_supported"
@@ -131,7 +132,7 @@ def _err(type_, message, frames, chained=False):
 
 
 def test_a_construction_stop_says_whether_vllm_or_the_simulation_raised():
-    from audit.routing import stop_outcome
+    from audit.report.routing import stop_outcome
 
     vllm_check = _err("builtins:NotImplementedError", "DeepGEMM MegaMoE requires SM100 GPUs.",
                       [("vllm/model_executor/layers/fused_moe/layer.py", 400, "__init__", "self._check()"),

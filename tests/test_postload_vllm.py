@@ -10,9 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from audit import evidence, expectations, lock, routing, verdicts
+from audit.evidence import files as evidence
+from audit.report import expectations
+from audit.pins import lock
+from audit.report import routing
+from audit.report import verdicts
 from audit.profiles import KIMI_K3
-from audit.render import render_ledger
+from audit.report.render import render_ledger
 from tests.conftest import ROOT
 from tests.plant import sitecustomize
 

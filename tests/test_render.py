@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from audit import render, routing
+from audit.report import render
+from audit.report import routing
 from audit.errors import RenderError
 from tests.conftest import ROOT
 from tests.goldtest import compare

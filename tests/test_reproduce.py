@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from audit import lock as lockmod
-from audit.diff import diff_routings
+from audit.pins import lock as lockmod
+from audit.report.diff import diff_routings
 from audit.errors import ExitCode
-from audit.render import render_ledger
+from audit.report.render import render_ledger
 from tests.conftest import ROOT
 
 REPORTS = ROOT / "reports"

@@ -2,7 +2,7 @@
 import os
 import time
 
-from audit.lock import Pin
+from audit.pins.lock import Pin
 from audit.runtimes.base import prune_runs
 
 

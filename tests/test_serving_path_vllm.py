@@ -6,8 +6,11 @@ import json
 
 import pytest
 
-from audit import evidence, expectations, routing, verdicts
-from audit.perflabels import build_labels
+from audit.evidence import files as evidence
+from audit.report import expectations
+from audit.report import routing
+from audit.report import verdicts
+from audit.report.perflabels import build_labels
 from audit.profiles import KIMI_K3
 from audit.runtimes import RunRequest
 from audit.systems import LAYOUTS, SYSTEMS

@@ -32,7 +32,7 @@ def slurm_cluster():
 def profile(tmp_path: Path, extra: str = "") -> Path:
     """Every system runs the pinned venv (container = "local") from the shared cache; resolve jobs take
     one CPU each so two run at once on the 2-core test machine."""
-    from audit.runtimes.base import cache_root
+    from audit.fsutil import cache_root
 
     shared = tmp_path / "shared"
     shared.mkdir(exist_ok=True)
@@ -205,8 +205,8 @@ def test_jobs_of_a_killed_harness_end_themselves(slurm_cluster, vllm_env, tmp_pa
 
 # --- data: profiles and pyxis command lines ------------------------------------------------------
 def test_pyxis_command_lines_for_a_digest_and_a_squashfs(tmp_path):
-    from audit import lock
-    from audit.cluster import load
+    from audit.pins import lock
+    from audit.runtimes.cluster import load
     from audit.runtimes.slurm import enroot_uri, pyxis_srun_args
 
     pin = lock.load(ROOT / "images.lock").get("k3-preview")
@@ -240,8 +240,8 @@ def test_pyxis_command_lines_for_a_digest_and_a_squashfs(tmp_path):
 
 
 def test_sbatch_headers_request_gpus_only_for_observe_cells(tmp_path):
-    from audit import lock
-    from audit.cluster import load
+    from audit.pins import lock
+    from audit.runtimes.cluster import load
     from audit.profiles import KIMI_K3
     from audit.runtimes.base import RunRequest
     from audit.runtimes.slurm import SlurmRuntime
@@ -278,8 +278,8 @@ def test_bad_cluster_profiles_fail_with_file_and_line(tmp_path, body, fragment):
 
 
 def test_observe_job_scripts_ask_for_gpus_and_run_the_observe_agent(tmp_path):
-    from audit import lock
-    from audit.cluster import load
+    from audit.pins import lock
+    from audit.runtimes.cluster import load
     from audit.profiles import KIMI_K3
     from audit.runtimes.base import RunRequest
     from audit.runtimes.slurm import SlurmRuntime

@@ -12,9 +12,10 @@ import textwrap
 
 import pytest
 
-from audit import evidence, routing
+from audit.evidence import files as evidence
+from audit.report import routing
 from audit.profiles import KIMI_K3
-from audit.render import render_ledger
+from audit.report.render import render_ledger
 from audit.runtimes import RunRequest
 from audit.systems import LAYOUTS, SYSTEMS
 from tests.conftest import ROOT

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from audit import expectations
+from audit.report import expectations
 from audit.errors import ExitCode
-from audit.expectations import ExpectationsError
-from audit.verdicts import judge, summary
+from audit.report.expectations import ExpectationsError
+from audit.report.verdicts import judge, summary
 from tests.conftest import ROOT
 
 DATA = ROOT / "tests" / "data"
@@ -225,8 +225,8 @@ dispatch = { moe_experts = "tile 8" }
 
 
 def test_tier_verdicts_fail_the_gate_and_render_with_their_batch_size(tmp_path):
-    from audit.render import render_ledger
-    from audit.verdicts import FAILING, attach, grouped
+    from audit.report.render import render_ledger
+    from audit.report.verdicts import FAILING, attach, grouped
 
     path = write_claims(tmp_path, '''
 [[claim]]
@@ -270,7 +270,7 @@ def test_a_one_phase_lane_cannot_be_claimed_at_another_phase(tmp_path):
 def test_a_claim_no_cell_of_the_run_can_judge_stays_in_the_table_with_why():
     """A subset run (one system) and a layout that does not exist on an SM: every claim still has rows, the ones
     this run cannot judge UNVERIFIED, saying why and which (system, layout) pairs."""
-    from audit.verdicts import attach
+    from audit.report.verdicts import attach
 
     exp = expectations.load(SHIPPED)
     r = routing()

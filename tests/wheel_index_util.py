@@ -2,7 +2,7 @@
 synthetic wheels with a real RECORD, and a fake GitHub commits API.
 
 The layout follows vLLM's index generator (.buildkite/scripts/generate-nightly-index.py, described in
-audit/wheelindex.py): wheels directly under ``<commit>/``, a project list ``<commit>/index.html``, and per
+audit/pins/wheelindex.py): wheels directly under ``<commit>/``, a project list ``<commit>/index.html``, and per
 variant (the default one at the root) ``vllm/index.html`` (PEP 503 links relative to that directory, ``+``
 quoted as ``%2B``) and ``vllm/metadata.json``. Only 127.0.0.1 is ever bound.
 """

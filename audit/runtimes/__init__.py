@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import RunRequest, RunResult, Runtime
+from audit.runtimes.base import RunRequest, RunResult, Runtime
 
 
 RUNTIMES = ("local", "docker", "slurm")
@@ -15,19 +15,19 @@ RUNTIMES = ("local", "docker", "slurm")
 
 def get_runtime(name: str, *, cuda_toolkit: bool = True, lock_dir: Path | None = None,
                 pass_env: list[str] = (), cluster: str | None = None, wait: bool = True) -> Runtime:
-    from ..errors import SelectionError
+    from audit.errors import SelectionError
 
     if name == "local":
-        from .local import LocalRuntime
+        from audit.runtimes.local import LocalRuntime
 
         return LocalRuntime(with_cuda_toolkit=cuda_toolkit)
     if name == "docker":
-        from .docker import DockerRuntime
+        from audit.runtimes.docker import DockerRuntime
 
         return DockerRuntime(lock_dir=lock_dir, pass_env=list(pass_env))
     if name == "slurm":
-        from ..cluster import default_profile_path, load
-        from .slurm import SlurmRuntime
+        from audit.runtimes.cluster import default_profile_path, load
+        from audit.runtimes.slurm import SlurmRuntime
 
         profile = load(cluster or default_profile_path(lock_dir or Path.cwd()))
         return SlurmRuntime(profile, wait=wait, with_cuda_toolkit=cuda_toolkit)
@@ -39,7 +39,7 @@ def refresh_missing(run_dir: Path, run_info: dict) -> dict | None:
     from the batch system's final job states (raises JobsPending while any job runs). None for runs whose
     runtime waited, which recorded their missing cells when they ended."""
     if run_info.get("slurm") and (Path(run_dir) / "jobs.json").exists():
-        from .slurm import refresh
+        from audit.runtimes.slurm import refresh
 
         return refresh(Path(run_dir))
     return None

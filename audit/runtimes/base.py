@@ -6,21 +6,17 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Callable, Protocol
 
-from ..lock import Pin
-from ..profiles import Profile
-from ..systems import Layout, System
+from audit.evidence.sources import probe_sources
+from audit.fsutil import cache_root
+from audit.pins.lock import Pin
+from audit.profiles import Profile
+from audit.systems import Layout, System
 
 #: progress(event, **fields): "stage" (text), "cell-done" (system, layout, ok)
 Progress = Callable[..., None]
-
-
-def cache_root() -> Path:
-    root = os.environ.get("SERVING_TRUTH_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "serving-truth"
 
 
 @dataclass
@@ -110,22 +106,6 @@ def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def probe_sources() -> list[tuple[str, bytes]]:
-    """Every source file of the probes package and its subpackages, as (path relative to it, bytes),
-    sorted: what a run stages and what the evidence cache keys on."""
-    out = []
-
-    def walk(node, prefix: str) -> None:
-        for entry in node.iterdir():
-            if entry.is_dir() and entry.name != "__pycache__":
-                walk(entry, f"{prefix}{entry.name}/")
-            elif entry.name.endswith(".py"):
-                out.append((prefix + entry.name, entry.read_bytes()))
-
-    walk(resources.files("probes"), "")
-    return sorted(out)
-
-
 def stage_probes(run_dir: Path) -> Path:
     """Copy the probes package into the run directory: the exact probes a run used stay with it."""
     dest = run_dir / "probes"
@@ -138,7 +118,7 @@ def stage_probes(run_dir: Path) -> Path:
     # the metadata that makes vLLM load probes.observe.plugin in every process it starts (observe mode)
     from probes.observe.plugin import dist_info_files
 
-    from .. import __version__
+    from audit import __version__
 
     for rel, text in dist_info_files(__version__).items():
         (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +196,7 @@ def learn_imports(cache_dir: Path, evidence_dir: Path) -> None:
             seen.update(dict.fromkeys(json.loads(path.read_text(encoding="utf-8"))))
         except (OSError, ValueError):
             continue
-    from ..fsutil import write_atomic
+    from audit.fsutil import write_atomic
 
     try:  # a uniquely named temp file: concurrent audits of one environment never collide
         write_atomic(cache_dir / LEARNED_IMPORTS, json.dumps(list(seen)))
@@ -269,7 +249,7 @@ def cell_dir_name(system: str, layout: str) -> str:
 
 def timed_out(request: RunRequest, *, where: str, log_tail_text: str, missing: dict, runtime: str):
     """The RunTimedOut a runtime raises, carrying what the run had collected (for the INCOMPLETE ledger)."""
-    from ..errors import RunTimedOut
+    from audit.errors import RunTimedOut
 
     exc = RunTimedOut(seconds=request.timeout_s, where=where, log_tail=log_tail_text)
     exc.partial = RunResult(evidence_dir=request.evidence_dir, missing=missing,

@@ -26,11 +26,12 @@ from pathlib import Path
 
 from probes.core.lifecycle import WATCHDOG_ENV
 
-from .. import cudastub
-from ..errors import (DockerUnavailable, ImageDigestMismatch, ImageError, ProbeRunError, RunExited,
+from audit.runtimes import cudastub
+from audit.errors import (DockerUnavailable, ImageDigestMismatch, ImageError, ProbeRunError, RunExited,
                       RuntimeUnsupportedError)
-from ..lock import Pin
-from .base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, agent_env, cache_root, cell_dir_name,
+from audit.fsutil import cache_root
+from audit.pins.lock import Pin
+from audit.runtimes.base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, agent_env, cell_dir_name,
                    collect_missing, log_tail, observe_env, report_finished, stage_probes, timed_out, write_model_dirs,
                    write_plan)
 
@@ -120,7 +121,7 @@ class DockerRuntime:
     def check(self, pin: Pin) -> None:
         if not pin.has_image:
             if pin.image_tag:
-                from ..errors import UsageError
+                from audit.errors import UsageError
 
                 raise UsageError(f"pin {pin.name!r} names the tag {pin.image_tag} but no digest; tags are never run",
                                  hint=f"run `serving-truth lock resolve {pin.name}` to pin it by digest")
@@ -129,7 +130,7 @@ class DockerRuntime:
                 reason="images.lock pins no image for it (add image = \"repo@sha256:...\" or image_config_digest)")
         missing = [k for k in self.pass_env if k not in os.environ]
         if missing:
-            from ..errors import UsageError
+            from audit.errors import UsageError
 
             raise UsageError(f"--pass-env names variables that are not set: {', '.join(missing)}",
                              hint="set them, or drop them from --pass-env")

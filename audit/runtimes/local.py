@@ -27,12 +27,14 @@ from pathlib import Path
 
 from probes.core.lifecycle import WATCHDOG_ENV
 
-from .. import cudastub
-from ..errors import (DownloadHashMismatch, EnvironmentBuildError, EnvironmentModified, RuntimeUnsupportedError,
+from audit.runtimes import cudastub
+from audit.errors import (DownloadHashMismatch, EnvironmentBuildError, EnvironmentModified, RuntimeUnsupportedError,
                       UnsafeLockPath, WheelHashMismatch)
-from ..fsutil import write_atomic
-from ..lock import Pin, unsafe_path_field
-from .base import (Progress, RunRequest, RunResult, agent_env, cache_root, cell_dir_name, collect_missing,
+from audit.fsutil import cache_root, load_memo, memo_hash, save_memo, sha256_file, write_atomic
+from audit.pins.fetch import download
+from audit.pins.lock import Pin, contained, unsafe_path_field
+from audit.pins.wheelcache import WheelCache
+from audit.runtimes.base import (Progress, RunRequest, RunResult, agent_env, cell_dir_name, collect_missing,
                    learn_imports, learned_imports, log_tail, observe_env, report_finished, stage_probes,
                    timed_out, write_model_dirs, write_plan)
 
@@ -42,14 +44,6 @@ ENV_PROBE = ("import json, platform, torch, importlib.metadata as m; print(json.
              "'cuda': torch.version.cuda, 'vllm': m.version('vllm'), 'python': platform.python_version()}))")
 #: the only PATH entries the agent sees besides the venv: the OS, not the host's toolchains
 SYSTEM_PATH = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def find_python(version: str) -> str:
@@ -98,9 +92,18 @@ class LocalRuntime:
         self.with_cuda_toolkit = with_cuda_toolkit
         #: str(env) -> summary of its last :meth:`verify_env` in this process
         self.verified: dict[str, dict] = {}
-        #: re-read only files whose stat changed since they were last hashed (False: hash every file,
-        #: as ``--no-cache`` asks)
-        self.stat_memo = True
+        #: the verified wheels this cache holds
+        self.wheels = WheelCache(self.root)
+
+    @property
+    def stat_memo(self) -> bool:
+        """Re-read only files whose stat changed since they were last hashed (False: hash every file, as
+        ``--no-cache`` asks); the wheel cache follows it."""
+        return self.wheels.stat_memo
+
+    @stat_memo.setter
+    def stat_memo(self, value: bool) -> None:
+        self.wheels.stat_memo = value
 
     @staticmethod
     def cuda_toolkit(env: Path) -> Path | None:
@@ -128,67 +131,23 @@ class LocalRuntime:
                 reason="it pins an image and no wheel; to audit it locally, add its wheel to the pin "
                        "(wheel, wheel_sha256, wheel_url: `serving-truth lock add NAME --commit SHA` writes them)")
 
-    def _contained(self, path: Path, parent: Path, pin: Pin, field: str, value: str) -> Path:
-        """*path* itself when it is a direct child of *parent* (after resolving *parent*), else refuse."""
-        if path.parent.resolve() != parent.resolve() or path.name in ("", ".", "..") or "/" in path.name:
-            raise UnsafeLockPath(pin=pin.name, field=field, value=value, root=str(parent))
-        if path.is_symlink():
-            raise UnsafeLockPath(pin=pin.name, field=field, value=f"{value} (a symbolic link)", root=str(parent))
-        return path
-
     def env_dir(self, pin: Pin) -> Path:
         bad = unsafe_path_field(pin)
         if bad:
             raise UnsafeLockPath(pin=pin.name, field=bad[0], value=bad[1], root=str(self.root))
         tag = "cp" + pin.python.replace(".", "")
         envs = self.root / "envs"
-        return self._contained(envs / f"vllm-{pin.vllm_version}-{tag}-{pin.wheel_sha256[:12]}", envs, pin,
+        return contained(envs / f"vllm-{pin.vllm_version}-{tag}-{pin.wheel_sha256[:12]}", envs, pin,
                                "vllm_version", pin.vllm_version)
 
     # -- environment ---------------------------------------------------------------------------
-    def _wheel_locations(self, pin: Pin) -> list[Path]:
-        """Where a wheel with these bytes may be cached: by file name (PyPI downloads), and by sha256
-        (wheels from a URL, whose names need not be unique)."""
-        bad = unsafe_path_field(pin)
-        if bad:
-            raise UnsafeLockPath(pin=pin.name, field=bad[0], value=bad[1], root=str(self.root))
-        wheels = self.root / "wheels"
-        by_sha = wheels / "sha256" / pin.wheel_sha256
-        return [self._contained(wheels / pin.wheel, wheels, pin, "wheel", pin.wheel),
-                self._contained(by_sha / pin.wheel, by_sha, pin, "wheel", pin.wheel)]
-
-    def find_wheel(self, pin: Pin) -> Path | None:
-        """A cached file with exactly the pinned bytes, if there is one."""
-        memo_path = self.root / "runtime-cache" / "wheel-hashes.json"
-        memo = _load_memo(memo_path) if self.stat_memo else None
-        before = dict(memo or {})
-        found = next((path for path in self._wheel_locations(pin)
-                      if path.is_file() and _memo_hash(path, memo, sha256_file) == pin.wheel_sha256), None)
-        if memo is not None and memo != before:
-            _save_memo(memo_path, memo)
-        return found
-
-    def store_wheel(self, path: Path, filename: str, sha256: str) -> Path:
-        """Keep a verified download (sha256 already computed from its bytes) where :meth:`find_wheel` looks,
-        unless a file with those bytes is cached already."""
-        probe = Pin(name="incoming", vllm_version="0", wheel=filename, wheel_sha256=sha256)
-        existing = self.find_wheel(probe)
-        if existing:
-            return existing
-        dest = self._wheel_locations(probe)[1]
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, dest)
-        return dest
-
     def wheel_path(self, pin: Pin, progress: Progress) -> Path:
-        found = self.find_wheel(pin)
+        found = self.wheels.find(pin)
         if found:
             return found
         if pin.wheel_url:
-            from ..wheelindex import download
-
             progress("stage", text=f"downloading {pin.wheel_url}")
-            dest = self._wheel_locations(pin)[1]
+            dest = self.wheels.locations(pin)[1]
             try:
                 download(pin.wheel_url, dest, expected_sha256=pin.wheel_sha256, expected_source="images.lock")
             except DownloadHashMismatch as exc:
@@ -196,7 +155,7 @@ class LocalRuntime:
             return dest
         wheels = self.root / "wheels"
         wheels.mkdir(parents=True, exist_ok=True)
-        path = self._wheel_locations(pin)[0]
+        path = self.wheels.locations(pin)[0]
         progress("stage", text=f"downloading {pin.wheel}")
         python = find_python(pin.python)
         tmp = wheels / f".download-{os.getpid()}"
@@ -275,10 +234,10 @@ class LocalRuntime:
         progress("stage", text=f"verifying the installed vLLM against {wheel.name}'s RECORD")
         site = self.site_packages(env)
         memo_path = self.root / "runtime-cache" / env.name / "record-hashes.json"
-        memo = _load_memo(memo_path) if self.stat_memo else None
+        memo = load_memo(memo_path) if self.stat_memo else None
         checked, skipped, modified, missing = record_check(wheel, site, env, memo)
         if memo is not None and not (modified or missing):
-            _save_memo(memo_path, memo)
+            save_memo(memo_path, memo)
         unexpected = _startup_hooks_outside_records(site)
         if not (modified or missing or unexpected):  # only then run its interpreter (site.py reads the .pth files)
             problem = _interpreter_problem(env, pin.python)
@@ -295,7 +254,7 @@ class LocalRuntime:
         return summary
 
     def cache_identity(self, pin: Pin, progress: Progress) -> dict:
-        """What identifies this runtime's environment for the evidence cache (audit.evcache): the verified
+        """What identifies this runtime's environment for the evidence cache (audit.evidence.cache): the verified
         environment built from the pinned wheel, the stub libcuda and the toolkit choice."""
         env = self.ensure_env(pin, progress)
         stub = self.ensure_stub(env)
@@ -395,7 +354,7 @@ class LocalRuntime:
         learn_imports(caches, request.evidence_dir)
         missing = collect_missing(request, fallback_log=log)
         if len(missing) == len(request.cells):
-            from ..errors import ProbeRunError
+            from audit.errors import ProbeRunError
 
             raise ProbeRunError("the agent produced no evidence for any cell", cell="all",
                                 returncode=proc.returncode, log_tail=log_tail(log))
@@ -469,20 +428,6 @@ class LocalRuntime:
 LIFELINE = {WATCHDOG_ENV: "stdin"}
 
 
-def _memo_hash(path: Path, memo: dict | None, compute) -> str:
-    """``compute(path)``, or, with *memo* (path -> [inode, size, mtime_ns, ctime_ns, hash]), the hash recorded
-    when the file last had this inode, size, mtime and ctime (git's index does the same: any write, rename
-    over or chmod moves ctime, which no user-level call can set). New hashes are added to *memo*."""
-    if memo is None:
-        return compute(path)
-    st = path.stat()
-    stamp = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-    key = str(path)
-    if memo.get(key, [None])[:4] != stamp:
-        memo[key] = [*stamp, compute(path)]
-    return memo[key][4]
-
-
 def _record_hash(path: Path) -> str:
     """The RECORD-style hash of *path* (``sha256=`` and unpadded urlsafe base64)."""
     with open(path, "rb") as fh:
@@ -532,21 +477,9 @@ def record_check(wheel: Path, site: Path, env: Path, memo: dict | None = None) -
             missing.append(rel)
             continue
         checked += 1
-        if _memo_hash(target, memo, _record_hash) != digest:
+        if memo_hash(target, memo, _record_hash) != digest:
             modified.append(rel)
     return checked, skipped, modified, missing
-
-
-def _load_memo(path: Path) -> dict:
-    try:
-        memo = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return memo if isinstance(memo, dict) else {}
-
-
-def _save_memo(path: Path, memo: dict) -> None:
-    write_atomic(path, json.dumps(memo, sort_keys=True))
 
 
 def _startup_hooks_outside_records(site: Path) -> list[str]:
@@ -604,4 +537,4 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-__all__ = ["LocalRuntime", "find_python", "sha256_file"]
+__all__ = ["LocalRuntime", "find_python"]

@@ -1,6 +1,6 @@
 """The Slurm runtime: one batch job per (system, layout) cell, evidence on a shared filesystem.
 
-Placement comes from a cluster profile (:mod:`audit.cluster`). A resolve cell needs no GPU and goes
+Placement comes from a cluster profile (:mod:`audit.runtimes.cluster`). A resolve cell needs no GPU and goes
 to the profile's CPU partition; a hardware-bound cell (observe mode) asks its system's partition for
 its GPUs. Each job runs the same probe agent as the local runtime, with a plan holding only its cell:
 
@@ -30,10 +30,10 @@ from pathlib import Path
 
 from probes.core.lifecycle import WATCHDOG_ENV
 
-from ..cluster import ClusterProfile, Placement
-from ..errors import EnvironmentBuildError, RuntimeUnsupportedError, UsageError
-from ..lock import Pin
-from .base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, agent_env, cell_dir_name, log_tail,
+from audit.runtimes.cluster import ClusterProfile, Placement
+from audit.errors import EnvironmentBuildError, RuntimeUnsupportedError, UsageError
+from audit.pins.lock import Pin
+from audit.runtimes.base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, agent_env, cell_dir_name, log_tail,
                    observe_env, stage_probes, timed_out, write_model_dirs, write_plan)
 
 JOBS_FILE = "jobs.json"
@@ -93,7 +93,7 @@ def enroot_uri(image_ref: str) -> str:
 
     Enroot 3.x does not parse ``@digest``; the digest goes where a tag would (the manifest
     reference), with the registry named explicitly (Docker Hub is ``registry-1.docker.io``)."""
-    from ..registry import parse_ref
+    from audit.pins.registry import parse_ref
 
     registry, name, reference = parse_ref(image_ref)
     if not reference.startswith("sha256:"):
@@ -218,13 +218,13 @@ class SlurmRuntime:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
                     h.update(chunk)
             if h.hexdigest() != p.squashfs_sha256:
-                from ..errors import ImageDigestMismatch
+                from audit.errors import ImageDigestMismatch
 
                 raise ImageDigestMismatch(ref=str(path), what="sha256 of the squashfs", expected=p.squashfs_sha256,
                                           found=h.hexdigest())
 
     def run(self, request: RunRequest, progress: Progress) -> RunResult:
-        from .local import LocalRuntime
+        from audit.runtimes.local import LocalRuntime
 
         self.check(request.pin)
         if not shutil.which("sbatch"):

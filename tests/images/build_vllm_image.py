@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from audit import lock as lockmod  # noqa: E402
-from audit.runtimes.base import cache_root  # noqa: E402
+from audit.pins import lock as lockmod  # noqa: E402
+from audit.fsutil import cache_root  # noqa: E402
 from audit.runtimes.local import LocalRuntime, find_python  # noqa: E402
 
 #: bump when the recipe changes: it is part of the cache key

@@ -29,7 +29,7 @@ workloads it is judged at, and ``dispatch`` what vLLM's per-call choice must be 
     backend = "flash_attn"
     dispatch = { latent_tail = "TAIL_FUSION" }         # optional: dispatch lane -> the choice's leading text
 
-Such a claim is judged against the dispatch tier resolved for that workload (audit/dispatch.py): the
+Such a claim is judged against the dispatch tier resolved for that workload (audit/report/dispatch.py): the
 lane path that serves the workload (a short prefill chunk can take MLA's decode path) and, with
 ``dispatch``, vLLM's per-call choice. A tier only a GPU decides leaves the claim UNVERIFIED.
 
@@ -43,11 +43,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import InputFileError
-from .systems import LAYOUTS, SYSTEMS
-from .tomlpos import header_lines as _lines
-from .tomlpos import key_line as _key_line
-from .tomlpos import read_toml
+from audit.errors import InputFileError
+from audit.systems import LAYOUTS, SYSTEMS
+from audit.tomlpos import header_lines as _lines
+from audit.tomlpos import key_line as _key_line
+from audit.tomlpos import read_toml
 
 SCHEMA = 1
 #: perf-db lane -> (harness lane, layouts it is about when a claim says "all")
@@ -126,7 +126,7 @@ def load_label_map(path: Path) -> dict[str, str]:
 
 def _tier_keys(raw: dict, cid: str, lane: str, err) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """A claim's ``at`` workloads and ``dispatch`` expectations, checked."""
-    from .dispatch import LANE_TITLES
+    from audit.report.dispatch import LANE_TITLES
 
     at = raw.get("at", [])
     if not isinstance(at, list) or not at and "at" in raw or not all(isinstance(w, str) for w in at):

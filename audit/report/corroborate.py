@@ -5,7 +5,7 @@ Inputs, all from one cell's observe-mode evidence: the ``kernel-map`` record (th
 shipped with: per kernel path, a kernel-name pattern, and whether this build contains such a kernel),
 the ``profiler-traces`` record (per trace file: session prefix = workload phase, rank, kernel launch
 counts split into direct launches and launches from CUDA-graph replays), and the merged observed
-rows (:func:`audit.observed.merge`).
+rows (:func:`audit.report.observed.merge`).
 
 Per lane, a trace kernel that matches the pattern of a path the probes saw *corroborates* that path;
 a kernel matching only paths the probes did not see is *profiler-only* (the probes may have missed

@@ -10,12 +10,12 @@ from collections import defaultdict
 
 from probes.core.stages import stop_rule
 
-from .corroborate import corroborate
-from .dispatch import cell_tiers as dispatch_tiers
-from .evidence import EvidenceFile
-from .layers import format_ranges
-from .observed import merge as merge_observed
-from .profiles import Lane, Profile
+from audit.report.corroborate import corroborate
+from audit.report.dispatch import cell_tiers as dispatch_tiers
+from audit.evidence.files import EvidenceFile
+from audit.report.layers import format_ranges
+from audit.report.observed import merge as merge_observed
+from audit.profiles import Lane, Profile
 
 ROUTING_SCHEMA = 1
 EVIDENCE_LEVELS = {
@@ -546,13 +546,13 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "device": sim.get("device", {}),
         "availability": _one(f, "availability"),
         "fingerprint": _one(f, "fingerprint"),
-        # --- dispatch tiers (audit/dispatch.py): per-call choices by token count, None if not resolved ---
+        # --- dispatch tiers (audit/report/dispatch.py): per-call choices by token count, None if not resolved ---
         "dispatch": dispatch_tiers(f),
     }
 
 
 def _observed_raw(row: dict) -> dict:
-    """What labels are derived from, in the shape resolve mode's lanes have (see audit.labels)."""
+    """What labels are derived from, in the shape resolve mode's lanes have (see audit.report.labels)."""
     if row["lane"] == "moe" and row.get("backend") == "DeepGemmMegaMoEExperts":
         return {"source": "moe.mega_moe_experts", "fields": [row["backend"]]}
     return {"source": "observed", "fields": [row["backend"]] if row.get("backend") and row["lane"] != "moe" else []}

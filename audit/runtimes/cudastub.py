@@ -13,7 +13,7 @@ Standard library only; never imports vllm or torch.
 
 Usage::
 
-    python -m audit.cudastub SITE_PACKAGES... --out DIR
+    python -m audit.runtimes.cudastub SITE_PACKAGES... --out DIR
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ _LOG_TAIL_LINES = 40
 # --------------------------------------------------------------------------------------------
 
 _SOURCE_HEADER = """\
-/* Generated stub libcuda.so.1 (audit.cudastub): it launches nothing and drives no GPU. */
+/* Generated stub libcuda.so.1 (audit.runtimes.cudastub): it launches nothing and drives no GPU. */
 /* cuInit answers CUDA_ERROR_NO_DEVICE; unlisted functions answer CUDA_ERROR_NOT_INITIALIZED. */
 /* Only for hosts without an NVIDIA driver: never use it where a real libcuda exists. */
 #define _GNU_SOURCE
@@ -92,7 +92,7 @@ _SOURCE_HEADER = """\
 
 #define STUB_EXPORT __attribute__((visibility("default")))
 
-STUB_EXPORT const char {marker}[] = "audit.cudastub generated stub; launches nothing";
+STUB_EXPORT const char {marker}[] = "audit.runtimes.cudastub generated stub; launches nothing";
 
 static void *stub_self(void)
 {{
@@ -470,7 +470,7 @@ def real_driver_present() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m audit.cudastub",
+        prog="python -m audit.runtimes.cudastub",
         description="Build a stub libcuda.so.1 (launches nothing) for the libraries under SITE_PACKAGES.",
     )
     parser.add_argument("roots", nargs="+", type=Path, metavar="SITE_PACKAGES")

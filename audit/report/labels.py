@@ -3,7 +3,7 @@ lane group. Mappings are data (facts from docs/notes/labels-and-kernels.md), not
 run time; a value the tables do not know gives label/family "unknown", never an invented one."""
 from __future__ import annotations
 
-from .routing import short
+from audit.report.routing import short
 
 #: Mxfp4MoeBackend member prefix -> backend family
 MOE_FAMILY = (

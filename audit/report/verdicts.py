@@ -17,17 +17,17 @@ LOAD_REFUSED     vLLM's own post-load check refused the deployment (it raised ab
 Every verdict carries the evidence level it rests on.
 
 A claim with ``at`` (a batch size: ``decode 1``, ``prefill 2048``, ``verify 32``) is judged once per
-workload against the dispatch tiers resolved for it (audit/dispatch.py): the lane path that serves the
+workload against the dispatch tiers resolved for it (audit/report/dispatch.py): the lane path that serves the
 batch there (MLA's metadata builder sends short prefill chunks down the decode path) and, where the
 claim names them, vLLM's per-call choices. Those rows carry the level ``... (dispatch)``; a choice only a
 GPU makes leaves the claim UNVERIFIED, never guessed.
 """
 from __future__ import annotations
 
-from .dispatch import LANE_TITLES, serving_group, tier_choice, workload_of, workload_order
-from .expectations import Expectations
-from .labels import derive
-from .routing import format_ranges, short
+from audit.report.dispatch import LANE_TITLES, serving_group, tier_choice, workload_of, workload_order
+from audit.report.expectations import Expectations
+from audit.report.labels import derive
+from audit.report.routing import format_ranges, short
 
 VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "CRASH", "LOAD_REFUSED", "RANK_DISAGREE", "NOT_EXERCISED",
             "UNVERIFIED")
@@ -40,7 +40,7 @@ _KIND = {"moe": "moe", "kda.prefill": "kda", "kda.decode": "kda", "kda.spec_veri
 
 
 def _candidate_family(t: dict) -> str:
-    from .labels import MOE_FAMILY
+    from audit.report.labels import MOE_FAMILY
 
     return next((fam for prefix, fam in MOE_FAMILY if str(t.get("backend", "")).startswith(prefix)), "unknown")
 
@@ -260,7 +260,7 @@ def unjudgeable(routing: dict, exp: Expectations, rows: list[dict]) -> list[dict
     """Rows for the (system, layout) pairs a claim covers that this run cannot judge: a layout that does not
     exist on the system's SM, a system or layout this run did not audit. A claim is never dropped: each such
     pair is UNVERIFIED with the reason, one row per claim and reason."""
-    from .systems import LAYOUTS, SYSTEMS
+    from audit.systems import LAYOUTS, SYSTEMS
 
     cells = {(c["system"], c["layout"]) for c in routing["cells"]}
     judged = {(r["claim"], r["system"], r["layout"]) for r in rows}

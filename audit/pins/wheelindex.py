@@ -25,9 +25,7 @@ shas). Standard library only.
 from __future__ import annotations
 
 import email.parser
-import hashlib
 import html.parser
-import http.client
 import json
 import os
 import platform as platmod
@@ -41,15 +39,15 @@ from datetime import date as date_cls, datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from .errors import (DownloadError, DownloadHashMismatch, LockError, NoWheelForPlatform, TruncatedDownload,
-                     UsageError, WheelSourceError)
+from audit.errors import LockError, NoWheelForPlatform, UsageError, WheelSourceError
+from audit.pins.fetch import INDEX_ENV, _get, download
+from audit.fsutil import cache_root as default_cache_root
+from audit.pins.wheelcache import WheelCache
 
 DEFAULT_INDEX = "https://wheels.vllm.ai"
-INDEX_ENV = "SERVING_TRUTH_WHEEL_INDEX"
 DEFAULT_GITHUB_API = "https://api.github.com"
 GITHUB_ENV = "SERVING_TRUTH_GITHUB_API"
 VLLM_REPO = "vllm-project/vllm"
-TIMEOUT_S = 60
 #: how many commits before the date "main as of" tries when the newest ones have no wheel yet
 AS_OF_TRIES = 10
 _ARCHES = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}
@@ -68,56 +66,6 @@ class WheelEntry:
     variant: str = ""
     #: from a ``#sha256=`` fragment of the package index, when it has one
     sha256: str = ""
-
-
-# -- HTTP --------------------------------------------------------------------------------------------
-class _SameHostRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to the host (and scheme) the request went to: an index, a metadata file or a
-    wheel is never taken from a host other than the one named."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        old, new = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
-        if (new.scheme, new.netloc) != (old.scheme, old.netloc):
-            raise WheelSourceError(f"{req.full_url} redirects to another host ({new.scheme}://{new.netloc}); "
-                                   "refused", url=req.full_url, step="wheel index",
-                                   hint="point --index-url / the wheel URL at the host that serves the files")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _opener(url: str) -> urllib.request.OpenerDirector:
-    host = urllib.parse.urlsplit(url).hostname or ""
-    handlers = [_SameHostRedirects()]
-    if host in ("127.0.0.1", "localhost", "::1"):  # never through a proxy
-        handlers.append(urllib.request.ProxyHandler({}))
-    return urllib.request.build_opener(*handlers)
-
-
-def _open(url: str, *, what: str, step: str, accept: str = ""):
-    req = urllib.request.Request(url, headers={"User-Agent": "serving-truth", **({"Accept": accept} if accept else {})})
-    try:
-        return _opener(url).open(req, timeout=TIMEOUT_S)
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        if exc.code == 404:
-            raise WheelSourceError(f"{what}: {url} not found (HTTP 404)", url=url, step=step, status=404) from None
-        raise WheelSourceError(f"{what}: {url} answered HTTP {exc.code}", url=url, step=step,
-                               status=exc.code) from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise WheelSourceError(f"{what}: cannot reach {url}: {reason}", url=url, step=step,
-                               hint=f"check the network, or point --index-url / ${INDEX_ENV} at a reachable index"
-                               ) from None
-
-
-def _get(url: str, *, what: str, step: str = "wheel index", accept: str = "", limit: int = 32 << 20) -> bytes:
-    with _open(url, what=what, step=step, accept=accept) as resp:
-        try:
-            body = resp.read(limit + 1)
-        except (http.client.HTTPException, OSError) as exc:
-            raise WheelSourceError(f"{what}: reading {url} failed: {exc}", url=url, step=step) from None
-    if len(body) > limit:
-        raise WheelSourceError(f"{what}: {url} is larger than {limit} bytes", url=url, step=step)
-    return body
 
 
 def index_base(explicit: str | None = None) -> str:
@@ -145,7 +93,7 @@ class _Links(html.parser.HTMLParser):
 
 
 def _entry(filename: str, url: str, *, variant: str = "", sha256: str = "") -> WheelEntry | None:
-    from .lock import parse_wheel_name
+    from audit.pins.lock import parse_wheel_name
 
     parts = parse_wheel_name(filename)
     if parts is None or parts["dist"].lower() != "vllm":
@@ -250,51 +198,6 @@ def pick_wheel(entries: list[WheelEntry], *, arch: str, python: str, url: str, c
                                + ", ".join(e.filename for e in ok), url=url,
                                hint="pin the one you mean with --wheel-url URL")
     return ok[0]
-
-
-# -- downloads ------------------------------------------------------------------------------------------
-def download(url: str, dest: Path, *, expected_sha256: str = "", expected_source: str = "",
-             progress: Progress = lambda text: None) -> tuple[Path, str, int]:
-    """Fetch *url* into *dest* (atomically: a partial file never has the final name); hash the bytes as they
-    arrive. A short body (fewer bytes than Content-Length, or a connection that ends early) and a sha256 other
-    than *expected_sha256* are errors, and leave nothing behind. Returns (dest, sha256, size)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".partial-{os.getpid()}-{dest.name}"
-    h = hashlib.sha256()
-    size = 0
-    try:
-        with _open(url, what="wheel", step="download wheel") as resp, open(tmp, "wb") as out:
-            length = resp.headers.get("Content-Length")
-            expected_len = int(length) if length and length.isdigit() else None
-            progress(f"downloading {url}" + (f" ({expected_len / 1e6:.0f} MB)" if expected_len else ""))
-            while True:
-                try:
-                    chunk = resp.read(1 << 20)
-                except http.client.IncompleteRead as exc:
-                    size += len(exc.partial)
-                    raise TruncatedDownload(url=url, expected_bytes=expected_len, received_bytes=size) from None
-                except (OSError, http.client.HTTPException) as exc:
-                    raise DownloadError(f"reading {url} failed after {size} bytes: {exc}", url=url) from None
-                if not chunk:
-                    break
-                h.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-            if expected_len is not None and size != expected_len:
-                raise TruncatedDownload(url=url, expected_bytes=expected_len, received_bytes=size)
-            out.flush()
-            os.fsync(out.fileno())
-        found = h.hexdigest()
-        if expected_sha256 and found != expected_sha256:
-            raise DownloadHashMismatch(url=url, expected=expected_sha256, found=found,
-                                       source=expected_source or "the pin")
-        os.replace(tmp, dest)
-        return dest, found, size
-    finally:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
 
 
 def inspect_wheel(path: Path) -> dict:
@@ -419,9 +322,8 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
     local runtime then finds it), hashed as received, and its own METADATA and ``_version.py`` must agree with
     its file name and the commit. images.lock is written once, atomically, at the end; on any error it is
     left as it was."""
-    from . import lock as lockmod
-    from .fsutil import write_atomic
-    from .runtimes.local import LocalRuntime
+    from audit.pins import lock as lockmod
+    from audit.fsutil import write_atomic
 
     lock_path = Path(lock_path)
     lk = lockmod.load(lock_path)
@@ -503,8 +405,8 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
             if announced and announced != chosen.sha256:
                 raise UsageError(f"--sha256 {sha256} disagrees with the index's #sha256={chosen.sha256}")
             announced, source = chosen.sha256, "the index's #sha256= link"
-        rt = LocalRuntime(root=cache_root)
-        incoming = rt.root / "wheels" / "incoming" / filename
+        cache = WheelCache(cache_root or default_cache_root())
+        incoming = cache.incoming / filename
         path, digest, size = download(wheel_url, incoming, expected_sha256=announced, expected_source=source,
                                       progress=progress)
         try:
@@ -519,7 +421,7 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
                     raise WheelSourceError(f"{filename} was built from commit {claimed} ({what}), not {commit}",
                                            url=wheel_url, step="inspect wheel",
                                            hint="the index or URL does not hold that commit's build")
-            rt.store_wheel(path, filename, digest)
+            cache.store(path, filename, digest)
         finally:
             if path.exists():
                 path.unlink()
@@ -537,7 +439,7 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
                      "runtime's inventory records what it reports)")
 
     if image_tag:
-        from .registry import resolve_ref
+        from audit.pins.registry import resolve_ref
 
         if "@" in image_tag:
             raise UsageError(f"--image-tag {image_tag!r} is a digest", hint="give repo:tag; lock add resolves it")
@@ -550,7 +452,7 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
         notes.insert(0, note)
     fields["note"] = "; ".join(notes)
 
-    from .fsutil import DirLock
+    from audit.fsutil import DirLock
 
     with DirLock(lock_path):  # concurrent `lock add`s append one after the other, each to what the last wrote
         current = lockmod.load(lock_path)

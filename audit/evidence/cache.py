@@ -44,7 +44,7 @@ def cache_dir(root: Path) -> Path:
 
 def probes_digest() -> str:
     """sha256 over the probes package's sources (what runs inside the serving process)."""
-    from .runtimes.base import probe_sources
+    from audit.evidence.sources import probe_sources
 
     h = hashlib.sha256()
     for rel, data in probe_sources():

@@ -21,7 +21,7 @@ Format (TOML, read with :mod:`tomllib`)::
 
 ``wheel_url`` pins a build that is not on PyPI (a vLLM nightly from its per-commit index, a pre-release, a
 local file): the local runtime downloads it from there, checks the sha256 of the bytes and installs it
-like a PyPI wheel. ``serving-truth lock add NAME --commit SHA`` writes such a pin (audit/wheelindex.py).
+like a PyPI wheel. ``serving-truth lock add NAME --commit SHA`` writes such a pin (audit/pins/wheelindex.py).
 Without ``wheel_url`` the wheel comes from PyPI (``pip download vllm==<vllm_version>``).
 
 Every field that becomes part of a path is validated here (file:line errors): ``name`` and the PEP 440
@@ -47,8 +47,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import LockError, UnknownPinError
-from .tomlpos import header_lines, key_line, read_toml
+from audit.errors import LockError, UnknownPinError, UnsafeLockPath
+from audit.tomlpos import header_lines, key_line, read_toml
 
 SCHEMA = 1
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
@@ -216,7 +216,7 @@ def load(path: str | Path) -> Lock:
                         line=key_line(text, 1, extra_top[0]), hint="pins go in [[pin]] tables")
     raw_pins = data.get("pin", [])
     if not isinstance(raw_pins, list) or not raw_pins:
-        raise LockError("no [[pin]] tables", path=spath, hint="see the format at the top of audit/lock.py")
+        raise LockError("no [[pin]] tables", path=spath, hint="see the format at the top of audit/pins/lock.py")
     headers = header_lines(text, "[[pin]]")
     pins: dict[str, Pin] = {}
     for idx, raw in enumerate(raw_pins):
@@ -367,11 +367,21 @@ def unsafe_path_field(pin: Pin) -> tuple[str, str] | None:
     return None
 
 
+def contained(path: Path, parent: Path, pin: Pin, field: str, value: str) -> Path:
+    """*path* itself when it is a direct child of *parent* (after resolving *parent*) and not a symbolic link;
+    else refuse: a pin's fields name files under the cache, never elsewhere."""
+    if path.parent.resolve() != parent.resolve() or path.name in ("", ".", "..") or "/" in path.name:
+        raise UnsafeLockPath(pin=pin.name, field=field, value=value, root=str(parent))
+    if path.is_symlink():
+        raise UnsafeLockPath(pin=pin.name, field=field, value=f"{value} (a symbolic link)", root=str(parent))
+    return path
+
+
 def default_runtime(pin: Pin) -> str:
     """The runtime an audit of *pin* uses when none is asked for: the wheel in a local venv when the pin has
     one, else its image under docker. A pin with neither (an unresolved ``image_tag``) is a UsageError that
     says what to add."""
-    from .errors import UsageError
+    from audit.errors import UsageError
 
     if pin.runtimes:
         return pin.runtimes[0]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .layers import format_ranges
+from audit.report.layers import format_ranges
 
 
 
@@ -26,7 +26,7 @@ def _rank(header: dict) -> str:
 
 
 def merge(files) -> dict:
-    """``files``: evidence files (``audit.evidence`` objects with ``.header`` and ``.records``) of one cell."""
+    """``files``: evidence files (``audit.evidence.files`` objects with ``.header`` and ``.records``) of one cell."""
 
     # (lane, layer, phase) -> rank -> {path: calls}
     eager: dict[tuple, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))

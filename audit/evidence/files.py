@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import EvidenceError
+from audit.errors import EvidenceError
 
 #: the evidence schema this harness reads (probes.EVIDENCE_SCHEMA writes it; kept in step by a test)
 SCHEMA = 2

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 
-from .dispatch import serving_group, serving_path, specialized_group, tier_choice
-from .expectations import PERF_LANES, sm_family
-from .labels import derive
-from .routing import short
-from .systems import SYSTEMS
+from audit.report.dispatch import serving_group, serving_path, specialized_group, tier_choice
+from audit.report.expectations import PERF_LANES, sm_family
+from audit.report.labels import derive
+from audit.report.routing import short
+from audit.systems import SYSTEMS
 
 LABELS_SCHEMA = 1
 #: harness lane -> (perf-db lane, phase); the MoE lane's perf lane depends on the activation precision
@@ -30,7 +30,7 @@ HARNESS_LANES = {
     "mla.decode": ("mla.decode", "decode"),
     "mla.prefill": ("mla.prefill", "prefill"),
 }
-#: dispatch lanes (audit.dispatch) whose per-call choices refine a harness lane, by tier prefix
+#: dispatch lanes (audit.report.dispatch) whose per-call choices refine a harness lane, by tier prefix
 DISPATCH_FOR = {
     "moe": (("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", ""), ("router", ""),
             ("down_proj_overlap", "")),

@@ -10,8 +10,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from . import dispatch
-from .errors import UsageError
+from audit.report import dispatch
+from audit.errors import UsageError
 
 DIFF_SCHEMA = 1
 
@@ -25,7 +25,7 @@ def _tried_text(tried: list[dict]) -> str:
 
 
 def _ranges(layers) -> str:
-    from .routing import format_ranges
+    from audit.report.routing import format_ranges
 
     return format_ranges(layers)
 
@@ -118,7 +118,7 @@ def diff_routings(old: dict, new: dict) -> dict:
             before, after = va.get(key, "—"), vb.get(key, "—")
             if before != after and not (cell in stopped and "—" in (before, after)):
                 add(verdict_changes, (key[0] or "(no claim)", before, after), cell)
-    # --- dispatch tiers (audit/dispatch.py): a per-call choice that moved at some token counts ---
+    # --- dispatch tiers (audit/report/dispatch.py): a per-call choice that moved at some token counts ---
     dispatch_changes: dict[tuple, dict] = {}
     for cell in common:
         for what, before, after, layers in dispatch.diff_cells(old_cells[cell].get("dispatch"),
@@ -201,7 +201,7 @@ def _worst_verdicts(routing: dict) -> dict[tuple, str]:
 
 
 def load_routing(reports_dir: Path, pin: str) -> dict:
-    from .fsutil import report_dir_for
+    from audit.fsutil import report_dir_for
 
     path = report_dir_for(reports_dir, pin) / "routing.json"
     try:
@@ -221,17 +221,17 @@ def load_routing(reports_dir: Path, pin: str) -> dict:
 
 
 def render_diff(d: dict) -> str:
-    from .render import _env
+    from audit.report.render import _env
 
     return _env().get_template("diff.md.j2").render(d=d)
 
 
 def write_diff(reports_dir: Path, from_pin: str, to_pin: str) -> tuple[Path, Path, dict]:
     """Render reports/diffs/<from>..<to>.md and .json (both rendered before either is replaced)."""
-    from .fsutil import write_all_atomic
+    from audit.fsutil import write_all_atomic
 
     d = diff_routings(load_routing(reports_dir, from_pin), load_routing(reports_dir, to_pin))
-    from .fsutil import report_dir_for
+    from audit.fsutil import report_dir_for
 
     for pin in (from_pin, to_pin):
         report_dir_for(reports_dir, pin)  # names that are no plain directory name never reach a path

@@ -34,9 +34,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import InputFileError
-from .systems import SYSTEMS
-from .tomlpos import key_line, read_toml
+from audit.errors import InputFileError
+from audit.systems import SYSTEMS
+from audit.tomlpos import key_line, read_toml
 
 SCHEMA = 1
 CONTAINERS = ("local", "pyxis")

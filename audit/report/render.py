@@ -10,12 +10,13 @@ from pathlib import Path
 
 import jinja2
 
-from . import __version__, dispatch
-from .errors import RenderError
-from .fsutil import replace_dir
-from .routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
-from .systems import LAYOUTS, SYSTEMS
-from .verdicts import VERDICTS, grouped
+from audit import __version__
+from audit.report import dispatch
+from audit.errors import RenderError
+from audit.fsutil import replace_dir
+from audit.report.routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
+from audit.systems import LAYOUTS, SYSTEMS
+from audit.report.verdicts import VERDICTS, grouped
 
 
 def _md(text) -> str:
@@ -25,7 +26,7 @@ def _md(text) -> str:
 
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("audit", "templates"),
+        loader=jinja2.PackageLoader("audit.report", "templates"),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -213,7 +214,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "lane_titles": lane_titles,
         "kind_titles": {"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
                         "mtp": "MTP draft (separate draft model)"},
-        # --- dispatch tiers (audit/dispatch.py, templates/dispatch.md.j2) ---
+        # --- dispatch tiers (audit/report/dispatch.py, templates/dispatch.md.j2) ---
         "dispatch_tables": dispatch.ledger_tables(cells),
         "dispatch_errors": dispatch.stage_errors(cells),
         "dispatch_level": dispatch.LEVEL_TEXT,
@@ -238,8 +239,8 @@ def routing_json(routing: dict) -> str:
 def report_files(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None,
                  label_map: dict[str, str] | None = None) -> dict[str, str]:
     """Everything a report directory holds, rendered (nothing is written): the ledger, routing.json and
-    labels.json (the perf-database labels the evidence gives, see audit.perflabels)."""
-    from .perflabels import labels_json
+    labels.json (the perf-database labels the evidence gives, see audit.report.perflabels)."""
+    from audit.report.perflabels import labels_json
 
     ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
     return {"routing.json": routing_json(routing), "ledger.md": ledger, "labels.json": labels_json(routing, label_map)}

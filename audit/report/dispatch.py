@@ -7,8 +7,8 @@ each workload. Here those records become a compact table per cell and lane (``ro
 """
 from __future__ import annotations
 
-from .evidence import EvidenceFile
-from .layers import format_ranges
+from audit.evidence.files import EvidenceFile
+from audit.report.layers import format_ranges
 
 #: lane id -> title, in the order the ledger shows them
 LANE_TITLES = {

@@ -16,9 +16,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from .errors import LockError, RegistryError, UsageError
-from .fsutil import write_atomic
-from .tomlpos import header_lines
+from audit.errors import LockError, RegistryError, UsageError
+from audit.fsutil import write_atomic
+from audit.tomlpos import header_lines
 
 INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                "application/vnd.docker.distribution.manifest.list.v2+json")
@@ -131,7 +131,7 @@ def resolve_ref(ref: str) -> tuple[str, dict[str, str]]:
 
 def resolve_pin(lock_path: str | Path, pin_name: str) -> dict:
     """Fill in ``image`` and ``platform_digests`` of a pin; returns the keys that changed."""
-    from . import lock as lockmod
+    from audit.pins import lock as lockmod
 
     lock_path = Path(lock_path)
     pin = lockmod.load(lock_path).get(pin_name)
@@ -146,7 +146,7 @@ def resolve_pin(lock_path: str | Path, pin_name: str) -> dict:
     if platforms != pin.platform_digests:
         changes["platform_digests"] = platforms
     if changes:
-        from .fsutil import DirLock
+        from audit.fsutil import DirLock
 
         with DirLock(lock_path):  # the same lock `lock add` takes: edits of images.lock never interleave
             pin = lockmod.load(lock_path).get(pin_name)  # where the pin is now

@@ -1,0 +1,1 @@
+"""Pins: images.lock, the registry that resolves image references, and vLLM's wheel indexes."""

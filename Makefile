@@ -13,6 +13,8 @@ SLICE   ?=
 PROFILER ?= 1
 EXPECTATIONS ?=
 BASELINE ?=
+ACCEPTED ?=
+REPORTS ?= reports
 REPLACE ?=
 CACHE   ?= 1
 BIN     := $(VENV)/bin
@@ -20,7 +22,7 @@ BIN     := $(VENV)/bin
 # a pin named "x; rm -rf y", which images.lock then refuses; nothing is run)
 q = '$(subst ','\'',$(1))'
 
-.PHONY: setup env audit render diff test bench pins clean clean-containers test-image lock-resolve lock-add selftest-gpu
+.PHONY: setup env audit render accept diff test bench pins clean clean-containers test-image lock-resolve lock-add selftest-gpu
 
 setup: $(VENV)/.installed
 
@@ -42,6 +44,7 @@ audit: setup
 		--lock $(call q,$(LOCK)) --mode $(call q,$(MODE)) $(if $(SLICE),--slice $(call q,$(SLICE))) $(if $(filter 0,$(PROFILER)),--no-profiler) \
 		$(if $(PASS_ENV),--pass-env $(call q,$(PASS_ENV))) $(if $(CLUSTER),--cluster $(call q,$(CLUSTER))) \
 		$(if $(EXPECTATIONS),--expectations $(call q,$(EXPECTATIONS))) $(if $(BASELINE),--baseline $(call q,$(BASELINE))) \
+		$(if $(ACCEPTED),--accepted $(call q,$(ACCEPTED))) --reports $(call q,$(REPORTS)) \
 		$(if $(filter 1,$(REPLACE)),--replace) $(if $(filter 0,$(CACHE)),--no-cache) \
 		|| { rc=$$?; echo "serving-truth audit exited $$rc (see README: exit codes)" >&2; exit $$rc; }
 
@@ -77,11 +80,18 @@ test-image: setup
 
 # Re-render a ledger from a run directory's evidence: make render RUN=~/.cache/serving-truth/runs/...
 render: setup
-	$(BIN)/serving-truth render $(call q,$(RUN))
+	$(BIN)/serving-truth render $(call q,$(RUN)) --lock $(call q,$(LOCK)) --reports $(call q,$(REPORTS)) \
+		$(if $(BASELINE),--baseline $(call q,$(BASELINE))) $(if $(ACCEPTED),--accepted $(call q,$(ACCEPTED)))
+
+# Accept every finding of an audited pin for the pin-bump gate (expectations/<model>.accepted.toml):
+# make accept PIN=v0.33.0; then make audit PIN=<candidate> BASELINE=v0.33.0 fails only on new findings
+accept: setup
+	$(BIN)/serving-truth accept $(call q,$(PIN)) --lock $(call q,$(LOCK)) --reports $(call q,$(REPORTS)) \
+		$(if $(ACCEPTED),--accepted $(call q,$(ACCEPTED)))
 
 # reports/diffs/<FROM>..<TO>.md from two audited pins: make diff FROM=v0.30.0 TO=v0.33.0
 diff: setup
-	$(BIN)/serving-truth diff $(call q,$(FROM)) $(call q,$(TO))
+	$(BIN)/serving-truth diff $(call q,$(FROM)) $(call q,$(TO)) --reports $(call q,$(REPORTS))
 
 # Re-audit every pin with a wheel in release order and rewrite reports/ and reports/diffs/ (the committed
 # reports are exactly what this writes). Builds one environment at a time and drops it after use.

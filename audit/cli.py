@@ -51,8 +51,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="let a subset audit (some systems or layouts) replace a fuller reports/<pin>/ "
                         "(by default it is written beside its run)")
     a.add_argument("--baseline", default="auto",
-                   help="an audited pin to show 'changes since' against in the ledger (default: the pin before "
-                        "this one in images.lock, in release order; 'none' for no such section)")
+                   help="the pin-bump gate: an audited pin this build is gated against (exit 6 when serving "
+                        "changed against it, 1 on findings not accepted); default 'auto': the pin before this one "
+                        "in release order, shown as 'changes since' in the ledger without gating; 'none': no "
+                        "such section")
+    a.add_argument("--accepted", default="auto", metavar="FILE",
+                   help="the gate's accepted findings (default: expectations/<model>.accepted.toml if present; "
+                        "'none'); written by `serving-truth accept PIN`")
     a.add_argument("--expectations", default="auto",
                    help="claims to judge (default: expectations/<model>.toml if present; 'none' for no verdicts)")
     a.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
@@ -64,11 +69,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--lock", default="images.lock")
     r.add_argument("--reports", default="reports")
     r.add_argument("--baseline", default="auto",
-                   help="an audited pin to show 'changes since' against (default: the previous pin; 'none')")
+                   help="a pin to gate against (as for audit); default: the previous pin, shown without gating")
+    r.add_argument("--accepted", default="auto", metavar="FILE", help="the gate's accepted findings (as for audit)")
     r.add_argument("--expectations", default="auto", help="claims to judge ('none' for no verdicts)")
     r.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
     r.add_argument("--replace", action="store_true",
                    help="let a subset run replace a fuller reports/<pin>/ (by default it is written beside the run)")
+
+    ac = sub.add_parser("accept", help="record every finding of an audited pin as accepted for the pin-bump gate")
+    ac.add_argument("pin")
+    ac.add_argument("--reports", default="reports")
+    ac.add_argument("--lock", default="images.lock")
+    ac.add_argument("--accepted", default="auto", metavar="FILE",
+                    help="the file to write (default: expectations/<model>.accepted.toml)")
 
     d = sub.add_parser("diff", help="render reports/diffs/<from>..<to>.md from two audited pins")
     d.add_argument("from_pin")
@@ -180,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             err.print("no change" if d["empty"] else f"{len(d['changes'])} change row(s)")
             out.print(str(md))
             return ExitCode.OK
+        if args.command == "accept":
+            from audit.core import accept_findings
+
+            path, n = accept_findings(args.pin, reports_dir=args.reports, lock_path=args.lock, accepted=args.accepted)
+            err.print(f"{n} finding(s) of {args.pin} accepted in {path}; the gate against a baseline now fails "
+                      "only on findings not listed there")
+            out.print(str(path))
+            return ExitCode.OK
         if args.command == "env":
             return _env(args, out, err)
         if args.command == "regenerate":
@@ -220,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             from audit.core import render_run
 
             o = render_run(args.run_dir, lock_path=args.lock, reports_dir=args.reports, baseline=args.baseline,
-                           expectations=args.expectations, replace=args.replace)
+                           expectations=args.expectations, replace=args.replace, accepted=args.accepted)
             _say_where(o, err)
             out.print(str(o.ledger))
             return _findings_exit(o, args.strict, err)
@@ -362,7 +383,7 @@ def _audit(args, out, err) -> int:
                             baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
                             cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name,
                             profiler=args.profiler, replace=args.replace, cache=args.cache,
-                            postload_every_layer=args.postload_every_layer)
+                            postload_every_layer=args.postload_every_layer, accepted=args.accepted)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
         err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")
@@ -409,19 +430,56 @@ def _lock_add(args, out, err) -> int:
                          arch=args.arch, python=args.python, sha256=args.sha256, index_url=args.index_url,
                          github=args.github_api, note=args.note, progress=status.update)
     for key, value in fields.items():
-        if key != "name" and value:
+        if key not in ("name", "warnings") and value:
             out.print(f"{args.pin}: {key} = {_escape(str(value))}")
+    for warning in fields.get("warnings", []):
+        err.print(f"[yellow]warning:[/yellow] {_escape(warning)}")
     err.print(f"added pin {args.pin} to {args.lock}; audit it with: make audit PIN={args.pin}")
+    return ExitCode.OK
+
+
+def _gate_exit(gate: dict, strict: bool, outcome, err) -> int:
+    """The pin-bump gate: SERVING_CHANGED (6) when serving changed against the baseline, else FINDINGS (1) when
+    a finding is new (not in the accepted-findings file), else OK; --strict adds UNVERIFIED lanes as before."""
+    base = gate["baseline"]["pin"]
+    changes, new = gate["serving_changes"], gate["new_findings"]
+    err.print(f"gate against {base}: {gate['cells_compared']} cell(s) compared; {len(changes)} serving change(s), "
+              f"{len(new)} new finding(s), {gate['accepted_findings']} accepted"
+              + (f" ({gate['accepted_file']})" if gate["accepted_file"] else " (no accepted-findings file)"))
+    only = gate["only_in_baseline"]
+    if only:
+        err.print(f"[yellow]note:[/yellow] {len(only)} cell(s) of {base} were not audited here and are not gated: "
+                  + ", ".join(f"{s}/{l}" for s, l in only[:8]) + (" ..." if len(only) > 8 else ""))
+    for c in changes[:20]:
+        where = ", ".join(f"{s}/{l}" for s, l in c["cells"][:4]) + (" ..." if len(c["cells"]) > 4 else "")
+        err.print(f"  changed: {_escape(c['title'])}: {_escape(str(c['before'])[:120])} -> "
+                  f"{_escape(str(c['after'])[:120])} ({where})")
+    if len(changes) > 20:
+        err.print(f"  ... {len(changes) - 20} more in the diff")
+    for f in new[:20]:
+        err.print(f"  new finding: {f['verdict']} {f['claim'] or '(no claim)'} {f['system']}/{f['layout']} "
+                  f"{f['lane']}{' at ' + f['at'] if f['at'] else ''}: {_escape(str(f['why'])[:160])}")
+    if changes:
+        err.print(f"[red]gate failed[/red]: serving changed against {base} (exit {int(ExitCode.SERVING_CHANGED)})")
+        return ExitCode.SERVING_CHANGED
+    unverified = (outcome.verdicts or {}).get("UNVERIFIED", 0) if strict else 0
+    if new or unverified:
+        err.print(f"[red]gate failed[/red]: new findings against {base}"
+                  + (f" (and {unverified} UNVERIFIED under --strict)" if unverified else ""))
+        return ExitCode.FINDINGS
+    err.print(f"gate passed against {base}")
     return ExitCode.OK
 
 
 def _findings_exit(outcome, strict: bool, err) -> int:
     """FINDINGS (1) when a claim is contradicted (MISMATCH, SILENT_FALLBACK, RANK_DISAGREE), its layers
-    crashed (CRASH), vLLM refused the deployment at load (LOAD_REFUSED: the ledger says where), or a
+    were refused by vLLM's own code at construction or load (REFUSED: the ledger says where), or a
     required probe target drifted; with --strict also when a lane is UNVERIFIED
     (which includes claims the audit could not judge). The ledger is written either way."""
     from audit.report.verdicts import FAILING
 
+    if outcome.gate is not None:
+        return _gate_exit(outcome.gate, strict, outcome, err)
     drifted = outcome.required_drift or []
     if drifted:
         err.print(f"[red]required probe target(s) drifted[/red] ({', '.join(drifted)}): the audit could not look "

@@ -17,7 +17,7 @@ from audit.profiles import KIMI_K3, Profile
 from audit.fsutil import DirLock, cache_root, replace_dir, report_dir_for, write_atomic
 from audit.report.render import report_files
 from audit.runtimes import RunRequest, RunResult, get_runtime, refresh_missing
-from audit.runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs, runs_of
+from audit.runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs, newest_full_run
 from audit.systems import LAYOUTS, SYSTEMS, cells_of, select
 
 
@@ -41,6 +41,8 @@ class AuditOutcome:
     judged: bool = True
     #: a subset audit written beside the run: the cell count of the fuller report it did not replace
     subset_of: int | None = None
+    #: the pin-bump gate's answer (an explicit baseline): audit/report/gate.py
+    gate: dict | None = None
 
 
 def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True,
@@ -89,9 +91,10 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
               wait: bool = True, mode: str = "resolve", slice_name: str = "",
               profiler: bool = True, replace: bool = False, cache: bool = True,
-              postload_every_layer: bool = False) -> AuditOutcome:
+              postload_every_layer: bool = False, accepted: str | None = "auto") -> AuditOutcome:
     import math
 
+    started = time.monotonic()  # --timeout counts from here: building the environment is part of the audit
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
                                       and timeout_s > 0):
         raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
@@ -103,8 +106,13 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     pin = lock.get(pin_name)
     report_dir_for(reports_dir, pin.name)  # a pin that cannot name a report directory is bad input
     if baseline not in (None, "", "auto", "none"):
-        lock.get(baseline)  # an unknown baseline is bad input, before any work
-        report_dir_for(reports_dir, baseline)
+        # an explicit baseline is the pin-bump gate: an unknown one, or one with no report to compare with, is
+        # bad input before any work (the audit would run every cell and then have nothing to gate against)
+        lock.get(baseline)
+        from audit.report.diff import load_routing
+
+        load_routing(Path(reports_dir), baseline)
+        load_accepted_findings(accepted, lock_path=lock_path, profile=profile)
     load_expectations(expectations, lock_path=lock_path, profile=profile)  # bad expectations fail early too
     sys_sel = select("system", systems, SYSTEMS)
     lay_sel = select("layout", layouts, LAYOUTS)
@@ -128,7 +136,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                          hint="known slices: " + ", ".join(profile.slices))
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
                          timeout_s=timeout_s, mode=mode, slice=slice_name, profiler=profiler,
-                         postload_every_layer=postload_every_layer)
+                         postload_every_layer=postload_every_layer,
+                         deadline=started + timeout_s if timeout_s else None)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit, lock=str(lock_path),
                                   expectations=str(expectations) if expectations not in (None, "") else "none",
                                   baseline="" if baseline in (None, "auto") else baseline)
@@ -168,7 +177,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                             run_dir=run_dir, cells=len(cells), incomplete=0, partial=0, drift=0, pending=True)
     outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline,
                          expectations=expectations, replace=replace or (len(sys_sel) == len(SYSTEMS)
-                                                                         and len(lay_sel) == len(LAYOUTS)))
+                                                                         and len(lay_sel) == len(LAYOUTS)),
+                         accepted=accepted)
     prune_runs(pin)
     return outcome
 
@@ -273,6 +283,58 @@ def load_expectations(spec: str | None, *, lock_path, profile: Profile):
     return exp, shown
 
 
+def load_accepted_findings(spec: str | None, *, lock_path, profile: Profile) -> tuple[set, str]:
+    """(finding keys, shown path) of the accepted-findings file the gate subtracts. ``auto``:
+    ``expectations/<model>.accepted.toml`` beside images.lock or in the working directory, and no accepted
+    findings when there is none (said in the gate's answer); ``none``: none; a named file must exist."""
+    from audit.report.gate import load_accepted
+
+    if spec in (None, "none", ""):
+        return set(), ""
+    if spec == "auto":
+        rel = Path("expectations") / f"{profile.name}.accepted.toml"
+        places = list(dict.fromkeys([Path(lock_path).resolve().parent / rel, Path.cwd().resolve() / rel]))
+        path = next((p for p in places if p.exists()), None)
+        if path is None:
+            return set(), ""
+        return load_accepted(path), _display(path)
+    return load_accepted(spec), str(spec)
+
+
+def accept_findings(pin_name: str, *, reports_dir: str | Path = "reports", lock_path: str | Path = "images.lock",
+                    accepted: str | None = "auto", profile: Profile = KIMI_K3) -> tuple[Path, int]:
+    """Write the accepted-findings file from an audited pin's report: every failing verdict and required probe
+    drift in it (notes already written for the same findings are kept). Atomic; returns (path, count)."""
+    from audit.report.diff import load_routing
+    from audit.report.gate import accepted_text, findings, load_accepted
+
+    lock = lockmod.load(lock_path)
+    lock.get(pin_name)
+    routing = load_routing(Path(reports_dir), pin_name)
+    if not routing.get("verdicts"):
+        raise UsageError(f"the report of {pin_name} judged no claims (it was audited with --expectations none)",
+                         hint=f"audit it with claims first: make audit PIN={pin_name}")
+    if accepted in (None, "", "none"):
+        raise UsageError("--accepted none names no file to write")
+    if accepted == "auto":
+        path = Path(lock_path).resolve().parent / "expectations" / f"{profile.name}.accepted.toml"
+    else:
+        path = Path(accepted)
+    notes: dict = {}
+    if path.exists():
+        load_accepted(path)  # a damaged file is reported, never overwritten blindly
+        import tomllib
+
+        from audit.report.gate import finding_key
+
+        for raw in tomllib.loads(path.read_text(encoding="utf-8")).get("finding", []):
+            if raw.get("note"):
+                notes[finding_key(raw)] = raw["note"]
+    source = f"{_display(Path(reports_dir) / pin_name / 'routing.json')}, audited {routing.get('run', {}).get('date', '?')}"
+    write_atomic(path, accepted_text(routing, source=source, keep_notes=notes))
+    return path, len(findings(routing))
+
+
 def _display(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
@@ -347,7 +409,8 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
 
 def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
                reports_dir: str | Path = "reports", baseline: str | None = "auto",
-               expectations: str | None = "auto", replace: bool = True, _beside_run: bool = False) -> AuditOutcome:
+               expectations: str | None = "auto", replace: bool = True, _beside_run: bool = False,
+               accepted: str | None = "auto") -> AuditOutcome:
     """(Re)build routing.json and ledger.md from a run directory's evidence; idempotent.
 
     Only a run in which every cell left evidence may replace ``reports/<pin>/``. A run that was aborted,
@@ -400,6 +463,8 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         if subset_of:
             report_dir = report_dir_for(run_dir / "report", pin.name)
     changes = None
+    gate = None
+    gated = baseline not in (None, "", "auto", "none")  # an explicit baseline is the pin-bump gate
     if beside:
         baseline = None  # an INCOMPLETE ledger compares with nothing
     if baseline == "auto":  # the pin before this one in release order, when it has been audited
@@ -412,7 +477,14 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     if baseline and not beside:
         from audit.report.diff import diff_routings, load_routing
 
-        changes = diff_routings(load_routing(Path(reports_dir), baseline), routing)
+        base = load_routing(Path(reports_dir), baseline)
+        changes = diff_routings(base, routing)
+        if gated:
+            from audit.report.gate import judge_gate
+
+            keys, shown = load_accepted_findings(accepted, lock_path=lock_path, profile=profile)
+            gate = judge_gate(base, routing, keys, accepted_path=shown)
+            changes["gate"] = gate
     files_out = report_files(routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"],
                              changes=changes, label_map=exp.label_map if exp is not None else None)
     try:
@@ -421,6 +493,15 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     except OSError as exc:
         raise ReportWriteError(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
                                path=str(report_dir), run_dir=str(run_dir)) from None
+    if changes is not None and not changes.get("unavailable") and not subset_of:
+        from audit.report.diff import write_diff
+
+        d = {k: v for k, v in changes.items() if k != "gate"}
+        try:
+            write_diff(Path(reports_dir), baseline, pin.name, d)
+        except OSError as exc:
+            raise ReportWriteError(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
+                                   path=str(Path(reports_dir) / "diffs"), run_dir=str(run_dir)) from None
     cells = routing["cells"]
     outcome = AuditOutcome(
         pin=pin.name, report_dir=report_dir, ledger=report_dir / "ledger.md",
@@ -430,7 +511,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         drift=len({d["target"] for c in cells for d in c["drift"]}),
         required_drift=sorted({d["target"] for c in cells for d in c["drift"] if d.get("required", True)}),
         verdicts=(routing.get("verdicts") or {}).get("summary"),
-        judged=exp is not None, subset_of=subset_of,
+        judged=exp is not None, subset_of=subset_of, gate=gate,
     )
     if incomplete and not _beside_run and not aborted:
         raise RunIncomplete(cells=unfinished, run_dir=str(run_dir), incomplete_ledger=outcome.ledger)
@@ -503,21 +584,6 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
     for before, after in zip(chosen, chosen[1:]):
         write_diff(Path(reports_dir), before.name, after.name)
     return outcomes
-
-
-def newest_full_run(pin, root: Path | None = None) -> Path | None:
-    """The newest run directory of *pin* that covered every (system, layout) cell and left evidence for
-    each, unaborted; None when there is none."""
-    every = sorted([s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values())))
-    for run in reversed(runs_of(pin, root)):
-        try:
-            meta = json.loads((run / "run.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if sorted(meta.get("cells", [])) == every and not meta.get("missing") and not meta["run"].get("aborted") \
-                and meta["run"].get("mode", "resolve") == "resolve":
-            return run
-    return None
 
 
 def clean_cache(keep_envs: bool = True) -> None:

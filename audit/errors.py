@@ -10,7 +10,7 @@ import enum
 
 class ExitCode(enum.IntEnum):
     OK = 0
-    #: the audit ran and found a MISMATCH or CRASH (or UNVERIFIED under --strict)
+    #: the audit ran and found a false claim, a refusal or required probe drift (or UNVERIFIED under --strict)
     FINDINGS = 1
     #: bad input: lock file, expectations, CLI arguments
     USAGE = 2
@@ -21,6 +21,9 @@ class ExitCode(enum.IntEnum):
     #: the audit finished but its report could not be written (read-only or full disk, a locked report);
     #: the evidence is kept and the message says how to render it later
     REPORT_WRITE = 5
+    #: the pin-bump gate (an explicit --baseline): how the model is served changed against the baseline (a
+    #: routed path, a per-call tier, a refusal, an activation check, a candidate's rejection, probe drift)
+    SERVING_CHANGED = 6
     #: an unexpected error in the harness itself (a bug); the traceback is in a log file whose path is printed
     INTERNAL = 70
     #: the audit was interrupted (SIGINT/SIGTERM)
@@ -64,10 +67,31 @@ class UnknownPinError(UsageError):
         self.pin = pin
         self.known = known
         self.path = path
-        super().__init__(
-            f"pin {pin!r} is not in {path}",
-            hint="known pins: " + (", ".join(known) if known else "(none)"),
-        )
+        super().__init__(f"pin {pin!r} is not in {path}", hint=self._hint(pin, known, path))
+
+    @staticmethod
+    def _hint(pin: str, known: list[str], path: str) -> str:
+        """The lines that would make *pin* auditable: a name that looks like a vLLM release is on PyPI, a
+        nightly-MMDD name is main as of that day, anything else a commit, the moving nightly or a wheel URL."""
+        import re
+        from datetime import date
+
+        lock = "" if path == "images.lock" else f" LOCK={path}"
+        lines = []
+        m = re.fullmatch(r"nightly-(\d{2})(\d{2})", pin)
+        if m:
+            try:
+                day = date(date.today().year, int(m.group(1)), int(m.group(2)))
+                if day > date.today():
+                    day = day.replace(year=day.year - 1)
+                lines.append(f"make lock-add PIN={pin} DATE={day.isoformat()}{lock}   (vLLM main as of that day)")
+            except ValueError:
+                pass
+        lines += [f"make lock-add PIN={pin} COMMIT=<sha>{lock}   (a vLLM commit's wheel)",
+                  f"make lock-add PIN={pin} NIGHTLY=1{lock}   (the commit vLLM's nightly index points at now)",
+                  f"make lock-add PIN={pin} WHEEL_URL=<url>{lock}   (any wheel)"]
+        return ("known pins: " + (", ".join(known) if known else "(none)") + "; to pin it, one of:\n  "
+                + "\n  ".join(lines) + f"\nthen: make audit PIN={pin}{lock}")
 
 
 class RuntimeUnsupportedError(UsageError):

@@ -611,3 +611,27 @@ def test_ctrl_c_stops_a_harness_started_with_sigint_ignored(tmp_path):
         server.close()
     assert proc.returncode == ExitCode.INTERRUPTED, err[-1000:]
     assert lock.read_text() == (ROOT / "images.lock").read_text()
+
+
+@pytest.mark.vllm
+def test_timeout_covers_building_the_environment(vllm_env, tmp_path):
+    """--timeout counts from the audit's start: an environment still being built when it runs out stops there
+    (exit 4, naming the build step), not minutes later with another code."""
+    rt, pin, _ = vllm_env
+    cache = tmp_path / "cache"
+    wheel = rt.wheels.find(pin)
+    (cache / "wheels").mkdir(parents=True)
+    try:
+        os.link(wheel, cache / "wheels" / wheel.name)  # the pinned bytes, found by hash; no new download
+    except OSError:
+        shutil.copy2(wheel, cache / "wheels" / wheel.name)
+    env = {**os.environ, "SERVING_TRUTH_CACHE": str(cache)}
+    t0 = time.monotonic()
+    r = subprocess.run([*CLI, "audit", "v0.33.0", "--systems", "b200_sxm", "--layouts", "tp8", "--reports",
+                        str(tmp_path / "reports"), "--timeout", "8"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=600)
+    took = time.monotonic() - t0
+    assert r.returncode == ExitCode.RUN_FAILED, r.stderr[-2000:]
+    assert "building the vLLM 0.33.0 environment" in r.stderr and "timed out after 8s" in r.stderr
+    assert took < 90, took  # stopped at the deadline, not after a full build
+    assert not (tmp_path / "reports" / "v0.33.0").exists()

@@ -156,6 +156,8 @@ def test_previous_pin_is_the_release_ordered_predecessor(write):
     assert prev("v0.34.0", releases_only=True) == "v0.33.0"
     assert prev("nightly-0731", releases_only=True) == "v0.33.0"
     assert prev("v0.33.0") == "v0.32.0" and prev("v0.32.0") is None
+    assert prev("v0.33.0-image") == "v0.33.0"  # a later build of the same version replaces the earlier one
+    assert prev("v0.33.0-image", releases_only=True) == "v0.32.0"
     assert prev("preview") is None  # an untagged branch build has no place in the order
     assert [p.name for p in lock.sorted_pins(lk)] == ["v0.32.0", "v0.33.0", "v0.33.0-image", "nightly-0731", "rc1",
                                                         "v0.34.0", "preview"]

@@ -1,5 +1,5 @@
 """Host side of the post-load stage: routing's lanes and levels, the load_refused finding, the
-LOAD_REFUSED verdict and the ledger, from evidence records shaped as probes/resolve/postload.py writes them
+REFUSED verdict (at load) and the ledger, from evidence records shaped as probes/resolve/postload.py writes them
 (tests/test_postload_vllm.py checks the same path against the real wheel)."""
 from pathlib import Path
 
@@ -99,12 +99,12 @@ def test_refusal_is_a_failing_verdict_with_where():
                                       architecture=KIMI_K3.architecture, claims=tuple(claims))
     for exp, claims in ((exp([claim]), ["moe-dep"]), (exp([]), [""])):
         rows = [v for v in verdicts.judge(r, exp) if v["system"] == "h100_sxm"]
-        assert [(v["verdict"], v["claim"]) for v in rows] == [("LOAD_REFUSED", c) for c in claims]
+        assert [(v["verdict"], v["claim"]) for v in rows] == [("REFUSED", c) for c in claims]
         assert GATE in rows[0]["why"] and "layers.1.block_sparse_moe.experts" in rows[0]["why"]
         assert rows[0]["layers"] == "1"
-        assert verdicts.summary(rows)["LOAD_REFUSED"] == 1 and "LOAD_REFUSED" in verdicts.FAILING
+        assert verdicts.summary(rows)["REFUSED"] == 1 and "REFUSED" in verdicts.FAILING
         # the cell the gate passes is judged as before
-        assert not any(v["verdict"] == "LOAD_REFUSED" for v in verdicts.judge(r, exp) if v["system"] == "b200_sxm")
+        assert not any(v["verdict"] == "REFUSED" for v in verdicts.judge(r, exp) if v["system"] == "b200_sxm")
 
 
 def test_ledger_says_where_vllm_refused():
@@ -112,7 +112,7 @@ def test_ledger_says_where_vllm_refused():
     assert f"> **vLLM refuses to load in 1 cell(s):** h100_sxm/dep8 (`{GATE}` raised `NotImplementedError`" in text
     matrix = next(l for l in text.splitlines() if l.startswith("| Weights load (post-load) |"))
     assert "REFUSED by vLLM (layer 1): NotImplementedError: DeepGEMM MegaMoE requires SM100 GPUs." in matrix
-    assert "no refusal; all 1 steps ran" in matrix
+    assert "simulated to the end: 1 steps, no refusal" in matrix
     section = text.split("## Post-load", 1)[1].split("\n## ", 1)[0]
     assert "| h100_sxm | dep8 | 2 | 1 | 1 | 0 |" in section
     assert "during `KimiK3ForConditionalGeneration.process_weights_after_loading`" in section

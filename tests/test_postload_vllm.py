@@ -2,7 +2,7 @@
 
 vLLM 0.30.0 builds MegaMoE experts on every SM and checks the device only when the model's post-load
 hook finalizes their weights. Resolve mode must show that refusal (vLLM's own message and raising
-function, a LOAD_REFUSED verdict), must not invent one where vLLM's check passes, and must follow a
+function, a REFUSED verdict (at load)), must not invent one where vLLM's check passes, and must follow a
 change planted in the pinned vLLM's gate.
 """
 import json
@@ -114,9 +114,9 @@ def test_vllm_refuses_megamoe_at_load_on_sm90(probed, env030):
     assert cell["postload"]["refused"] == 1 and cell["postload"]["limit"] == 0
     # every claim on the cell fails there, and the gate counts it
     rows = [v for v in probed["routing"]["verdicts"]["rows"] if (v["system"], v["layout"]) == ("h100_sxm", "dep8")]
-    assert rows and {v["verdict"] for v in rows} == {"LOAD_REFUSED"}
+    assert rows and {v["verdict"] for v in rows} == {"REFUSED"}
     assert all(GATE in v["why"] and r["message"] in v["why"] for v in rows)
-    assert "LOAD_REFUSED" in verdicts.FAILING
+    assert "REFUSED" in verdicts.FAILING
     # the ledger says so where a reader looks first, and in the matrix
     ledger = probed["ledger"]
     assert "> **vLLM refuses to load in 1 cell(s):** h100_sxm/dep8 (`" + GATE in ledger
@@ -131,7 +131,7 @@ def test_no_refusal_where_the_check_passes(probed):
     post = cell["postload"]
     assert cell["load_refused"] is None and post["refused"] == 0
     assert post["limit"] == 0 and post["ok"] == post["steps"] and post["limits"] == []
-    assert not any(v["verdict"] == "LOAD_REFUSED" for v in probed["routing"]["verdicts"]["rows"]
+    assert not any(v["verdict"] == "REFUSED" for v in probed["routing"]["verdicts"]["rows"]
                    if v["system"] == "b200_sxm")
     assert {(g["value"], g["level"]) for g in cell["lanes"]["moe.kernel"]} == {
         ("DeepGEMM MegaMoE weights transformed", "post-load")}
@@ -147,7 +147,7 @@ def test_planted_gate_change_changes_the_ledger(probed, planted):
     # with the gate admitting SM 9.x, vLLM no longer refuses; post-load goes on into DeepGEMM's transform,
     # whose compiled extension has no SM 9 code for it: a stated limit there, not a refusal
     assert after["load_refused"] is None and after["postload"]["refused"] == 0 and after["postload"]["limit"] >= 1
-    assert not any(v["verdict"] == "LOAD_REFUSED" for v in planted["routing"]["verdicts"]["rows"])
+    assert not any(v["verdict"] == "REFUSED" for v in planted["routing"]["verdicts"]["rows"])
     assert "vLLM refuses to load" not in planted["ledger"]
     assert "REFUSED by vLLM" not in planted["ledger"]
     # construction did not change: only what vLLM decides after loading moved
@@ -179,7 +179,7 @@ def test_a_refusal_at_the_end_of_load_weights_is_seen(probed, load_tail):
     # the post-load hook no longer finalizes: the load tail is the only refusal
     assert after["postload"]["refused"] == 1 and after["postload"]["steps"] == before["postload"]["steps"]
     rows = [v for v in load_tail["routing"]["verdicts"]["rows"] if (v["system"], v["layout"]) == ("h100_sxm", "dep8")]
-    assert rows and {v["verdict"] for v in rows} == {"LOAD_REFUSED"}
+    assert rows and {v["verdict"] for v in rows} == {"REFUSED"}
     assert "during `KimiLinearForCausalLM.load_weights`" in load_tail["ledger"]
     # without the plant the tail runs too, and does nothing but load (0.30.0 finalizes in its hook)
     f = next(f for f in probed["files"] if f.cell == ("h100_sxm", "dep8"))

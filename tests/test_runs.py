@@ -26,7 +26,7 @@ def test_from_runs_takes_the_newest_run_of_every_cell_and_nothing_less(tmp_path)
     and was not aborted: never from a subset audit, an INCOMPLETE run, an observe run or another pin's run."""
     import json
 
-    from audit.core import newest_full_run
+    from audit.runtimes.base import newest_full_run
     from audit.systems import LAYOUTS, SYSTEMS, cells_of
 
     every = [[s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values()))]
@@ -49,3 +49,27 @@ def test_from_runs_takes_the_newest_run_of_every_cell_and_nothing_less(tmp_path)
     assert newest_full_run(pin, root=tmp_path) == full
     newer = run("v0.33.0-20261202T150000Z-7")
     assert newest_full_run(pin, root=tmp_path) == newer
+
+
+def test_prune_never_removes_the_newest_run_of_every_cell(tmp_path):
+    """Subset audits after a full one (the test suite's, a user's) do not take away what `make reports
+    FROM_RUNS=1` renders from."""
+    import json
+
+    from audit.runtimes.base import newest_full_run
+    from audit.systems import LAYOUTS, SYSTEMS, cells_of
+
+    every = [[s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values()))]
+    runs = tmp_path / "runs"
+    names = [f"v0.33.0-20261129T1900{i:02d}Z-{100 + i}" for i in range(8)]
+    old = time.time() - 2 * 3600
+    for i, name in enumerate(names):
+        (runs / name).mkdir(parents=True)
+        cells = every if i == 1 else every[:2]
+        (runs / name / "run.json").write_text(json.dumps({"pin": "v0.33.0", "cells": cells, "missing": [],
+                                                           "run": {"mode": "resolve"}}))
+        os.utime(runs / name, (old, old))
+    pin = Pin(name="v0.33.0", vllm_version="0.33.0")
+    prune_runs(pin, keep=3, root=tmp_path)
+    assert sorted(p.name for p in runs.iterdir()) == sorted([names[1]] + names[-3:])
+    assert newest_full_run(pin, root=tmp_path) == runs / names[1]

@@ -52,9 +52,16 @@ def test_verdicts_on_the_real_v0_33_audit():
     assert verdict_of(rows, "moe-w4a16-marlin", "h100_sxm", "tp8", "moe") == "MISMATCH"
     assert verdict_of(rows, "moe-w4a16-marlin", "b200_sxm", "tp8", "moe") == "MISMATCH"
     assert verdict_of(rows, "moe-dep-megamoe", "b200_sxm", "dep8", "moe") == "MATCH"
-    # MegaMoE refuses SM90 at construction: the KDA claims on that cell crash past layer 1
-    crash = [r for r in rows if r["verdict"] == "CRASH" and (r["system"], r["layout"]) == ("h100_sxm", "dep8")]
-    assert crash and all("DeepGEMM MegaMoE requires SM100" in r["why"] for r in crash)
+    # MegaMoE refuses SM90 at construction: one REFUSED row on the MoE lane (no claim covers MoE there), and the
+    # KDA claims of that cell are not judged (they point at the refusal): no layer of it, not even layer 0 that
+    # was built before the refusal, reads as MATCH
+    cell = [r for r in rows if (r["system"], r["layout"]) == ("h100_sxm", "dep8")]
+    refused = [r for r in cell if r["verdict"] == "REFUSED"]
+    assert [(r["lane"], r["claim"]) for r in refused] == [("moe", "")]
+    assert "vLLM refused at construction" in refused[0]["why"] and "DeepGEMM MegaMoE requires SM100" in refused[0]["why"]
+    kda = [r for r in cell if r["claim"].startswith("kda-")]
+    assert kda and all(r["verdict"] == "UNVERIFIED" and "the REFUSED row" in r["why"] for r in kda)
+    assert not [r for r in cell if r["verdict"] == "MATCH"]
     # spec-verify does not happen without speculation
     assert {r["verdict"] for r in rows if r["lane"] == "kda.spec_verify" and r["layout"] == "tp8"} == {"NOT_EXERCISED"}
     assert all(r["evidence"] == "resolved" for r in rows)
@@ -76,6 +83,39 @@ source = "test"
     r = [x for x in rows if x["claim"] == "trtllm-on-hopper" and x["system"] == "h100_sxm"][0]
     assert r["verdict"] == "SILENT_FALLBACK"
     assert "rejected TrtLlmMxfp4Experts" in r["why"] and "kernel does not support" in r["why"]
+
+
+def test_silent_fallback_quotes_the_rejection_that_decided(tmp_path):
+    """A build whose Humming indexed experts say no (a support check failing quietly) falls back to another
+    family; the earlier Humming candidates are refused on every build and decide nothing: the row quotes the
+    last one, the candidate that was next in line."""
+    import copy
+
+    path = write_claims(tmp_path, '''
+[[claim]]
+id = "humming-on-hopper"
+lane = "w4a16_mxfp4"
+layouts = ["tp8"]
+systems = ["h100_sxm"]
+backend = "humming"
+source = "test"
+''')
+    r = copy.deepcopy(routing())
+    cell = next(c for c in r["cells"] if (c["system"], c["layout"]) == ("h100_sxm", "tp8"))
+    for g in cell["candidates"]["moe"]:
+        tried = g["value"]
+        indexed = next(t for t in tried if t["cls"] == "HummingIndexedExperts")
+        indexed.update(supported=False, reason="planted: no")
+        tried.append({"cls": "MarlinExperts", "backend": "MARLIN", "supported": True, "reason": None})
+    for g in cell["lanes"]["moe"]:
+        g["value"] = "MARLIN / MarlinExperts"
+        g["raw"]["fields"] = ["Mxfp4MoeBackend.MARLIN", "vllm.model_executor.layers.fused_moe.fused_marlin_moe:MarlinExperts",
+                              "vllm.model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod"]
+    rows = [x for x in judge(r, expectations.load(path)) if x["claim"] == "humming-on-hopper"]
+    assert rows and {x["verdict"] for x in rows} == {"SILENT_FALLBACK"}
+    why = rows[0]["why"]
+    assert why.startswith("vLLM rejected HummingIndexedExperts (HUMMING): planted: no"), why
+    assert "2 earlier humming candidate(s): BatchedHummingGroupedExperts, HummingGroupedExperts" in why
 
 
 def test_forbidden_backend_is_a_mismatch(tmp_path):

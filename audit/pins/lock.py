@@ -404,6 +404,9 @@ def previous_pin(lock: Lock, name: str, *, releases_only: bool = False) -> Pin |
     """The pin that precedes *name* in release order: among the pins whose vLLM version is strictly lower
     than its own, those with the highest version, and of those the first in the lock file.
 
+    A pin of the same version earlier in the file comes first: it is the build this one replaces (a wheel
+    rebuilt with the same version and file name is a different build, told apart only by its bytes).
+
     This is the natural "changes since" baseline: a nightly ``0.34.0rc1.dev123+gabc`` follows ``v0.33.0``
     (and a later nightly, say ``0.34.0rc1.dev200+gdef``, follows that one); the release ``0.34.0`` follows
     the last pinned 0.34.0 pre-release or nightly. With ``releases_only`` only final releases (no dev, rc,
@@ -417,6 +420,14 @@ def previous_pin(lock: Lock, name: str, *, releases_only: bool = False) -> Pin |
     if not pin.placed:
         return None
     mine = version_key(pin.vllm_version)
+    if not releases_only:
+        # a build of the same version pinned earlier in the file is the one this build replaces (a rebuilt
+        # wheel, a patched image): that is what a release owner compares it with
+        order = list(lock.pins)
+        earlier = [p for p in order[:order.index(name)]
+                   if lock.pins[p].placed and version_key(lock.pins[p].vllm_version) == mine]
+        if earlier:
+            return lock.pins[earlier[-1]]
     best: Pin | None = None
     for other in lock.pins.values():  # file order: the first of equal versions wins
         if other.name == name or not other.placed:

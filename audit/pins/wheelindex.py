@@ -351,6 +351,8 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
         raise UsageError(f"--arch {arch!r}: vLLM ships x86_64 and aarch64 wheels")
     fields: dict = {"name": name}
     notes = []
+    #: what the release owner must know about this build (said by the CLI, kept in the pin's note)
+    warnings: list[str] = []
     wants_wheel = bool(commit or as_of or nightly or wheel_url)
     if vllm_version and wants_wheel:
         raise UsageError("--vllm-version is for image-only pins; with a wheel, the wheel says its version")
@@ -429,6 +431,16 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
                       wheel_url=wheel_url)
         if not commit and facts["commit"]:
             commit = facts["commit"]
+            notes.append(f"vllm_commit {commit} is what the wheel's own _version.py says; not checked against "
+                         "any repository (give --commit SHA to check it)")
+        for other in lk.pins.values():
+            if other.wheel_sha256 and other.wheel_sha256 != digest and (
+                    other.wheel == filename or other.vllm_version == parts["version"]):
+                same = "file name and version" if other.wheel == filename else "vLLM version"
+                warning = (f"same {same} as pin {other.name} ({other.wheel_sha256[:12]}), different bytes: a "
+                           "different build")
+                notes.append(warning)
+                warnings.append(warning)
         progress(f"{filename}: {size} bytes, sha256 {digest}")
     elif not vllm_version:
         raise UsageError("an image-only pin needs --vllm-version (the version the image's vLLM reports)",
@@ -467,7 +479,7 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
         except LockError:
             write_atomic(lock_path, old)  # never leave a lock that does not parse
             raise
-    return fields
+    return {**fields, "warnings": warnings}
 
 
 __all__ = ["WheelEntry", "add_pin", "commits_before", "download", "full_commit", "index_base", "inspect_wheel",

@@ -25,9 +25,17 @@ def _tried_text(tried: list[dict]) -> str:
 
 
 def _ranges(layers) -> str:
+    """Layer ranges; a model-level lane (layer -1: the specialized decode, the model's own hook) reads "model"."""
     from audit.report.routing import format_ranges
 
-    return format_ranges(layers)
+    layers = set(layers)
+    model = -1 in layers
+    text = format_ranges(sorted(layers - {-1}))
+    return ", ".join(x for x in (("model" if model else ""), text) if x)
+
+
+#: what a lane with no value in an audit whose construction stopped means
+NOT_BUILT = "— (not built in this audit: construction stopped)"
 
 
 def diff_routings(old: dict, new: dict) -> dict:
@@ -62,10 +70,11 @@ def diff_routings(old: dict, new: dict) -> dict:
                 add(cell_changes, (field, str(a.get(field)), str(b.get(field))), cell)
         for field, before, after in _cell_facts(a, b):
             add(cell_changes, (field, before, after), cell)
-        # where construction now stops earlier (or later), lanes appearing/disappearing past that
-        # point are consequences of the stop, already stated by the construction row
-        stop_changed = a.get("status") != b.get("status")
+        # where construction stops in one audit and not the other, the lanes past the stop appear or disappear:
+        # each is a change of what the cell runs, shown with what it runs now (never folded into "unchanged")
         gone_a, gone_b = _absent(a), _absent(b)
+        blank_a = NOT_BUILT if a.get("status") != "COMPLETE" else "—"
+        blank_b = NOT_BUILT if b.get("status") != "COMPLETE" else "—"
         for lane in sorted(set(a["lanes"]) | set(b["lanes"])):
             before, after = _per_layer(a["lanes"].get(lane, [])), _per_layer(b["lanes"].get(lane, []))
             if not before and gone_a:
@@ -75,8 +84,8 @@ def diff_routings(old: dict, new: dict) -> dict:
             compared += 1
             moved = defaultdict(set)
             for layer in sorted(set(before) | set(after)):
-                va, vb = before.get(layer, "—"), after.get(layer, "—")
-                if va != vb and not (stop_changed and "—" in (va, vb)):
+                va, vb = before.get(layer, blank_a), after.get(layer, blank_b)
+                if va != vb:
                     moved[(va, vb)].add(layer)
             if not moved:
                 unchanged += 1
@@ -87,8 +96,8 @@ def diff_routings(old: dict, new: dict) -> dict:
             after = {layer: _tried_text(g["value"]) for g in b.get("candidates", {}).get(lane, []) for layer in g["layers"]}
             moved = defaultdict(set)
             for layer in sorted(set(before) | set(after)):
-                va, vb = before.get(layer, "—"), after.get(layer, "—")
-                if va != vb and not (stop_changed and "—" in (va, vb)):
+                va, vb = before.get(layer, blank_a), after.get(layer, blank_b)
+                if va != vb:
                     moved[(va, vb)].add(layer)
             for (va, vb), layers in moved.items():
                 add(cand_changes, (lane, va, vb), cell, layers)
@@ -103,20 +112,21 @@ def diff_routings(old: dict, new: dict) -> dict:
                         "before": key[1], "after": key[2],
                         "cells": [list(c) for c in cells],
                         "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
-                        "layers": _ranges(row["layers"]) if row["layers"] else ""})
+                        "layers": _ranges(row["layers"]) if row["layers"] else "",
+                        "serving": decides_serving(kind, "" if lane_like else key[0])})
         return sorted(out, key=lambda r: (r["lane"] or r["field"], r["before"], r["after"]))
 
     # verdict changes (when both audits were judged), one row per (claim, lane, before, after)
     verdict_changes: dict[tuple, dict] = {}
     va, vb = _worst_verdicts(old), _worst_verdicts(new)
-    stopped = {cell for cell in common if old_cells[cell].get("status") != new_cells[cell].get("status")}
     if va and vb:
+        in_both = set(common)
         for key in sorted(set(va) | set(vb)):
             cell = (key[1], key[2])
-            if cell not in set(common):
+            if cell not in in_both:
                 continue
             before, after = va.get(key, "—"), vb.get(key, "—")
-            if before != after and not (cell in stopped and "—" in (before, after)):
+            if before != after:
                 add(verdict_changes, (key[0] or "(no claim)", before, after), cell)
     # --- dispatch tiers (audit/report/dispatch.py): a per-call choice that moved at some token counts ---
     dispatch_changes: dict[tuple, dict] = {}
@@ -130,9 +140,9 @@ def diff_routings(old: dict, new: dict) -> dict:
                + rows(verdict_changes, "verdict") + rows(dispatch_changes, "dispatch"))
     return {
         "schema": DIFF_SCHEMA,
-        "from": {"pin": old["pin"].get("name"), "vllm_version": old["pin"].get("vllm_version")},
-        "to": {"pin": new["pin"].get("name"), "vllm_version": new["pin"].get("vllm_version")},
+        "from": _build(old), "to": _build(new),
         "changes": changes,
+        "serving_changes": sum(1 for c in changes if c["serving"]),
         "unchanged_lanes": unchanged,
         "compared_lanes": compared,
         "cells_compared": len(common),
@@ -140,6 +150,52 @@ def diff_routings(old: dict, new: dict) -> dict:
         "only_in_to": [list(c) for c in only_new],
         "empty": not changes and not only_old and not only_new,
     }
+
+
+#: cell facts that are information, not a change of how the model is served: the packages installed (they
+#: move with every build; what they change shows in the rows that do decide) and the evidence level
+INFORMATION_FIELDS = ("package: ", "evidence")
+
+
+def decides_serving(kind: str, field: str) -> bool:
+    """Whether a change row is a change of how the model is served (what the pin-bump gate fails on): a routed
+    path, a candidate tried or its rejection, a per-call tier, construction or post-load (a refusal, a stop), an
+    activation check, the attention candidates, vLLM's availability answers, probe drift or errors. Verdict rows
+    are judged as findings, package versions and evidence levels are information."""
+    if kind in ("path", "candidates", "dispatch"):
+        return True
+    if kind == "cell":
+        return not field.startswith(INFORMATION_FIELDS)
+    return False
+
+
+def _build(routing: dict) -> dict:
+    """Which build an audit is of: the pin, its vLLM version and commit, and the wheel's (or image's) identity, so
+    two builds with the same version and file name and different bytes are told apart."""
+    pin = routing.get("pin") or {}
+    return {"pin": pin.get("name"), "vllm_version": pin.get("vllm_version"), "vllm_commit": pin.get("vllm_commit", ""),
+            "wheel": pin.get("wheel", ""), "wheel_sha256": pin.get("wheel_sha256", ""),
+            "image_config_digest": pin.get("image_config_digest", "")}
+
+
+def _postload_state(cell: dict) -> str:
+    """How far vLLM's post-load path went in a cell, in one line (a refusal names vLLM's function and message)."""
+    post = cell.get("postload")
+    if not post:
+        return "not run" + (" (construction did not finish)" if cell.get("status") != "COMPLETE" else "")
+    refused = post.get("refused_at")
+    if refused:
+        return (f"refused at {refused.get('step')}: {refused.get('function')} raised "
+                f"{str(refused.get('type', '')).rsplit(':', 1)[-1]}: {refused.get('message')}")
+    limits = post.get("limits") or []
+    if limits:
+        first = limits[0]
+        return (f"stopped in {sum(g.get('count', 0) for g in limits)} step(s) by a simulation limit: "
+                f"{first.get('raised_in')}: {str(first.get('message', ''))[:160]}")
+    if not post.get("ran"):
+        err = post.get("error") or {}
+        return f"did not run: {err.get('type', '')}: {err.get('message', '')}"
+    return f"ran to the end ({post.get('steps', 0)} steps)"
 
 
 def _absent(cell: dict) -> str:
@@ -169,6 +225,8 @@ def _cell_facts(a: dict, b: dict):
 
     if attention(a) != attention(b):
         yield "attention candidates", attention(a), attention(b)
+    if _postload_state(a) != _postload_state(b):
+        yield "post-load", _postload_state(a), _postload_state(b)
     for field, get in (("probe drift", lambda c: sorted(d["target"] for d in c.get("drift", []))),
                        ("probe errors", lambda c: sorted(f"{e.get('where')}: {(e.get('error') or {}).get('type')}: "
                                                          f"{(e.get('error') or {}).get('message')}"
@@ -186,18 +244,23 @@ def _cell_facts(a: dict, b: dict):
                 yield f"{title}: {key}", _text(da.get(key)), _text(db.get(key))
 
 
-_SEVERITY = ("CRASH", "LOAD_REFUSED", "MISMATCH", "SILENT_FALLBACK", "RANK_DISAGREE", "MATCH", "NOT_EXERCISED", "UNVERIFIED")
+_SEVERITY = ("REFUSED", "MISMATCH", "SILENT_FALLBACK", "RANK_DISAGREE", "MATCH", "NOT_EXERCISED", "UNVERIFIED")
 
 
 def _worst_verdicts(routing: dict) -> dict[tuple, str]:
-    """(claim, system, layout, lane, workload) -> its most severe verdict over the lane's layer groups
+    """(claim, system, layout, lane, workload) -> its most severe verdict over the lane's layer groups, with what
+    runs there ("MISMATCH (humming)"), so a verdict that stays the same against another backend still shows
     (workload: a claim's ``at``, empty for a claim about every batch size)."""
-    out: dict[tuple, str] = {}
+    worst: dict[tuple, tuple[int, str, set]] = {}
     for r in (routing.get("verdicts") or {}).get("rows", []):
         key = (r["claim"], r["system"], r["layout"], r["lane"], r.get("at", ""))
-        if key not in out or _SEVERITY.index(r["verdict"]) < _SEVERITY.index(out[key]):
-            out[key] = r["verdict"]
-    return out
+        rank = _SEVERITY.index(r["verdict"])
+        if key not in worst or rank < worst[key][0]:
+            worst[key] = (rank, r["verdict"], set())
+        if rank == worst[key][0] and r.get("actual"):
+            worst[key][2].add(r["actual"])
+    return {key: verdict + (f" ({', '.join(sorted(actual))})" if actual else "")
+            for key, (_, verdict, actual) in worst.items()}
 
 
 def load_routing(reports_dir: Path, pin: str) -> dict:
@@ -208,15 +271,20 @@ def load_routing(reports_dir: Path, pin: str) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"no audit of {pin!r}: {path} does not exist",
-                         hint=f"run `make audit PIN={pin}` first") from None
+                         hint=f"audit it into that reports directory first: make audit PIN={pin}"
+                              + ("" if str(reports_dir) == "reports" else f" REPORTS={reports_dir}")) from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise UsageError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("pin"), dict):
         raise UsageError(f"{path} is not a routing.json written by this harness (expected an object with "
-                         "'pin' and 'cells')", hint=f"re-render it: make audit PIN={pin}")
-    if data.get("schema") != 1:
-        raise UsageError(f"{path} has routing schema {data.get('schema')!r}; this harness reads 1",
-                         hint=f"re-render it: make audit PIN={pin}")
+                         "'pin' and 'cells')", hint=f"audit it again: make audit PIN={pin}")
+    from audit.report.routing import ROUTING_SCHEMA
+
+    if data.get("schema") != ROUTING_SCHEMA:
+        raise UsageError(f"{path} has routing schema {data.get('schema')!r}; this harness reads {ROUTING_SCHEMA}",
+                         hint=f"render it again from its newest run (no vLLM needed): serving-truth regenerate "
+                              f"--pins {pin} --from-runs --reports {reports_dir}; or audit it again: "
+                              f"make audit PIN={pin}")
     return data
 
 
@@ -226,15 +294,17 @@ def render_diff(d: dict) -> str:
     return _env().get_template("diff.md.j2").render(d=d)
 
 
-def write_diff(reports_dir: Path, from_pin: str, to_pin: str) -> tuple[Path, Path, dict]:
-    """Render reports/diffs/<from>..<to>.md and .json (both rendered before either is replaced)."""
+def write_diff(reports_dir: Path, from_pin: str, to_pin: str, d: dict | None = None) -> tuple[Path, Path, dict]:
+    """Render reports/diffs/<from>..<to>.md and .json (both rendered before either is replaced); *d* is the
+    diff when the caller computed it already."""
     from audit.fsutil import write_all_atomic
 
-    d = diff_routings(load_routing(reports_dir, from_pin), load_routing(reports_dir, to_pin))
     from audit.fsutil import report_dir_for
 
     for pin in (from_pin, to_pin):
         report_dir_for(reports_dir, pin)  # names that are no plain directory name never reach a path
+    if d is None:
+        d = diff_routings(load_routing(reports_dir, from_pin), load_routing(reports_dir, to_pin))
     out = Path(reports_dir) / "diffs"
     md, js = out / f"{from_pin}..{to_pin}.md", out / f"{from_pin}..{to_pin}.json"
     write_all_atomic({js: json.dumps(d, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d)})

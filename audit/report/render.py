@@ -59,11 +59,13 @@ def _lane_summary(groups: list[dict], cell: dict) -> str:
             return f"not built: simulation limit ({failure.get('stage', '?')} raised {short(failure.get('type', ''))})"
         if stopped:
             return f"not built: {failure.get('stage', '?')} raised {short(failure.get('type', ''))}"
-        return "—"
+        return "— (none built here)"
+    # a deployment vLLM refuses at load serves nothing: what construction built is marked so
+    mark = "(refused at load) " if cell.get("load_refused") else ""
     if len(groups) == 1 and not stopped:
-        return _shown(groups[0])
+        return mark + _shown(groups[0])
     text = "; ".join(f"{_shown(g)} (layers {g['ranges']})" for g in groups)
-    return f"{text}, then construction stopped" if stopped else text
+    return mark + (f"{text}, then construction stopped" if stopped else text)
 
 
 def _load_summary(c: dict | None) -> str:
@@ -71,8 +73,10 @@ def _load_summary(c: dict | None) -> str:
     if c is None:
         return "not audited"
     post = c.get("postload")
-    if c["status"] == "INCOMPLETE" or not post:
-        return "—" if c["status"] != "INCOMPLETE" else "INCOMPLETE"
+    if c["status"] == "INCOMPLETE":
+        return "INCOMPLETE"
+    if not post:
+        return "not reached: construction did not finish" if c["status"] == "PARTIAL" else "not run"
     r = c.get("load_refused")
     if r:
         where = f" (layer {r['layer']})" if r.get("layer") is not None else ""
@@ -80,8 +84,9 @@ def _load_summary(c: dict | None) -> str:
     if not post["ran"]:
         return f"not run: {post['error']['type']}"
     if post["limit"]:
-        return f"no refusal; {post['ok']} of {post['steps']} steps simulated to the end"
-    return f"no refusal; all {post['steps']} steps ran"
+        return (f"stopped at a simulation limit in {post['limit']} of {post['steps']} steps; no refusal in the "
+                f"{post['ok']} that ran to the end")
+    return f"simulated to the end: {post['steps']} steps, no refusal"
 
 
 def _uniform(cells: list[dict], getter):

@@ -17,7 +17,8 @@ from audit.report.layers import format_ranges
 from audit.report.observed import merge as merge_observed
 from audit.profiles import Lane, Profile
 
-ROUTING_SCHEMA = 1
+#: 2: one verdict for a refusal by vLLM's own code, at construction or load (REFUSED; was CRASH / LOAD_REFUSED)
+ROUTING_SCHEMA = 2
 EVIDENCE_LEVELS = {
     "resolved": "resolved: vLLM's own selection code ran under a simulated NVIDIA platform; no kernel executed",
     "observed": "observed: the kernel entry was hit in the serving process on a real GPU (eager)",

@@ -9,11 +9,12 @@ UNVERIFIED       a lane group no claim covers, or a claim the audit could not ju
                  or no evidence exists for its lane, e.g. a probe target drifted): it stays visible and
                  fails --strict
 RANK_DISAGREE    ranks took different paths (observed mode only; resolve mode sees rank 0)
-CRASH            vLLM's own code raised during construction before the claimed layers were built (a
-                 stop the simulation caused -- an op with no meta implementation, say -- is UNVERIFIED)
-LOAD_REFUSED     vLLM's own post-load check refused the deployment (it raised about the device or the
-                 config while finalizing weights): a server started this way fails at load, so nothing in
-                 the cell is judged as serving; one row per claim covering the cell (or one for the cell)
+REFUSED          vLLM's own code refused the deployment with an explicit ``raise`` (not an assertion, not an
+                 error chained from a call, not about the simulation): during construction, before the claimed
+                 layers were built, or at load, while finalizing weights. A server started this way does not
+                 serve, so nothing past the refusal is judged; the row says where (construction or load),
+                 vLLM's function and message. A stop the simulation caused (an op with no meta
+                 implementation, say) is UNVERIFIED, never a refusal.
 Every verdict carries the evidence level it rests on.
 
 A claim with ``at`` (a batch size: ``decode 1``, ``prefill 2048``, ``verify 32``) is judged once per
@@ -29,10 +30,9 @@ from audit.report.expectations import Expectations
 from audit.report.labels import derive
 from audit.report.routing import format_ranges, short
 
-VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "CRASH", "LOAD_REFUSED", "RANK_DISAGREE", "NOT_EXERCISED",
-            "UNVERIFIED")
+VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "REFUSED", "RANK_DISAGREE", "NOT_EXERCISED", "UNVERIFIED")
 #: verdicts that fail the gate (exit 1); SILENT_FALLBACK is a false claim like MISMATCH
-FAILING = ("MISMATCH", "SILENT_FALLBACK", "CRASH", "LOAD_REFUSED", "RANK_DISAGREE")
+FAILING = ("MISMATCH", "SILENT_FALLBACK", "REFUSED", "RANK_DISAGREE")
 #: harness lanes that perf databases label (others are not judged)
 JUDGED_LANES = ("moe", "kda.prefill", "kda.decode", "kda.spec_verify", "mla.decode", "mla.prefill")
 _KIND = {"moe": "moe", "kda.prefill": "kda", "kda.decode": "kda", "kda.spec_verify": "kda",
@@ -69,19 +69,33 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
             failure = cell.get("failure") or {}
             if cell["status"] == "PARTIAL":
                 # construction stopped: the claimed layers past that point were never built. vLLM saying no
-                # is a CRASH; the simulation running out (no meta implementation of an op, ...) is a limit of
-                # resolve mode: the claim is not judged there, and says why
+                # is REFUSED, on the lane whose layer it refused (the others were not built: not judged); the
+                # simulation running out (no meta implementation of an op, ...) is a limit of resolve mode: the
+                # claim is not judged there, and says why
                 stop = next((r.get("layer") for r in cell.get("raises", []) if r.get("layer") is not None), None)
                 raised = f"{failure.get('stage')} raised {short(failure.get('type', ''))}: {failure.get('message', '')}"
                 limit = failure.get("outcome") == "limit"
+                refusing = _refusing_kind(cell)
+                layers = format_ranges(missing) if missing else (f"from {stop}" if stop is not None else "all")
+                if not limit:  # a deployment vLLM refuses serves nothing: no layer of it is judged as serving
+                    layers = format_ranges(expected_layers) or layers
                 for c in claims:
-                    rows.append({**base, "claim": c.id,
-                                 "layers": format_ranges(missing) if missing else
-                                 (f"from {stop}" if stop is not None else "all"),
-                                 "verdict": "UNVERIFIED" if limit else "CRASH", "expected": c.backend or c.kernel_source,
-                                 "actual": "", "label": "",
-                                 "why": f"not judged: the simulation could not finish construction, not a vLLM check "
-                                        f"({failure.get('rule')}): {raised}" if limit else raised})
+                    if limit:
+                        verdict, why = "UNVERIFIED", (f"not judged: the simulation could not finish construction, "
+                                                      f"not a vLLM check ({failure.get('rule')}): {raised}")
+                    elif refusing in (None, _KIND[lane]):
+                        verdict, why = "REFUSED", f"vLLM refused at construction: {raised}"
+                    else:
+                        verdict = "UNVERIFIED"
+                        why = (f"not judged: vLLM refused this deployment at construction in its "
+                               f"{refusing.upper()} layer {stop} (the REFUSED row): it serves nothing")
+                    rows.append({**base, "claim": c.id, "layers": layers, "verdict": verdict,
+                                 "expected": c.backend or c.kernel_source, "actual": "", "label": "", "why": why})
+                if not limit and refusing == _KIND[lane] and not claims and lane == _FIRST_OF_KIND[refusing]:
+                    rows.append({**base, "claim": "", "layers": layers, "verdict": "REFUSED", "expected": "",
+                                 "actual": "", "label": "", "why": f"vLLM refused at construction: {raised}"})
+                if not limit:
+                    continue
             if not groups and cell["status"] != "PARTIAL":
                 for c in claims:
                     rows.append({**base, "claim": c.id, "layers": format_ranges(expected_layers) or "",
@@ -169,6 +183,20 @@ def _dispatch_expectations(c, group: dict, cell: dict, workload: str) -> dict | 
     return None
 
 
+#: the first judged lane of each kind: where a refusal no claim covers is written, once per cell
+_FIRST_OF_KIND = {kind: next(l for l in JUDGED_LANES if _KIND[l] == kind) for kind in set(_KIND.values())}
+
+
+def _refusing_kind(cell: dict) -> str | None:
+    """The kind of layer (moe, kda, mla) whose construction vLLM refused, from the probe target that saw the
+    raise (``moe.mega_moe_experts`` -> moe); None when no probe saw where."""
+    for r in cell.get("raises", []):
+        kind = str(r.get("target", "")).split(".", 1)[0]
+        if kind in _FIRST_OF_KIND:
+            return kind
+    return None
+
+
 def _no_evidence_why(cell: dict, lane: str) -> str:
     """Why a claimed lane has no evidence in a cell that finished."""
     drifted = [d["target"] for d in cell.get("drift", [])]
@@ -186,7 +214,7 @@ def _load_refusals(cell: dict, exp: Expectations) -> list[dict]:
     why = (f"vLLM refused at load: {r.get('function')} raised {short(r.get('type', ''))}: {r.get('message', '')} "
            f"(in {where}, during {r.get('step', '')})")
     base = {"system": cell["system"], "layout": cell["layout"], "evidence": f"{cell.get('evidence', 'none')} (post-load)",
-            "layers": "" if r.get("layer") is None else str(r["layer"]), "verdict": "LOAD_REFUSED", "actual": "",
+            "layers": "" if r.get("layer") is None else str(r["layer"]), "verdict": "REFUSED", "actual": "",
             "label": "", "why": why}
     rows = [{**base, "lane": lane, "claim": c.id, "expected": c.backend or c.kernel_source}
             for lane in JUDGED_LANES for c in exp.claims if c.covers(cell["system"], cell["layout"], lane)]
@@ -209,6 +237,11 @@ def _rank_disagreements(cell: dict, exp: Expectations) -> list[dict]:
     return rows
 
 
+def _verb(group: dict, cell: dict) -> str:
+    """What the evidence shows: a kernel observed running "runs"; a choice resolved from vLLM's code "selects"."""
+    return "runs" if str(group.get("evidence", cell.get("evidence", ""))).startswith("observed") else "selects"
+
+
 def _verdict(c, lane, group, label, family, how, cell) -> dict:
     if str(group["value"]).startswith("not exercised"):
         return {"verdict": "NOT_EXERCISED", "why": group["value"]}
@@ -228,10 +261,17 @@ def _verdict(c, lane, group, label, family, how, cell) -> dict:
                       if set(t["layers"]) & set(group["layers"])), [])
         rejected = [t for t in tried if not t["supported"] and _candidate_family(t) == c.backend]
         if rejected:
-            r = rejected[0]
+            # the deciding rejection is the claimed family's last one in vLLM's order: the candidate that was
+            # next in line to serve (earlier ones, e.g. a batched variant refusing the standard activation
+            # format, are refused on every build and decide nothing)
+            r = rejected[-1]
+            others = "" if len(rejected) == 1 else \
+                f" (and {len(rejected) - 1} earlier {c.backend} candidate(s): " + \
+                ", ".join(t["cls"] for t in rejected[:-1]) + ")"
             return {"verdict": "SILENT_FALLBACK",
-                    "why": f"vLLM rejected {r['cls']} ({r['backend']}): {r.get('reason')}; runs {label}"}
-    return {"verdict": "MISMATCH", "why": f"expected {c.backend or c.kernel_source}, runs {family} ({label})"}
+                    "why": f"vLLM rejected {r['cls']} ({r['backend']}): {r.get('reason')}{others}; vLLM {_verb(group, cell)} {label}"}
+    return {"verdict": "MISMATCH",
+            "why": f"expected {c.backend or c.kernel_source}, vLLM {_verb(group, cell)} {family} ({label})"}
 
 
 def summary(rows: list[dict]) -> dict[str, int]:

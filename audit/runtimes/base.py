@@ -46,6 +46,15 @@ class RunRequest:
     #: post-load runs vLLM's MoE conversion on every layer instead of carrying a representative's result
     #: (probes/resolve/carry.py); the same routing either way, the straightforward path is slower
     postload_every_layer: bool = False
+    #: time.monotonic() by which the whole audit must end (``--timeout`` counted from the audit's start, so it
+    #: covers building the environment too); None: from when the run starts, or no limit without timeout_s
+    deadline: float | None = None
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (never negative), or None without a timeout."""
+        if self.deadline is None and self.timeout_s:
+            self.deadline = time.monotonic() + self.timeout_s
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
     @property
     def evidence_dir(self) -> Path:
@@ -94,10 +103,15 @@ def runs_of(pin: Pin, root: Path | None = None) -> list[Path]:
 
 
 def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
-    """Keep the newest *keep* run directories of this pin (:func:`runs_of`)."""
+    """Keep the newest *keep* run directories of this pin (:func:`runs_of`), and always its newest run of every
+    cell (:func:`newest_full_run`: what ``make reports FROM_RUNS=1`` renders from), however many subset audits
+    came after it."""
     runs = runs_of(pin, root)
     recent = time.time() - RECENT_S
+    full = newest_full_run(pin, root)
     for old in runs[:-keep]:
+        if old == full:
+            continue
         try:
             if old.stat().st_mtime > recent:
                 continue  # possibly another audit's, still running or just rendered: never pulled from under it
@@ -289,3 +303,20 @@ def collect_missing(request: RunRequest, *, fallback_log: Path | None = None) ->
             "log_tail": tail,
         }
     return missing
+
+
+def newest_full_run(pin, root: Path | None = None) -> Path | None:
+    """The newest run directory of *pin* that covered every (system, layout) cell and left evidence for
+    each, unaborted; None when there is none."""
+    from audit.systems import LAYOUTS, SYSTEMS, cells_of
+
+    every = sorted([s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values())))
+    for run in reversed(runs_of(pin, root)):
+        try:
+            meta = json.loads((run / "run.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if sorted(meta.get("cells", [])) == every and not meta.get("missing") and not meta["run"].get("aborted") \
+                and meta["run"].get("mode", "resolve") == "resolve":
+            return run
+    return None

@@ -415,7 +415,8 @@ class DockerRuntime:
         log.write_bytes(data)
 
     def _wait(self, container, request: RunRequest, progress: Progress, log: Path) -> int:
-        deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
+        left = request.remaining()
+        deadline = time.monotonic() + left if left is not None else None
         reported: set[tuple[str, str]] = set()
         import docker.errors
 

@@ -70,10 +70,22 @@ def find_python(version: str) -> str:
     )
 
 
-def _run(cmd: list[str], *, step: str, env: dict | None = None, timeout: float = 3600) -> str:
+class _AuditDeadline(Exception):
+    """The audit's --timeout ran out while a step of building the environment ran (raised as RunTimedOut)."""
+
+    def __init__(self, step: str, output: str):
+        self.step, self.output = step, output
+
+
+def _run(cmd: list[str], *, step: str, env: dict | None = None, timeout: float = 3600,
+         remaining: float | None = None) -> str:
+    """Run a build step; *remaining* is what is left of the audit's --timeout (the step is stopped there)."""
+    limit = timeout if remaining is None else min(timeout, remaining)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
     except subprocess.TimeoutExpired as exc:
+        if remaining is not None and limit < timeout:
+            raise _AuditDeadline(step, str(exc.stdout or "")[-3000:]) from None
         raise EnvironmentBuildError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}", step=step,
                                     log_tail=str(exc.stdout or "")[-3000:]) from None
     except OSError as exc:
@@ -94,6 +106,8 @@ class LocalRuntime:
         self.verified: dict[str, dict] = {}
         #: the verified wheels this cache holds
         self.wheels = WheelCache(self.root)
+        #: the run being prepared (its deadline bounds building the environment); None outside run()
+        self._request: RunRequest | None = None
 
     @property
     def stat_memo(self) -> bool:
@@ -184,6 +198,11 @@ class LocalRuntime:
         error on the way is the environment's (exit 3), never mistaken for a report that could not be written."""
         try:
             return self._ensure_env(pin, progress)
+        except _AuditDeadline as exc:
+            request = self._request
+            raise timed_out(request, where=f"building the vLLM {pin.vllm_version} environment ({exc.step})",
+                            log_tail_text=exc.output, missing=collect_missing(request),
+                            runtime=f"local venv ({pin.name})") from None
         except OSError as exc:
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
             raise EnvironmentBuildError(f"{exc.strerror or exc}{where}", step="build or verify the environment",
@@ -208,11 +227,12 @@ class LocalRuntime:
         if env.exists():
             shutil.rmtree(env)  # only ever <cache>/envs/<name>: env_dir refuses anything else
         env.parent.mkdir(parents=True, exist_ok=True)
-        _run([python, "-m", "venv", str(env)], step="create venv")
+        left = self._request.remaining if self._request is not None else (lambda: None)
+        _run([python, "-m", "venv", str(env)], step="create venv", remaining=left())
         py = str(env / "bin" / "python")
         _run([py, "-m", "pip", "install", "--no-input", str(wheel)], step="pip install vllm wheel",
-             timeout=5400)
-        probe = _run([py, "-c", ENV_PROBE], step="check torch", env=self._env(env, None))
+             timeout=5400, remaining=left())
+        probe = _run([py, "-c", ENV_PROBE], step="check torch", env=self._env(env, None), remaining=left())
         info = json.loads(probe.strip().splitlines()[-1])
         if not info.get("cuda"):
             raise EnvironmentBuildError(
@@ -325,6 +345,7 @@ class LocalRuntime:
     # -- run -----------------------------------------------------------------------------------
     def run(self, request: RunRequest, progress: Progress) -> RunResult:
         self.check(request.pin)
+        self._request = request  # its deadline bounds building the environment too
         if request.mode == "observe":
             return self._run_observe(request, progress)
         env = self.ensure_env(request.pin, progress)
@@ -391,7 +412,7 @@ class LocalRuntime:
                                         env={**run_env, **LIFELINE}, cwd=str(request.run_dir),
                                         start_new_session=True)
                 try:
-                    proc.wait(timeout=request.timeout_s)
+                    proc.wait(timeout=request.remaining())
                 except subprocess.TimeoutExpired:
                     _kill(proc)
                     raise timed_out(request, where=f"observe {cell}", log_tail_text=log_tail(out / "agent.log"),
@@ -407,7 +428,8 @@ class LocalRuntime:
             "slice": request.slice, "env_verified": self.verified[str(env)]["text"]})
 
     def _wait(self, proc: subprocess.Popen, request: RunRequest, progress: Progress) -> None:
-        deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
+        left = request.remaining()
+        deadline = time.monotonic() + left if left is not None else None
         reported: set[tuple[str, str]] = set()
         while True:
             rc = proc.poll()

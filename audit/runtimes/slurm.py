@@ -302,7 +302,8 @@ class SlurmRuntime:
         tmp.replace(run_dir / JOBS_FILE)
 
     def _wait(self, request: RunRequest, jobs: dict, progress: Progress) -> None:
-        deadline = time.monotonic() + request.timeout_s if request.timeout_s else None
+        left = request.remaining()
+        deadline = time.monotonic() + left if left is not None else None
         ids = {e["job_id"]: cell for cell, e in jobs.items() if "job_id" in e}
         for cell, e in jobs.items():
             if "job_id" not in e:

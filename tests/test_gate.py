@@ -1,0 +1,186 @@
+"""The pin-bump gate (audit/report/gate.py) on the routing of real audits (tests/data, copied from reports/):
+serving changes fail it whatever the claims say, accepted findings are subtracted, and the diff shows what a
+release owner needs (lanes a construction stop hid, a verdict that stays the same against another backend,
+both builds' hashes). The gate on a real regressed build of the pinned wheel is in tests/test_gate_vllm.py."""
+import copy
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from audit.errors import ExitCode
+from audit.report import gate
+from audit.report.diff import NOT_BUILT, _ranges, diff_routings, render_diff
+from tests.conftest import ROOT
+
+DATA = ROOT / "tests" / "data"
+
+
+@pytest.fixture(scope="module")
+def v033():
+    return json.loads((DATA / "routing-v0.33.0.json").read_text())
+
+
+def _cell(routing, system, layout):
+    return next(c for c in routing["cells"] if (c["system"], c["layout"]) == (system, layout))
+
+
+def test_a_pin_against_itself_passes_once_its_findings_are_accepted(v033):
+    found = gate.findings(v033)
+    assert found, "the shipped claims fail on v0.33.0: the data must have findings"
+    g = gate.judge_gate(v033, v033, None)
+    assert not g["serving_changes"] and not g["passed"] and len(g["new_findings"]) == len(found)
+    g = gate.judge_gate(v033, v033, {gate.finding_key(f) for f in found})
+    assert g["passed"] and g["accepted_findings"] == len(found) and not g["new_findings"]
+
+
+def test_a_changed_path_fails_the_gate_with_no_claim_about_it(v033):
+    old, new = copy.deepcopy(v033), copy.deepcopy(v033)
+    for r in (old, new):
+        r.pop("verdicts")  # no claim judged at all: the gate still sees the change
+    cell = _cell(new, "b200_sxm", "tp8")
+    cell["lanes"]["moe"][0]["value"] = "MARLIN / MarlinExperts"
+    g = gate.judge_gate(old, new, None)
+    assert not g["passed"] and not g["new_findings"]
+    [row] = g["serving_changes"]
+    assert row["lane"] == "moe" and row["after"] == "MARLIN / MarlinExperts" and row["cells"] == [["b200_sxm", "tp8"]]
+
+
+def test_package_versions_are_information_not_a_serving_change(v033):
+    new = copy.deepcopy(v033)
+    cell = _cell(new, "b200_sxm", "tp8")
+    packages = cell["fingerprint"]["packages"]
+    name = sorted(packages)[0]
+    packages[name] = "0.0.0-other"
+    d = diff_routings(v033, new)
+    [row] = [c for c in d["changes"] if c["kind"] == "cell"]
+    assert row["field"] == f"package: {name}" and row["serving"] is False and d["serving_changes"] == 0
+    assert gate.judge_gate(v033, new, {gate.finding_key(f) for f in gate.findings(v033)})["passed"]
+
+
+def test_lanes_a_construction_stop_hid_appear_as_changes(v033):
+    """A configuration vLLM refused before and builds now: every lane it now runs is a row, none is counted
+    among the unchanged pairs."""
+    old = copy.deepcopy(v033)
+    cell = _cell(old, "b200_sxm", "tp8")
+    built = sorted(cell["lanes"])
+    cell.update(status="PARTIAL", lanes={}, candidates={},
+                failure={"stage": "model", "type": "builtins:NotImplementedError", "message": "planted refusal",
+                         "outcome": "refused", "rule": "an explicit raise in vLLM's own code"})
+    d = diff_routings(old, v033)
+    rows = [c for c in d["changes"] if c["kind"] == "path" and ["b200_sxm", "tp8"] in c["cells"]]
+    assert {r["lane"] for r in rows} == set(built)
+    assert all(r["before"] == NOT_BUILT and r["serving"] for r in rows)
+    assert any(c["field"] == "construction" for c in d["changes"])
+    assert d["unchanged_lanes"] == d["compared_lanes"] - len(built)
+
+
+def test_a_verdict_that_stays_mismatch_against_another_backend_is_a_change(v033):
+    new = copy.deepcopy(v033)
+    row = next(r for r in new["verdicts"]["rows"] if r["verdict"] == "MISMATCH")
+    row["actual"] = "some_other_backend"
+    d = diff_routings(v033, new)
+    [change] = [c for c in d["changes"] if c["kind"] == "verdict"]
+    assert change["before"].startswith("MISMATCH (") and change["after"].startswith("MISMATCH (")
+    assert "some_other_backend" in change["after"] and change["before"] != change["after"]
+    # and the gate reads it as a new finding: the accepted one was against the other backend
+    g = gate.judge_gate(v033, new, {gate.finding_key(f) for f in gate.findings(v033)})
+    assert [f["actual"] for f in g["new_findings"]] == ["some_other_backend"]
+
+
+def test_model_level_lanes_read_model_not_minus_one():
+    assert _ranges({-1}) == "model" and _ranges({-1, 3, 4}) == "model, 3-4" and _ranges({1, 2, 3}) == "1-3"
+
+
+def test_the_diff_names_both_builds_and_flags_same_name_different_bytes(v033):
+    new = copy.deepcopy(v033)
+    new["pin"] = {**new["pin"], "name": "v0.33.0-rebuilt", "wheel_sha256": "f" * 64}
+    text = render_diff(diff_routings(v033, new))
+    assert v033["pin"]["wheel_sha256"] in text and "f" * 64 in text
+    assert "Same vLLM version and wheel file name, different bytes" in text
+    assert "Same vLLM version" not in render_diff(diff_routings(v033, v033))
+
+
+def test_accepted_findings_round_trip_and_bad_files_name_file_and_line(v033, tmp_path):
+    path = tmp_path / "accepted.toml"
+    path.write_text(gate.accepted_text(v033, source="test"))
+    assert gate.load_accepted(path) == {gate.finding_key(f) for f in gate.findings(v033)}
+    cases = [
+        ("schema = 2\n", "schema is 2", 1),
+        ('schema = 1\n[[finding]]\nsystem = "b200_sxm"\nlayout = "tp8"\nlane = "moe"\n', "needs a non-empty 'verdict'", 2),
+        ('schema = 1\n\n[[finding]]\nsystem = "b200_sxm"\nlayout = "tp8"\nlane = "moe"\nverdict = "MISMATCH"\n'
+         'colour = "red"\n', "unknown key 'colour'", 8),
+        ('schema = 1\n[[finding]]\nsystem = "b200_sxm"\nlayout = "tp8"\nlane = "moe"\nverdict = "MISMATCH"\n'
+         'at = 8\n', "'at' must be a string", 7),
+    ]
+    for text, fragment, line in cases:
+        path.write_text(text)
+        with pytest.raises(gate.AcceptedFindingsError) as e:
+            gate.load_accepted(path)
+        assert fragment in str(e.value) and f"{path}:{line}:" in str(e.value), str(e.value)
+
+
+def test_gate_exit_codes():
+    from pathlib import Path
+
+    from audit.cli import _findings_exit
+    from audit.core import AuditOutcome
+
+    class Quiet:
+        def print(self, *a, **k):
+            pass
+
+    def outcome(changes=(), new=(), verdicts=None):
+        g = {"baseline": {"pin": "v0.33.0"}, "serving_changes": list(changes), "new_findings": list(new),
+             "accepted_findings": 0, "accepted_file": "", "cells_compared": 2, "only_in_baseline": [],
+             "only_in_candidate": [], "passed": not changes and not new}
+        return AuditOutcome(pin="p", report_dir=Path("."), ledger=None, routing_path=None, run_dir=Path("."), cells=2,
+                            incomplete=0, partial=0, drift=0, verdicts=verdicts or {"MISMATCH": 4}, gate=g)
+
+    change = {"title": "Routed experts", "before": "a", "after": "b", "cells": [["b200_sxm", "tp8"]]}
+    finding = {"verdict": "MISMATCH", "claim": "c", "system": "b200_sxm", "layout": "tp8", "lane": "moe", "at": "",
+               "why": "w"}
+    assert _findings_exit(outcome([change]), False, Quiet()) == ExitCode.SERVING_CHANGED == 6
+    assert _findings_exit(outcome([change], [finding]), False, Quiet()) == ExitCode.SERVING_CHANGED
+    assert _findings_exit(outcome((), [finding]), False, Quiet()) == ExitCode.FINDINGS
+    # accepted findings do not fail it, though the absolute verdicts still count MISMATCHes
+    assert _findings_exit(outcome(), False, Quiet()) == ExitCode.OK
+    assert _findings_exit(outcome(verdicts={"UNVERIFIED": 1}), True, Quiet()) == ExitCode.FINDINGS
+
+
+def _cli(*args, cwd=ROOT, timeout=120):
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def test_an_explicit_baseline_without_a_report_is_refused_before_any_work(tmp_path):
+    reports = tmp_path / "my-reports"
+    t0 = time.monotonic()
+    r = _cli("audit", "v0.33.0", "--systems", "b200_sxm", "--layouts", "tp8", "--reports", str(reports),
+             "--baseline", "v0.32.0")
+    assert r.returncode == ExitCode.USAGE, r.stderr
+    assert "no audit of 'v0.32.0'" in r.stderr and str(reports) in r.stderr and f"REPORTS={reports}" in r.stderr
+    assert time.monotonic() - t0 < 60 and not reports.exists()  # nothing ran, nothing was written
+
+
+def test_an_unknown_pin_says_how_to_pin_it():
+    r = _cli("audit", "nightly-0731")
+    assert r.returncode == ExitCode.USAGE
+    assert "make lock-add PIN=nightly-0731 DATE=" in r.stderr and "make lock-add PIN=nightly-0731 COMMIT=" in r.stderr
+
+
+def test_accept_writes_the_findings_of_an_audited_pin(tmp_path, v033):
+    reports = tmp_path / "reports"
+    (reports / "v0.33.0").mkdir(parents=True)
+    (reports / "v0.33.0" / "routing.json").write_text(json.dumps(v033))
+    out = tmp_path / "accepted.toml"
+    r = _cli("accept", "v0.33.0", "--reports", str(reports), "--accepted", str(out))
+    assert r.returncode == ExitCode.OK, r.stderr
+    assert gate.load_accepted(out) == {gate.finding_key(f) for f in gate.findings(v033)}
+    # a note written by hand survives accepting again
+    text = out.read_text().replace('verdict = "', 'note = "known since 0.32"\nverdict = "', 1)
+    out.write_text(text)
+    assert _cli("accept", "v0.33.0", "--reports", str(reports), "--accepted", str(out)).returncode == ExitCode.OK
+    assert 'note = "known since 0.32"' in out.read_text()

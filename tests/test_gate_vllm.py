@@ -1,0 +1,133 @@
+"""The pin-bump gate on the real pinned wheel: v0.33.0 gated against itself passes (its known findings accepted),
+and builds of v0.33.0 with one realistic upstream regression each fail it with exit 6, each naming its change.
+
+The regressed builds are the pinned wheel with a change planted as vLLM is imported (tests/plant.py): the same
+files, one source line rewritten in memory, so no environment is built. Each regression is one a release owner
+fears in a pin bump: a device check relaxed (a configuration vLLM refused before now builds), a support check
+failing quietly, an activation check rejecting SiTU, a dispatch bound moved, a selector threshold moved.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from audit.core import _write_run_json
+from audit.errors import ExitCode
+from audit.profiles import KIMI_K3
+from tests.conftest import ROOT
+from tests.plant import sitecustomize
+
+pytestmark = pytest.mark.vllm
+
+PIN = "v0.33.0"
+CELLS = [("h200_sxm", "dep8"), ("b200_sxm", "tp8")]
+
+MEGA_MOE = "vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe"
+TRTLLM = "vllm.model_executor.layers.fused_moe.experts.trtllm_mxfp4_moe"
+#: each regression: (name, plants, the cell it shows in, what the gate's rows must name)
+REGRESSIONS = {
+    # vLLM 0.33.0 refuses DeepGEMM MegaMoE below SM 10.x at construction; relaxed, H200 DEP8 builds
+    "device check relaxed": ([(MEGA_MOE, [("    if not current_platform.is_device_capability_family(\n"
+                                            "        100, device_id=device.index or 0\n    ):",
+                                            "    if not current_platform.has_device_capability(\n"
+                                            "        90, device_id=device.index or 0\n    ):")])],
+                             ("h200_sxm", "dep8")),
+    # the monolithic TRT-LLM MXFP4 experts say no to this parallel config; vLLM takes the next candidate
+    "support check failing quietly": ([(TRTLLM, [("            and moe_parallel_config.dp_size <= 1\n",
+                                                  "            and moe_parallel_config.dp_size < 1\n")])],
+                                      ("b200_sxm", "tp8")),
+    # both TRT-LLM MXFP4 experts classes reject K3's SiTU activation
+    "activation check rejecting SiTU": ([(TRTLLM, [("        if activation == MoEActivation.SITU:\n"
+                                                    "            return has_flashinfer_situ_activation()\n",
+                                                    "        if activation == MoEActivation.SITU:\n"
+                                                    "            return False\n")])],
+                                        ("b200_sxm", "tp8")),
+    # K3's routed down-projection overlaps the aux stream up to 256 tokens; moved to 64
+    "dispatch bound moved": ([("vllm.models.kimi_k3.nvidia.model",
+                               [("_ROUTED_DOWN_PROJ_STREAM_TOKEN_THRESHOLD = 256\n",
+                                 "_ROUTED_DOWN_PROJ_STREAM_TOKEN_THRESHOLD = 64\n")])],
+                             ("b200_sxm", "tp8")),
+}
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=1800)
+
+
+def _run(vllm_env, tmp_path_factory, name, plants=()):
+    """A run of CELLS with *plants*, its run.json written as the audit writes it: ready for `render`."""
+    from audit.runtimes import RunRequest
+    from audit.systems import LAYOUTS, SYSTEMS
+
+    rt, pin, _ = vllm_env
+    run_dir = tmp_path_factory.mktemp(name.replace(" ", "-"))
+    if plants:
+        (run_dir / "sitecustomize.py").write_text(sitecustomize(list(plants)), encoding="utf-8")
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in CELLS],
+                     run_dir=run_dir, parallel=2)
+    result = rt.run(req, lambda *a, **k: None)
+    assert result.missing == {}, result.missing
+    _write_run_json(req, KIMI_K3, {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": "test"}, {})
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def shipped(vllm_env, tmp_path_factory):
+    """The shipped pin's report (the baseline) and its accepted findings."""
+    base = tmp_path_factory.mktemp("gate")
+    reports, accepted = base / "reports", base / "accepted.toml"
+    run = _run(vllm_env, tmp_path_factory, "baseline")
+    r = cli("render", str(run), "--reports", str(reports), "--baseline", "none")
+    assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr
+    r = cli("accept", PIN, "--reports", str(reports), "--accepted", str(accepted))
+    assert r.returncode == ExitCode.OK, r.stderr
+    return {"reports": reports, "accepted": accepted, "run": run}
+
+
+def _gate(shipped, run: Path, reports: Path):
+    """Render *run* into a copy of the shipped reports, gated against the shipped pin."""
+    import shutil
+
+    if reports.exists():
+        shutil.rmtree(reports)
+    shutil.copytree(shipped["reports"], reports)
+    r = cli("render", str(run), "--reports", str(reports), "--baseline", PIN, "--accepted", str(shipped["accepted"]))
+    diff = json.loads((reports / "diffs" / f"{PIN}..{PIN}.json").read_text())
+    return r, diff
+
+
+def test_the_shipped_pin_against_itself_passes_the_gate(shipped, vllm_env, tmp_path_factory, tmp_path):
+    again = _run(vllm_env, tmp_path_factory, "again")
+    r, diff = _gate(shipped, again, tmp_path / "reports")
+    assert r.returncode == ExitCode.OK, r.stderr
+    assert "gate passed against v0.33.0" in r.stderr and diff["serving_changes"] == 0
+    # without the accepted findings the same audit fails on them (exit 1), not on a change of serving
+    r = cli("render", str(again), "--reports", str(tmp_path / "reports"), "--baseline", PIN, "--accepted", "none")
+    assert r.returncode == ExitCode.FINDINGS and "0 serving change(s)" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def regressed(vllm_env, tmp_path_factory):
+    return {name: _run(vllm_env, tmp_path_factory, name, plants) for name, (plants, _) in REGRESSIONS.items()}
+
+
+@pytest.mark.parametrize("name", list(REGRESSIONS))
+def test_each_regression_fails_the_gate_naming_its_change(name, shipped, regressed, tmp_path):
+    r, diff = _gate(shipped, regressed[name], tmp_path / "reports")
+    assert r.returncode == ExitCode.SERVING_CHANGED, (name, r.stderr[-3000:])
+    cell = list(REGRESSIONS[name][1])
+    rows = [c for c in diff["changes"] if c["serving"] and cell in c["cells"]]
+    assert rows, (name, diff["changes"])
+    ledger = (tmp_path / "reports" / PIN / "ledger.md").read_text()
+    assert "**Pin-bump gate against `v0.33.0`: FAILED**" in ledger
+    text = json.dumps(rows)
+    expected = {
+        "device check relaxed": "DeepGemmMegaMoEExperts",
+        "support check failing quietly": "TrtLlmMxfp4ExpertsModular",
+        "activation check rejecting SiTU": "SiTU",
+        "dispatch bound moved": "sequential (no auxiliary stream at this token count)",
+    }[name]
+    assert expected in text, (name, rows)

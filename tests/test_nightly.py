@@ -449,3 +449,21 @@ def test_concurrent_lock_adds_keep_every_pin(tmp_path, lock_copy):
             f.result()
     pins = lockmod.load(lock_copy).pins
     assert {f"rc-{i}" for i in range(6)} <= set(pins)
+
+
+def test_lock_add_warns_when_a_build_reuses_a_pinned_version_and_file_name(lock_copy, tmp_path):
+    """A rebuilt wheel with the same version and file name is another build: lock add says so (and keeps it in
+    the pin's note), records the wheel's own commit as unverified, and the new pin's baseline is the build it
+    replaces."""
+    first = make_wheel(tmp_path / "a", "0.33.0", commit=COMMIT[:9])
+    second = make_wheel(tmp_path / "b", "0.33.0", commit=COMMIT[:9], files={"vllm/planted.py": b"x = 1\n"})
+    assert first.name == second.name and sha256_of(first) != sha256_of(second)
+    a = wheelindex.add_pin(lock_copy, "rebuild-a", wheel_url=first.resolve().as_uri(), cache_root=tmp_path / "cache")
+    assert not any("rebuild-a" in w for w in a["warnings"])
+    b = wheelindex.add_pin(lock_copy, "rebuild-b", wheel_url=second.resolve().as_uri(), cache_root=tmp_path / "cache")
+    assert any(w.startswith("same file name and version as pin rebuild-a") and "different bytes" in w
+               for w in b["warnings"]), b["warnings"]
+    lk = lockmod.load(lock_copy)
+    assert "different bytes" in lk.get("rebuild-b").note
+    assert "not checked against any repository" in lk.get("rebuild-b").note
+    assert lockmod.previous_pin(lk, "rebuild-b").name == "rebuild-a"

@@ -142,3 +142,37 @@ def test_a_claim_the_audit_could_not_judge_stays_in_the_verdicts_table():
     assert rows
     for line in rows:
         assert line.startswith(("| UNVERIFIED | ", "| NOT_EXERCISED | ")) and "`kda-" not in line.split("|")[2], line
+
+
+def test_ledger_lines_and_cells_fit_and_nothing_is_lost():
+    """No line wider than 400 characters, no table cell longer than 250 (issue: a ledger a reviewer can read);
+    a cell moved into a footnote keeps its full text there."""
+    import json
+
+    from audit.report.fit import _cells, fit
+    from audit.report.render import render_ledger
+
+    routing = json.loads((ROOT / "tests" / "data" / "routing-v0.33.0.json").read_text())
+    text = render_ledger(routing, profile_title="Kimi-K3", reproduce="make audit PIN=v0.33.0")
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 400
+    cells = [c.strip() for l in lines if l.startswith("|") and l.rstrip().endswith("|") for c in _cells(l)]
+    assert max(map(len, cells)) <= 250
+    long_cell = "word " * 120 + "`code span with spaces` end"
+    out = fit(f"| a | b |\n|---|---|\n| x | {long_cell.strip()} |\ntext after\n")
+    row, notes = out.splitlines()[2], out.split("\n\n", 1)[1]
+    assert "[^1]" in row and len(row) < 120 and notes.startswith("[^1]: word")
+    definition = " ".join(l.strip() for l in notes.split("\ntext after")[0].splitlines()).removeprefix("[^1]: ")
+    assert definition == long_cell.strip() and out.endswith("text after\n")
+    assert fit(out) != "" and fit("| a |\n|---|\n| short |\n") == "| a |\n|---|\n| short |\n"
+
+
+def test_cell_lists_collapse_to_layouts_and_whole_sms():
+    from audit.report.render import collapse_cells
+
+    audited = [f"{s}/{l}" for s in ("h100_sxm", "h200_sxm", "b200_sxm", "gb200", "l40s") for l in ("tp8", "dep8")]
+    assert collapse_cells(audited, audited) == "tp8, dep8: every audited system"
+    assert collapse_cells(["h100_sxm/tp8", "h200_sxm/tp8", "b200_sxm/tp8", "h100_sxm/dep8", "h200_sxm/dep8",
+                           "b200_sxm/dep8"], audited) == "tp8, dep8: SM 9.0, b200_sxm"
+    assert collapse_cells(["l40s/dep8", "gb200/tp8"], audited) == "tp8: gb200; dep8: l40s"
+    assert collapse_cells(["—/—"], audited) == "—"

@@ -289,9 +289,10 @@ def load_routing(reports_dir: Path, pin: str) -> dict:
 
 
 def render_diff(d: dict) -> str:
+    from audit.report.fit import fit
     from audit.report.render import _env
 
-    return _env().get_template("diff.md.j2").render(d=d)
+    return fit(_env().get_template("diff.md.j2").render(d=d))
 
 
 def write_diff(reports_dir: Path, from_pin: str, to_pin: str, d: dict | None = None) -> tuple[Path, Path, dict]:

@@ -13,6 +13,7 @@ import jinja2
 from audit import __version__
 from audit.report import dispatch
 from audit.errors import RenderError
+from audit.report.fit import fit
 from audit.fsutil import replace_dir
 from audit.report.routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
 from audit.systems import LAYOUTS, SYSTEMS
@@ -36,7 +37,50 @@ def _env() -> jinja2.Environment:
     env.filters["md"] = _md
     env.filters["short"] = short
     env.filters["ranges"] = format_ranges
+    env.filters["cells"] = collapse_cells
     return env
+
+
+def collapse_cells(cells: list[str], audited: list[str] | None = None) -> str:
+    """``system/layout`` ids, shortened: grouped by layout; a layout on every audited system that has it reads
+    "every audited system", a whole SM (all audited systems of one capability) reads "SM 10.0"; layouts with the same
+    systems share one entry ("tp8, tp16: SM 10.0, h100_sxm")."""
+    cells = [c for c in cells if c != "—/—"]  # a claim judged in no cell of this run (the row says why)
+    if not cells:
+        return "—"
+    by_layout: dict[str, set[str]] = {}
+    for c in cells:
+        system, _, layout = c.partition("/")
+        by_layout.setdefault(layout, set()).add(system)
+    audited_by: dict[str, set[str]] = {}
+    for c in audited or cells:
+        system, _, layout = c.partition("/")
+        audited_by.setdefault(layout, set()).add(system)
+    order = {name: i for i, name in enumerate(SYSTEMS)}
+    lay_order = {name: i for i, name in enumerate(LAYOUTS)}
+
+    def systems_text(layout: str, systems: set[str]) -> str:
+        present = audited_by.get(layout, systems)
+        if systems == present and len(systems) > 1:
+            return "every audited system"
+        parts, done = [], set()
+        for name in sorted(systems, key=lambda n: order.get(n, 99)):
+            if name in done:
+                continue
+            sm = SYSTEMS[name].sm if name in SYSTEMS else None
+            family = {n for n in present if n in SYSTEMS and SYSTEMS[n].sm == sm}
+            if sm is not None and len(family) > 1 and family <= systems:
+                parts.append(f"SM {sm}")
+                done |= family
+            else:
+                parts.append(name)
+                done.add(name)
+        return ", ".join(parts)
+
+    grouped: dict[str, list[str]] = {}
+    for layout in sorted(by_layout, key=lambda l: lay_order.get(l, 99)):
+        grouped.setdefault(systems_text(layout, by_layout[layout]), []).append(layout)
+    return "; ".join(f"{', '.join(layouts)}: {text}" for text, layouts in grouped.items())
 
 
 def _shown(group: dict) -> str:
@@ -188,6 +232,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "systems": systems,
         "layouts": known_layouts,
         "matrices": matrices,
+        "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],
         "details": details,
         "drift": sorted(drift.values(), key=lambda d: d["target"]),
         "probe_errors": [probe_errors[k] for k in sorted(probe_errors, key=str)],
@@ -230,8 +275,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
 def render_ledger(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None) -> str:
     try:
         template = _env().get_template("ledger.md.j2")
-        return template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce),
-                               changes=changes)
+        return fit(template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce),
+                                   changes=changes))
     except (jinja2.TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise RenderError(f"the ledger could not be rendered from this routing ({type(exc).__name__}: {exc}); "
                           "no report file was changed") from exc

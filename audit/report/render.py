@@ -141,6 +141,43 @@ def _uniform(cells: list[dict], getter):
     return None, sorted(values)
 
 
+def glance(routing: dict, changes: dict | None) -> dict:
+    """The opening summary a reviewer reads first: what moved since the baseline, what vLLM refuses and where,
+    which claim failures are new and which predate it, and how far the evidence goes (every stop counted)."""
+    from audit.report.verdicts import FAILING
+
+    cells = [c for c in routing["cells"] if c["status"] != "INCOMPLETE"]
+    ids = lambda cs: [f"{c['system']}/{c['layout']}" for c in cs]  # noqa: E731
+    refused_construct = [c for c in cells if c["status"] == "PARTIAL" and (c.get("failure") or {}).get("outcome") == "refused"]
+    sim_construct = [c for c in cells if c["status"] == "PARTIAL" and (c.get("failure") or {}).get("outcome") != "refused"]
+    reached = [c for c in cells if c.get("postload")]
+    refused_load = [c for c in reached if c.get("load_refused")]
+    post_limits = [c for c in reached if not c.get("load_refused") and (c["postload"].get("limit") or not c["postload"].get("ran"))]
+    stops: dict[str, list[str]] = {}
+    for c in post_limits:
+        for g in c["postload"].get("limits") or [{"raised_in": "post-load did not run"}]:
+            stops.setdefault(g.get("raised_in") or "?", []).append(f"{c['system']}/{c['layout']}")
+    out = {"cells": len(routing["cells"]), "refused_construct": ids(refused_construct), "sim_construct": ids(sim_construct),
+           "reached": len(reached), "refused_load": ids(refused_load),
+           "postload_clean": len(reached) - len(refused_load) - len(post_limits),
+           "postload_stops": sorted((k, sorted(set(v))) for k, v in stops.items()),
+           "observed": sum(1 for c in cells if str(c.get("evidence", "")).startswith("observed")),
+           "workloads": sorted({w for c in cells for w in (c.get("dispatch") or {}).get("workloads", [])},
+                               key=lambda w: (w.split(" ")[0] != "decode", w.split(" ")[0],
+                                              int(w.split(" ")[1]) if w.split(" ")[1:2] and w.split(" ")[1].isdigit()
+                                              else 0, w)),
+           "failing_now": sum(n for k, n in ((routing.get("verdicts") or {}).get("summary") or {}).items() if k in FAILING)}
+    if changes and not changes.get("unavailable"):
+        rows = changes.get("changes", [])
+        failing = lambda v: str(v).split(" ")[0] in FAILING  # noqa: E731
+        verdict_rows = [r for r in rows if r["kind"] == "verdict"]
+        out["since"] = {"pin": changes["from"]["pin"], "serving": [r for r in rows if r.get("serving")],
+                        "serving_cells": len({tuple(c) for r in rows if r.get("serving") for c in r["cells"]}),
+                        "new_failures": [r for r in verdict_rows if failing(r["after"]) and not failing(r["before"])],
+                        "fixed": [r for r in verdict_rows if failing(r["before"]) and not failing(r["after"])]}
+    return out
+
+
 def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     cells = routing["cells"]
     systems = [s for s in SYSTEMS.values() if any(c["system"] == s.name for c in cells)]
@@ -276,7 +313,7 @@ def render_ledger(routing: dict, *, profile_title: str, reproduce: str, changes:
     try:
         template = _env().get_template("ledger.md.j2")
         return fit(template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce),
-                                   changes=changes))
+                                   changes=changes, glance=glance(routing, changes)))
     except (jinja2.TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise RenderError(f"the ledger could not be rendered from this routing ({type(exc).__name__}: {exc}); "
                           "no report file was changed") from exc

@@ -30,7 +30,7 @@ def _audit(reports, cache, *extra):
 def test_a_repeated_audit_reuses_the_evidence_and_routes_the_same(vllm_env, tmp_path):
     cache = tmp_path / "evcache"
     first, ledger1, _ = _audit(tmp_path / "a", cache)
-    assert first["run"]["cache"] == {"hits": [], "ran": 1} and "evidence cache |" not in ledger1
+    assert first["run"]["cache"] == {"hits": [], "ran": 1, "discarded": [], "used": True} and "evidence cache |" not in ledger1
     assert len(list(cache.iterdir())) == 1
 
     second, ledger2, _ = _audit(tmp_path / "b", cache)
@@ -49,7 +49,9 @@ def test_a_repeated_audit_reuses_the_evidence_and_routes_the_same(vllm_env, tmp_
     assert third["run"]["cache"]["ran"] == 0
 
     fourth, ledger4, _ = _audit(tmp_path / "d", cache, "--no-cache")
-    assert "cache" not in fourth["run"] and fourth["cells"] == first["cells"]
+    # --no-cache looks nothing up, runs the cell and refreshes its entry
+    assert fourth["run"]["cache"] == {"hits": [], "ran": 1, "discarded": [], "used": False}
+    assert fourth["cells"] == first["cells"] and len(list(cache.iterdir())) == 1
 
 
 def test_every_input_is_part_of_the_key():

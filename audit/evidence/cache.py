@@ -28,6 +28,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from audit.fsutil import sha256_file
+
 CACHE_SCHEMA = 2
 ENTRY = "entry.json"
 #: plan fields that change what a cell records (parallelism and warm-up lists only change speed)
@@ -75,14 +77,6 @@ def cell_key(identity: dict, plan: dict, cell: dict, model_digest: str, probes: 
     return hashlib.sha256(blob).hexdigest(), inputs
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _regular(path: Path) -> bool:
     """A regular file, not a link, FIFO or device (lstat: a link is never followed)."""
     try:
@@ -125,7 +119,7 @@ def check(root: Path, key: str, cell: tuple[str, str] | None = None) -> tuple[di
     for name, digest in sorted(files.items()):
         if not _regular(d / name):
             return None, f"{name} is not a regular file"
-        if _sha256(d / name) != digest:
+        if sha256_file(d / name) != digest:
             return None, f"{name} does not match its recorded sha256"
     if cell is not None:
         for name in files:
@@ -187,7 +181,7 @@ def store(root: Path, key: str, cell_dir: Path, *, run: str, date: str, inputs: 
         try:
             for p in files:
                 shutil.copyfile(p, tmp / p.name)
-            seal = {p.name: _sha256(tmp / p.name) for p in files}
+            seal = {p.name: sha256_file(tmp / p.name) for p in files}
             (tmp / ENTRY).write_text(json.dumps({"key": key, "run": run, "date": date, "inputs": inputs, "info": info,
                                                  "files": seal}, indent=1, sort_keys=True), encoding="utf-8")
             if os.path.lexists(base / key):

@@ -146,6 +146,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     cached: dict = {}
     keys: dict = {}
     discarded: list = []
+    if hasattr(rt, "bind"):
+        rt.bind(request)  # --timeout bounds building the environment too
     if mode == "resolve" and hasattr(rt, "cache_identity"):  # --no-cache looks nothing up, but refreshes
         keys, cached, discarded = _from_cache(rt, request, progress, use=cache)
     todo = [c for c in cells if (c[0].name, c[1].name) not in cached]

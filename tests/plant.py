@@ -2,14 +2,15 @@
 
 ``sitecustomize(plants)`` is the text of a ``sitecustomize.py`` for the agent's run directory (its
 PYTHONPATH): Python runs it at start, before vLLM, and it rewrites each named module's source in memory as
-it is imported (same file name; the wheel on disk is untouched). ``plants`` is a list of
+it is imported (same file name; the wheel on disk is untouched; linecache holds the planted text, so a
+traceback shows the planted lines). ``plants`` is a list of
 ``(module, [(old, new), ...])``; each ``old`` must occur exactly once, or the import fails saying the plant
 no longer applies to this vLLM.
 """
 import textwrap
 
 _TEMPLATE = textwrap.dedent('''
-    import importlib.abc, importlib.util, sys
+    import importlib.abc, importlib.util, linecache, sys
 
     PLANTS = dict(%r)
 
@@ -36,6 +37,9 @@ _TEMPLATE = textwrap.dedent('''
                 if source.count(old) != 1:
                     raise RuntimeError("the planted change no longer applies to this vLLM: " + old)
                 source = source.replace(old, new)
+            # tracebacks and linecache readers (the probes read the raising line) see the planted text, as
+            # they would see a changed file; mtime None: linecache.checkcache keeps it
+            linecache.cache[self.origin] = (len(source), None, source.splitlines(True), self.origin)
             exec(compile(source, self.origin, "exec"), module.__dict__)
 
     sys.meta_path.insert(0, Plant())

@@ -343,9 +343,14 @@ class LocalRuntime:
         return out
 
     # -- run -----------------------------------------------------------------------------------
+    def bind(self, request: RunRequest) -> None:
+        """The run about to be prepared: its deadline (``--timeout`` from the audit's start) bounds building the
+        environment, wherever that happens first (the evidence cache's lookup builds it before the run)."""
+        self._request = request
+
     def run(self, request: RunRequest, progress: Progress) -> RunResult:
         self.check(request.pin)
-        self._request = request  # its deadline bounds building the environment too
+        self.bind(request)
         if request.mode == "observe":
             return self._run_observe(request, progress)
         env = self.ensure_env(request.pin, progress)

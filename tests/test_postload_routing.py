@@ -113,6 +113,13 @@ def test_ledger_says_where_vllm_refused():
     matrix = next(l for l in text.splitlines() if l.startswith("| Weights load (post-load) |"))
     assert "REFUSED by vLLM (layer 1): NotImplementedError: DeepGEMM MegaMoE requires SM100 GPUs." in matrix
     assert "simulated to the end: 1 steps, no refusal" in matrix
+    # the refused cell's lanes show what construction built, marked: it does not serve; the other cell's are not
+    r = _refused_routing()
+    for c in r["cells"]:
+        c["lanes"]["moe"] = [{"layers": [1], "ranges": "1", "value": "MEGA / Experts", "level": "construction"}]
+    moe = next(l for l in render_ledger(r, profile_title="Kimi-K3", reproduce="x").splitlines()
+               if l.startswith("| Routed experts |"))
+    assert [c.strip() for c in moe.split("|")[2:-1]] == ["(refused at load) MEGA / Experts", "MEGA / Experts"]
     section = text.split("## Post-load", 1)[1].split("\n## ", 1)[0]
     assert "| h100_sxm | dep8 | 2 | 1 | 1 | 0 |" in section
     assert "during `KimiK3ForConditionalGeneration.process_weights_after_loading`" in section

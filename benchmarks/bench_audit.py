@@ -124,16 +124,15 @@ def cell_costs(evidence_dir: Path) -> tuple[dict[tuple, float], dict[tuple, list
 
 def projected_wall(setup: dict, cells: dict, slots: int) -> float:
     """The agent's schedule at ``slots`` processes: capabilities split as probes.resolve.agent.split_groups does
-    (an extra vLLM import per split), the larger groups started first, each on the slot that frees first."""
-    from probes.resolve.agent import split_groups
+    (an extra vLLM import per split) and placed on slots as probes.resolve.agent.plan_slots does; each slot runs
+    its SM processes one after another, each costing its measured import plus its cells."""
+    from probes.resolve.agent import plan_slots, split_groups
 
     flat = [{"system": {"capability": list(sm)}, "cost": c} for sm, costs in sorted(cells.items()) for c in costs]
-    groups = split_groups(flat, slots)
-    loads = [0.0] * slots
-    for g in sorted(groups, key=len, reverse=True):
-        sm = tuple(g[0]["system"]["capability"])
-        i = loads.index(min(loads))
-        loads[i] += setup.get(sm, 0.0) + sum(c["cost"] for c in g)
+    loads = []
+    for queue in plan_slots(split_groups(flat, slots), slots):
+        loads.append(sum(setup.get(tuple(g[0]["system"]["capability"]), 0.0) + sum(c["cost"] for c in g)
+                         for g in queue))
     return max(loads)
 
 

@@ -47,3 +47,31 @@ def test_default_parallelism_follows_cores_and_memory(monkeypatch, tmp_path):
     for avail_gib, expected in ((0.5, 1), (PROCESS_GIB * 3 + 0.1, 3), (1000, 32)):
         meminfo.write_text(f"MemTotal: 1 kB\nMemAvailable: {int(avail_gib * 2**20)} kB\n")
         assert default_parallel() == expected
+
+
+def test_slots_run_the_sm_processes_so_the_last_slot_ends_earliest():
+    from probes.resolve.agent import IMPORT_COST_CELLS, plan_slots
+
+    def load(queue):
+        return sum(IMPORT_COST_CELLS + len(g) for g in queue)
+
+    groups = split_groups(CELLS, 2)
+    queues = plan_slots(groups, 2)
+    # every group placed exactly once
+    assert sorted(len(g) for q in queues for g in q) == sorted(len(g) for g in groups)
+    # K3's 12, 12, 10, 5, 5 cells: the two SM 10.x groups on one slot, the rest on the other (36 vs 38 units),
+    # where starting the largest first on whichever slot frees first would end one slot at 40
+    assert sorted(sorted(len(g) for g in q) for q in queues) == [[5, 5, 10], [12, 12]]
+    assert max(load(q) for q in queues) == 38
+    # no other assignment of these groups to two slots does better
+    import itertools
+    best = min(max(sum(IMPORT_COST_CELLS + len(g) for g, s in zip(groups, pick) if s == k) for k in (0, 1))
+               for pick in itertools.product((0, 1), repeat=len(groups)))
+    assert max(load(q) for q in queues) == best
+    # more slots than groups: one group each; one slot: everything in it
+    assert len(plan_slots(groups, 9)) == len(groups)
+    assert [len(q) for q in plan_slots(groups, 1)] == [len(groups)]
+    # too many assignments to try them all: the greedy placement still places each group once
+    many = [[{"n": i}] * (i % 7 + 1) for i in range(40)]
+    queues = plan_slots(many, 8)
+    assert sum(len(q) for q in queues) == 40 and len(queues) == 8

@@ -160,6 +160,57 @@ def split_groups(cells: list[dict], slots: int) -> list[list[dict]]:
     return groups
 
 
+#: what one SM process's vLLM import costs, in cells: the import and platform stages of one SM process take
+#: about six cells' worth of construction, post-load and dispatch (benchmarks/bench_audit.py, v0.33.0: 14-18 s
+#: against 2.5-3 s per cell). Only the order of work depends on it, never what a cell records.
+IMPORT_COST_CELLS = 6
+_EXHAUSTIVE_LIMIT = 50_000
+
+
+def plan_slots(groups: list[list[dict]], slots: int) -> list[list[list[dict]]]:
+    """The SM processes each slot runs, one after another, so that the slot that finishes last finishes as
+    early as the cost model allows (one import plus one unit per cell). Every assignment is tried when there
+    are few (a handful of capabilities on a few cores); otherwise the largest group goes to the least loaded
+    slot. Deterministic: ties keep the groups' order."""
+    slots = max(1, min(slots, len(groups))) if groups else 1
+    costs = [IMPORT_COST_CELLS + len(g) for g in groups]
+    order = sorted(range(len(groups)), key=lambda i: -costs[i])
+    best: list[int] | None = None
+    if slots ** len(groups) <= _EXHAUSTIVE_LIMIT:
+        best_load = None
+
+        def place(k: int, loads: list[int], chosen: list[int]) -> None:
+            nonlocal best, best_load
+            if best_load is not None and max(loads) >= best_load:
+                return
+            if k == len(order):
+                best, best_load = list(chosen), max(loads)
+                return
+            seen = set()
+            for s in range(slots):
+                if loads[s] in seen:  # slots with equal load are interchangeable
+                    continue
+                seen.add(loads[s])
+                loads[s] += costs[order[k]]
+                chosen.append(s)
+                place(k + 1, loads, chosen)
+                chosen.pop()
+                loads[s] -= costs[order[k]]
+
+        place(0, [0] * slots, [])
+    if best is None:
+        loads = [0] * slots
+        best = []
+        for i in order:
+            s = loads.index(min(loads))
+            loads[s] += costs[i]
+            best.append(s)
+    plan: list[list[list[dict]]] = [[] for _ in range(slots)]
+    for i, s in zip(order, best):
+        plan[s].append(groups[i])
+    return [p for p in plan if p]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     plan = read_plan(argv, "python -m probes.resolve.agent PLAN.json", nargs=1)
@@ -182,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     cells_of: dict[int, list] = {}
     failed = 0
 
-    def reap_one() -> int:
+    def reap_one() -> tuple[int, int]:
         pid, status = os.wait()  # whichever SM process finishes first
         running.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
@@ -193,18 +244,29 @@ def main(argv: list[str] | None = None) -> int:
                 log = os.path.join(cell_dir(plan, cell), "agent.log")
                 if not any(n.startswith("evidence-") for n in _listdir(cell_dir(plan, cell))):
                     _note(log, f"the SM process that runs this cell (pid {pid}) ended: {describe_exit(code)}")
-        return code != 0
+        return pid, int(code != 0)
 
-    # larger groups first, so the last one to start is a short one
-    for cells in sorted(groups, key=len, reverse=True):
-        while len(running) >= parallel:
-            failed += reap_one()
+    queues = plan_slots(groups, parallel)
+    slot_of: dict[int, int] = {}
+
+    def start(slot: int) -> None:
+        if not queues[slot]:
+            return
+        cells = queues[slot].pop(0)
         pid = _fork(run_group, plan, cells)
         running[pid] = None
+        slot_of[pid] = slot
         groups_of[pid] = "SM " + ".".join(str(x) for x in cells[0]["system"]["capability"])
         cells_of[pid] = cells
+
+    for slot in range(len(queues)):
+        start(slot)
     while running:
-        failed += reap_one()
+        pid, code = reap_one()
+        failed += code
+        slot = slot_of.pop(pid, None)
+        if slot is not None:  # the next SM process of the slot that freed
+            start(slot)
     return 0 if not failed else 1
 
 

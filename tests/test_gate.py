@@ -184,3 +184,15 @@ def test_accept_writes_the_findings_of_an_audited_pin(tmp_path, v033):
     out.write_text(text)
     assert _cli("accept", "v0.33.0", "--reports", str(reports), "--accepted", str(out)).returncode == ExitCode.OK
     assert 'note = "known since 0.32"' in out.read_text()
+
+
+def test_what_moves_inside_a_deployment_refused_in_both_builds_is_not_a_serving_change(v033):
+    """dep8 on SM 8.9, 9.0 and 12.0: v0.30.0 refuses MegaMoE at load, v0.33.0 at construction. The lanes built
+    before the refusal in one and not in the other are shown, marked, and do not fail the gate."""
+    v030 = json.loads((DATA / "routing-v0.30.0.json").read_text())
+    d = diff_routings(v030, v033)
+    refused = {("l40s", "dep8"), ("h100_sxm", "dep8"), ("h200_sxm", "dep8"), ("rtx_pro_6000_server", "dep8")}
+    inside = [c for c in d["changes"] if {tuple(x) for x in c["cells"]} <= refused]
+    assert inside and any(c["kind"] == "path" and c["after"] == NOT_BUILT for c in inside)
+    assert all(c["refused_in_both"] and not c["serving"] for c in inside)
+    assert "(refused in both)" in render_diff(d)

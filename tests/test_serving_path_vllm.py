@@ -28,6 +28,13 @@ PLANNER_WITHOUT_8 = ("vllm.models.kimi_k3.nvidia.specialized_decode.runtime.deco
 PLAN_FROM_2 = ("vllm.models.kimi_k3.nvidia.low_latency_gemm", [(
     "    for num_tokens in range(1, 17):\n        backend = _backend_for(spec, num_tokens, has_residual=False)",
     "    for num_tokens in range(2, 17):\n        backend = _backend_for(spec, num_tokens, has_residual=False)")])
+#: K3's KDA layer takes its fused decode kernel only from 9 decode requests up; and a planted refusal right after
+#: the stand-ins of the prefill path (convolutions, initial-state gather) must surface, not be hidden by them
+KDA_PLANTS = ("vllm.models.kimi_k3.nvidia.kda", [
+    ("            and m.num_decodes > 0\n", "            and m.num_decodes > 8\n"),
+    ('                if self.kda_prefill_backend == "flashkda":',
+     '                raise ValueError("planted refusal after the stand-ins")\n'
+     '                if self.kda_prefill_backend == "flashkda":')])
 CLAIM = '''schema = 1
 model = "kimi-k3"
 framework = "vllm"
@@ -65,7 +72,7 @@ def stock(vllm_env, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def planted(vllm_env, tmp_path_factory):
-    return _run(vllm_env, tmp_path_factory, "path-planted", [CELL], plants=[PLANNER_WITHOUT_8, PLAN_FROM_2])
+    return _run(vllm_env, tmp_path_factory, "path-planted", [CELL], plants=[PLANNER_WITHOUT_8, PLAN_FROM_2, KDA_PLANTS])
 
 
 def _tier(cell, lane, workload, group=None):
@@ -133,3 +140,30 @@ def test_a_planted_lm_head_plan_change_shows(stock, planted):
     assert b["decode 1"].startswith("M=1: CuTe skinny GEMM") and a["decode 1"].startswith("M=1: base linear")
     assert a["prefill 2048"].startswith("M=1: base linear")
     assert a["decode 8"] == b["decode 8"]
+
+
+def test_kda_kernel_by_batch_type(stock):
+    """vLLM's KDA ``_forward`` picks its kernel from the batch: the fused decode op for a pure decode batch where
+    the layer resolved one (no speculation), the packed Triton decode beside MTP; the prefill kernel for a prefill
+    chunk alone or with decode requests beside it; the verify kernel the layer resolved for a verify batch."""
+    cells, _ = stock
+    tp8, mtp = cells[("b200_sxm", "tp8")], cells[("h200_sxm", "tp8-mtp")]
+    assert _tier(tp8, "kda_batch", "decode 8").startswith("vLLM's fused_kda_decode CUDA op")
+    assert _tier(tp8, "kda_batch", "prefill 2048") == \
+        "FlashKDA prefill (after causal_conv1d_fn) (alone or with 8 decode requests in the batch)"
+    assert _tier(mtp, "kda_batch", "decode 8").startswith("FLA Triton fused_recurrent_kda_packed_decode")
+    assert _tier(mtp, "kda_batch", "verify 32 (8x4)").startswith("FLA Triton fused_recurrent_kda ")
+    # every KDA layer, and no MLA layer, has the lane
+    layers = {layer for g in tp8["dispatch"]["lanes"]["kda_batch"] for layer in g["layers"]}
+    assert layers == set(tp8["layer_kinds"]["kda"])
+
+
+def test_a_planted_kda_change_moves_exactly_those_batches(stock, planted):
+    before, after = stock[0][CELL], planted[0][CELL]
+    b, a = _tier(before, "kda_batch", "decode 8"), _tier(after, "kda_batch", "decode 8")
+    assert b.startswith("vLLM's fused_kda_decode") and a.startswith("FLA Triton fused_recurrent_kda_packed_decode")
+    assert _tier(after, "kda_batch", "decode 1") == a
+    assert _tier(after, "kda_batch", "decode 64") == _tier(before, "kda_batch", "decode 64") == b
+    # the planted raise after the prefill path's stand-ins is what the prefill rows say
+    for w in ("prefill 512", "prefill 2048", "prefill 8192"):
+        assert _tier(after, "kda_batch", w) == "not resolved: ValueError: planted refusal after the stand-ins"

@@ -324,3 +324,26 @@ def test_a_claim_no_cell_of_the_run_can_judge_stays_in_the_table_with_why():
     r = routing()
     attach(r, exp, display_path="kimi-k3.toml")
     assert any("the tp8-specdec layout does not exist on SM 9.0" in v["why"] for v in r["verdicts"]["rows"])
+
+
+def test_a_refusal_at_load_is_one_event_on_the_layer_kind_vllm_refused():
+    """v0.30.0 refuses MegaMoE on SM 9.0 at load (in a MoE layer): as at construction, the refusal is one REFUSED
+    row on the MoE lane (no shipped claim covers dep8's MoE), and the KDA claims covering the cell are not judged,
+    since nothing of the deployment serves."""
+    r = routing("v0.30.0")
+    cell = next(c for c in r["cells"] if (c["system"], c["layout"]) == ("h200_sxm", "dep8"))
+    assert cell["load_refused"]["kind"] == "moe"
+    rows = [v for v in judge(r, expectations.load(SHIPPED)) if (v["system"], v["layout"]) == ("h200_sxm", "dep8")]
+    refused = [v for v in rows if v["verdict"] == "REFUSED"]
+    assert [(v["claim"], v["lane"]) for v in refused] == [("", "moe")]
+    assert "refused at load" in refused[0]["why"] and "SM100" in refused[0]["why"]
+    kda = [v for v in rows if v["lane"].startswith("kda")]
+    assert kda and all(v["verdict"] == "UNVERIFIED" and "refused this deployment at load in its MOE layer 1"
+                       in v["why"] for v in kda)
+    # without a known layer kind, every claim covering the cell carries the refusal (nothing is dropped)
+    unknown = copy.deepcopy(r)
+    for c in unknown["cells"]:
+        if c.get("load_refused"):
+            c["load_refused"]["kind"] = None
+    rows = [v for v in judge(unknown, expectations.load(SHIPPED)) if (v["system"], v["layout"]) == ("h200_sxm", "dep8")]
+    assert rows and all(v["verdict"] == "REFUSED" for v in rows)

@@ -102,18 +102,24 @@ def diff_routings(old: dict, new: dict) -> dict:
             for (va, vb), layers in moved.items():
                 add(cand_changes, (lane, va, vb), cell, layers)
 
+    # a cell vLLM refuses in both audits serves nothing in either: what moved inside it (where the refusal
+    # happens, lanes built before it) is shown, and is not a change of how the model is served
+    refused_both = {cell for cell in common if refused(old_cells[cell]) and refused(new_cells[cell])}
+
     def rows(bucket, kind):
         out = []
         for key, row in bucket.items():
             cells = sorted(row["cells"])
             lane_like = kind in ("path", "candidates")
+            serving = decides_serving(kind, "" if lane_like else key[0]) and not set(cells) <= refused_both
             out.append({"kind": kind, "lane": key[0] if lane_like else "", "field": "" if lane_like else key[0],
                         "title": titles.get(key[0], key[0]) if lane_like else key[0],
                         "before": key[1], "after": key[2],
                         "cells": [list(c) for c in cells],
                         "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
                         "layers": _ranges(row["layers"]) if row["layers"] else "",
-                        "serving": decides_serving(kind, "" if lane_like else key[0])})
+                        "serving": serving,
+                        "refused_in_both": set(cells) <= refused_both})
         return sorted(out, key=lambda r: (r["lane"] or r["field"], r["before"], r["after"]))
 
     # verdict changes (when both audits were judged), one row per (claim, lane, before, after)
@@ -150,6 +156,12 @@ def diff_routings(old: dict, new: dict) -> dict:
         "only_in_to": [list(c) for c in only_new],
         "empty": not changes and not only_old and not only_new,
     }
+
+
+def refused(cell: dict) -> bool:
+    """vLLM's own code refused the deployment, at construction or at load (a simulation limit is not a refusal)."""
+    failure = cell.get("failure") or {}
+    return bool(cell.get("load_refused")) or (cell.get("status") == "PARTIAL" and failure.get("outcome") == "refused")
 
 
 #: cell facts that are information, not a change of how the model is served: the packages installed (they

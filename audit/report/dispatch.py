@@ -23,6 +23,7 @@ LANE_TITLES = {
     "low_latency_gemm": "K3 low-latency BF16 GEMMs",
     "lm_head": "lm_head low-latency GEMM (at the step's logits rows)",
     "kda_projection_overlap": "KDA input-projection stream overlap",
+    "kda_batch": "KDA kernel by batch type (decode, prefill alone or mixed, verify)",
 }
 #: the specialized decode's own component for a construction lane (what serves a step it takes)
 SPECIALIZED_PARTS = {"moe": "experts", "mla.decode": "mla_core", "kda.decode": "kda", "kda.spec_verify": "kda"}

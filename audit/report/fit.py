@@ -127,7 +127,7 @@ def _fit_row(row: str, notes: _Notes, max_cell: int, width: int) -> str:
     cells = [_moved(c, notes) if m is not None else f" {c} " for c, m in zip(original, moved)]
     line = "|" + "|".join(cells) + "|"
     # still too wide: move the longest cells, then shorten the heads of the moved ones, until it fits
-    for head in (HEAD, 24, 0):
+    for head in (HEAD, 24, 12, 0):  # a bare reference only when nothing else fits
         while len(line) > width:
             movable = [i for i, c in enumerate(original) if len(c) > head + 8
                        and (moved[i] is None or moved[i] > head)]

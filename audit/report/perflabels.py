@@ -36,6 +36,9 @@ DISPATCH_FOR = {
             ("down_proj_overlap", "")),
     "mla.decode": (("mla", "decode"),),
     "mla.prefill": (("mla", "prefill"),),
+    "kda.prefill": (("kda_batch", "prefill"),),
+    "kda.decode": (("kda_batch", "decode"),),
+    "kda.spec_verify": (("kda_batch", "verify"),),
 }
 _UNKNOWN_PRECISION = ("unknown: the harness has no table entry for this backend's activation precision")
 
@@ -76,7 +79,7 @@ def _tiers(cell: dict, lane: str, layers: list[int]) -> dict:
 
 #: the workloads (by phase) a harness lane serves
 _PHASES_OF = {"moe": ("decode", "prefill", "verify"), "mla.decode": ("decode", "verify"), "mla.prefill": ("prefill",),
-              "kda.decode": ("decode",), "kda.spec_verify": ("verify",)}
+              "kda.prefill": ("prefill",), "kda.decode": ("decode",), "kda.spec_verify": ("verify",)}
 
 
 def _by_tokens(cell: dict, lane: str, group: dict, label_map: dict[str, str]) -> list[dict]:

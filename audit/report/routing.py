@@ -109,6 +109,22 @@ def _layer_kinds(f: EvidenceFile, profile: Profile) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in sorted(kinds.items())}
 
 
+def _module_kind(f: EvidenceFile, profile: Profile, module: str) -> str | None:
+    """The layer kind (moe, kda, ...) of the block a module belongs to: the innermost built block around it
+    whose class the profile names (``...layers.1.block_sparse_moe.experts`` sits in a ``KimiMoE``: moe)."""
+    best, depth = None, -1
+    for r in f.of_kind("scope"):
+        prefix = str(r.get("prefix", ""))
+        if not prefix or not (module == prefix or module.startswith(prefix + ".")):
+            continue
+        cls = str(r.get("cls", "")).rsplit(":", 1)[-1]
+        for key, kind in profile.layer_classes.items():
+            name, _, leaf = key.partition("@")
+            if cls == name and (not leaf or prefix.endswith("." + leaf)) and len(prefix) > depth:
+                best, depth = kind, len(prefix)
+    return best
+
+
 def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None) -> dict[int, dict]:
     per_layer: dict[int, dict] = {}
     for source in lane.sources:
@@ -501,6 +517,8 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         lanes[lane.id] = groups
         if lane.candidates_target:
             candidates[lane.id] = _candidates(f, lane.candidates_target)
+    if post is not None and post.get("refused_at"):  # which kind of layer vLLM refused to load
+        post["refused_at"]["kind"] = _module_kind(f, profile, post["refused_at"].get("module", ""))
     if post is not None:  # read into the lanes above; not kept in routing.json
         post.pop("_modules")
         post.pop("_activation_checks")

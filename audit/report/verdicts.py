@@ -208,17 +208,38 @@ def _no_evidence_why(cell: dict, lane: str) -> str:
 
 
 def _load_refusals(cell: dict, exp: Expectations) -> list[dict]:
-    """A cell vLLM refuses at load: every claim covering it fails there, and where it was refused."""
+    """A cell vLLM refuses at load serves nothing. As at construction, the refusal is one event on the kind of
+    layer vLLM refused (a claim on that kind is REFUSED; with no claim there, one REFUSED row without a claim),
+    and the claims on other layers are not judged (UNVERIFIED), since nothing of the deployment serves. When the
+    refused module's layer kind is unknown, every claim covering the cell carries the refusal."""
     r = cell["load_refused"]
     where = r.get("module") or "the model"
-    why = (f"vLLM refused at load: {r.get('function')} raised {short(r.get('type', ''))}: {r.get('message', '')} "
-           f"(in {where}, during {r.get('step', '')})")
+    raised = f"{r.get('function')} raised {short(r.get('type', ''))}: {r.get('message', '')}"
+    why = f"vLLM refused at load: {raised} (in {where}, during {r.get('step', '')})"
+    refusing = r.get("kind") if r.get("kind") in _FIRST_OF_KIND else None
+    kinds = cell.get("layer_kinds", {})
     base = {"system": cell["system"], "layout": cell["layout"], "evidence": f"{cell.get('evidence', 'none')} (post-load)",
-            "layers": "" if r.get("layer") is None else str(r["layer"]), "verdict": "REFUSED", "actual": "",
-            "label": "", "why": why}
-    rows = [{**base, "lane": lane, "claim": c.id, "expected": c.backend or c.kernel_source}
-            for lane in JUDGED_LANES for c in exp.claims if c.covers(cell["system"], cell["layout"], lane)]
-    return rows or [{**base, "lane": "load", "claim": "", "expected": ""}]
+            "actual": "", "label": ""}
+    rows = []
+    for lane in JUDGED_LANES:
+        layers = format_ranges(kinds.get(_KIND[lane], [])) or ("" if r.get("layer") is None else str(r["layer"]))
+        claims = [c for c in exp.claims if c.covers(cell["system"], cell["layout"], lane)]
+        for c in claims:
+            if refusing in (None, _KIND[lane]):
+                verdict, reason = "REFUSED", why
+            else:
+                verdict = "UNVERIFIED"
+                reason = (f"not judged: vLLM refused this deployment at load in its {refusing.upper()} layer "
+                          f"{r.get('layer')} (the REFUSED row): it serves nothing")
+            rows.append({**base, "lane": lane, "layers": layers, "claim": c.id, "verdict": verdict,
+                         "expected": c.backend or c.kernel_source, "why": reason})
+        if refusing == _KIND[lane] and not claims and lane == _FIRST_OF_KIND[refusing]:
+            rows.append({**base, "lane": lane, "layers": layers, "claim": "", "verdict": "REFUSED", "expected": "",
+                         "why": why})
+    if not any(row["verdict"] == "REFUSED" for row in rows):
+        rows.append({**base, "lane": "load", "claim": "", "expected": "", "verdict": "REFUSED", "why": why,
+                     "layers": "" if r.get("layer") is None else str(r["layer"])})
+    return rows
 
 
 def _rank_disagreements(cell: dict, exp: Expectations) -> list[dict]:

@@ -528,12 +528,54 @@ def _specialized(model, vllm_config):
         return None
     mod = importlib.import_module("vllm.models.kimi_k3.nvidia.specialized_decode.runtime.decode")
     planner = mod.SpecializedDecode.__new__(mod.SpecializedDecode)
-    with _capture(mod, "get_tp_group"):  # the constructor's first step past its batch plan
+    # the constructor up to its first device work (building the CuTe providers): its batch plan and layers
+    with _capture(mod.SpecializedDecode, "build_providers"):
         try:
             mod.SpecializedDecode.__init__(planner, lm.model, config)
         except _Stop:
             pass
     return planner
+
+
+def _plan_takes(planner, model, cg: str, padded: int, w: Workload) -> bool:
+    """vLLM's own answer (``SpecializedDecode.plan``) to whether the specialized decode takes a step: the step
+    replayed as vLLM dispatched it (``cg``: a graph captured at ``padded`` tokens, or eager), each layer given
+    the metadata of that batch (a padded FULL graph holds whole decode or verify requests). Stand-ins make the
+    objects plan reads exist: the forward context, a stream that is capturing exactly when the step replays a
+    graph, and per layer the batch's request counts."""
+    import types
+
+    import torch
+
+    mod = importlib.import_module(type(planner).__module__)
+    kda = importlib.import_module("vllm.models.kimi_k3.nvidia.kda")
+    verify = w.phase == "verify"
+    q = w.per_request if verify else 1
+    batch = Workload(w.phase, padded, max(1, padded // q), q) if w.phase != "prefill" else w
+    metadata = {}
+    for layer in planner.layers:
+        attention = layer.self_attn
+        name = mod.layer_name(attention)
+        if isinstance(attention, kda.KimiK3DeltaAttention):
+            metadata[name] = _kda_metadata(kda.KimiK3KDAMetadata, attention, batch)
+        else:  # MLA: the request counts its metadata carries (no speculative fields)
+            reqs = batch.requests if batch.phase != "prefill" else 0
+            metadata[name] = types.SimpleNamespace(
+                num_prefills=1 if batch.phase == "prefill" else 0, num_decodes=reqs,
+                num_decode_tokens=batch.tokens if batch.phase != "prefill" else 0)
+    modes = importlib.import_module("vllm.config").CUDAGraphMode
+    context = types.SimpleNamespace(attn_metadata=metadata, cudagraph_runtime_mode=getattr(modes, cg),
+                                    slot_mapping=None)
+    swaps = [(mod, "get_forward_context", lambda: context), (mod, "is_forward_context_available", lambda: True),
+             (torch.cuda, "is_current_stream_capturing", lambda: cg != "NONE")]
+    saved = [(m, n, getattr(m, n)) for m, n, _ in swaps]
+    try:
+        for m, n, fn in swaps:
+            setattr(m, n, fn)
+        return planner.plan(_meta(padded, dtype=torch.int64), None) is not None
+    finally:
+        for m, n, fn in saved:
+            setattr(m, n, fn)
 
 
 #: set by lane_serving_path for the lanes after it: per role, per workload index, (mode, padded, specialized?)
@@ -574,9 +616,11 @@ def lane_serving_path(models, vllm_config, works):
             if isinstance(planner, Exception):
                 text += f"; specialized decode not resolved ({_err(planner)})"
             elif planner is not None:
-                takes = cg == "FULL" and padded in planner.batches and padded % planner.q == 0 and \
-                    (planner.q == 1 or uniform == planner.q)
-                text += ": specialized decode" if takes else ": stock path (specialized decode not taken)"
+                try:
+                    takes = _plan_takes(planner, model, cg, padded, w)
+                    text += ": specialized decode" if takes else ": stock path (specialized decode not taken)"
+                except Exception as exc:
+                    text += f"; specialized decode not resolved ({_err(exc)})"
             _PATHS[(role, i)] = (cg, padded, takes)
             tiers.append(text)
         source = f"{type(manager).__module__}:{type(manager).__qualname__}.dispatch (mode {getattr(mode, 'name', mode)})"
@@ -774,6 +818,169 @@ def lane_kda_projection_overlap(models, vllm_config, works):
             yield role, name, tiers, f"{kda_cls.__module__}:{kda_cls.__qualname__}.forward (_projection_overlap_max_tokens)"
 
 
+#: the KDA kernels ``_forward`` ends in, by the name it calls them (stopping there: nothing ran)
+_KDA_CORES = {
+    "flashinfer_packed_fused_kda_decode": "FlashInfer packed fused KDA decode (convolution fused)",
+    "flashinfer_fused_kda_decode": "FlashInfer fused KDA decode (convolution fused)",
+    "fused_kda_decode": "vLLM's fused_kda_decode CUDA op (convolution fused)",
+    "fused_recurrent_kda": "FLA Triton fused_recurrent_kda (after causal_conv1d_update)",
+    "fused_recurrent_kda_packed_decode": "FLA Triton fused_recurrent_kda_packed_decode (after causal_conv1d_update)",
+    "chunk_kda_with_fused_gate": "FLA Triton chunk_kda_with_fused_gate (after causal_conv1d_fn)",
+    "_flashkda_prefill": "FlashKDA prefill (after causal_conv1d_fn)",
+    "_flashinfer_kda_prefill": "FlashInfer recurrent KDA prefill (after causal_conv1d_fn)",
+    "_recoverssm_verify": "RecoverSSM verify",
+}
+#: decode requests riding along with a prefill chunk in the mixed batch
+MIXED_DECODES = 8
+
+
+def _kda_metadata(cls, layer, w: Workload, decodes: int = 0):
+    """The metadata of a batch as vLLM's KDA builder describes it to the layer: how many prefill, decode and
+    verify requests and tokens, and index tensors (meta) of their shapes. It only says what the batch *is*;
+    which kernel serves it is decided by the layer's own ``_forward``."""
+    import torch
+
+    verify = w.phase == "verify"
+    prefills = 1 if w.phase == "prefill" else 0
+    plain = w.requests if w.phase == "decode" else decodes
+    spec = w.requests if verify else 0
+    non_spec_reqs = prefills + plain
+    i32 = torch.int32
+    md = cls(num_prefills=prefills, num_prefill_tokens=w.tokens if prefills else 0, num_decodes=plain,
+             num_decode_tokens=plain, num_spec_decodes=spec, num_spec_decode_tokens=w.tokens if verify else 0,
+             num_actual_tokens=(w.tokens if w.phase != "decode" else 0) + plain)
+    if non_spec_reqs:
+        md.non_spec_state_indices_tensor = _meta(non_spec_reqs, dtype=i32)
+        md.non_spec_query_start_loc = _meta(non_spec_reqs + 1, dtype=i32)
+        md.has_initial_state = _meta(non_spec_reqs, dtype=torch.bool)
+    if spec:
+        md.spec_state_indices_tensor = _meta(spec, w.per_request, dtype=i32)
+        md.spec_query_start_loc = _meta(spec + 1, dtype=i32)
+        md.num_accepted_tokens = _meta(spec, dtype=i32)
+    return md
+
+
+class _KdaProbe:
+    """Runs one KDA layer's own ``_forward`` for batches described by their metadata (meta tensors) and names
+    the KDA kernel each reaches. Stand-ins only make shapes exist: the forward context holds the batch's
+    metadata; the layer's conv and recurrent state are meta tensors of its own state shapes; the short
+    convolutions, the initial-state gather and the workspace return tensors of their output shapes; each KDA
+    kernel stops the call when reached. Everything swapped is put back on exit."""
+
+    def __init__(self, mod):
+        import torch
+
+        self.torch, self.mod, self.reached, self.context = torch, mod, [], None
+        cores = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.third_party.kda")
+        ops = getattr(mod, "ops", None)
+
+        def stop(name):
+            def grab(*args, **kwargs):
+                self.reached.append(name)
+                raise _Stop
+            return grab
+
+        def conv_update(x, *args, out=None, **kwargs):
+            return out if out is not None else torch.empty_like(x)
+
+        class _Workspace:
+            def get_simultaneous(self, *specs):
+                return [torch.empty(tuple(shape), dtype=dt, device="meta") for shape, dt in specs]
+
+        self.stop = stop
+        self.swaps = [(mod, "get_forward_context", lambda: self.context), (mod, "causal_conv1d_update", conv_update),
+                      (mod, "causal_conv1d_fn", lambda x, *a, **k: torch.empty_like(x)),
+                      (mod, "gather_initial_states",
+                       lambda state, indices, *a, **k: state.new_empty((indices.shape[0], *state.shape[1:]))),
+                      (mod, "current_workspace_manager", lambda: _Workspace())]
+        self.swaps += [(m, name, stop(name)) for m in (mod, cores) for name in _KDA_CORES if hasattr(m, name)]
+        if ops is not None and hasattr(ops, "fused_kda_decode"):
+            self.swaps.append((ops, "fused_kda_decode", stop("fused_kda_decode")))
+
+    def __enter__(self):
+        self.saved = [(m, name, getattr(m, name)) for m, name, _ in self.swaps if hasattr(m, name)]
+        for m, name, fn in self.swaps:
+            setattr(m, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for m, name, fn in self.saved:
+            setattr(m, name, fn)
+
+    def kernel(self, layer, md, states: list) -> str:
+        torch = self.torch
+        T = md.num_actual_tokens
+        heads, dim, proj = layer.local_num_heads, layer.head_dim, layer.local_projection_size
+        bf16 = torch.bfloat16
+        slots = max(2, md.num_prefills + md.num_decodes + md.num_spec_decodes + 1)
+        self.reached.clear()
+        self.context = types_namespace(attn_metadata={layer.prefix: md})
+        had_cache, cache = hasattr(layer, "kv_cache"), getattr(layer, "kv_cache", None)
+        try:
+            layer.kv_cache = [_meta(slots, *shape, dtype=dt) for shape, dt in states]
+            layer._recoverssm_verify = self.stop("_recoverssm_verify")
+            layer._forward(mixed_qkv=_meta(T, 3 * proj, dtype=bf16), g1=_meta(1, T, heads, dim, dtype=bf16),
+                           g2=_meta(T, heads, dim, dtype=bf16), beta=_meta(1, T, heads, dtype=bf16),
+                           core_attn_out=_meta(1, T, heads, dim, dtype=bf16))
+        except _Stop:
+            pass
+        finally:
+            layer.kv_cache = cache
+            if not had_cache:
+                del layer.kv_cache
+            layer.__dict__.pop("_recoverssm_verify", None)
+        if not self.reached:
+            return "no KDA kernel reached (the forward returned without one)"
+        name = self.reached[0]
+        text = _KDA_CORES[name]
+        if name == "_recoverssm_verify":
+            text += " (CuTe)" if getattr(layer, "recoverssm_verify", None) is not None else " (Triton)"
+        return text
+
+
+def types_namespace(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
+
+
+def lane_kda_batch(models, vllm_config, works):
+    """Which KDA kernel a batch reaches, by batch type: a pure decode batch, a prefill chunk alone and with
+    MIXED_DECODES decode requests beside it (a mixed batch), and a verify batch. vLLM's KDA layer chooses in
+    its ``_forward`` from the batch's request counts and the backends it resolved at construction; this runs
+    that ``_forward`` (meta tensors) up to the kernel it calls. Like every stock lane, it says what the stock
+    forward runs; a step K3's specialized decode takes is served by its own KDA (``serving_path``)."""
+    mod = _optional("vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention")
+    if mod is None:
+        return
+    kda = importlib.import_module(mod.__module__)
+    md_cls = getattr(kda, "KimiK3KDAMetadata", None)
+    if md_cls is None:
+        return
+    with _KdaProbe(kda) as probe:
+        for role, model in models:
+            for name, layer in model.named_modules():
+                if not isinstance(layer, mod):
+                    continue
+                tiers = []
+                try:
+                    states = list(zip(layer.get_state_shape(), layer.get_state_dtype()))
+                except Exception as exc:
+                    yield role, name, [f"not resolved: {_err(exc)}"] * len(works), f"{mod.__module__}:{mod.__qualname__}"
+                    continue
+                for w in works:
+                    try:
+                        text = probe.kernel(layer, _kda_metadata(md_cls, layer, w), states)
+                        if w.phase == "prefill":
+                            mixed = probe.kernel(layer, _kda_metadata(md_cls, layer, w, decodes=MIXED_DECODES), states)
+                            text = (f"{text} (alone or with {MIXED_DECODES} decode requests in the batch)"
+                                    if mixed == text else f"alone: {text}; with {MIXED_DECODES} decode requests: {mixed}")
+                    except Exception as exc:
+                        text = f"not resolved: {_err(exc)}"
+                    tiers.append(text)
+                yield role, name, tiers, f"{mod.__module__}:{mod.__qualname__}._forward"
+
+
 LANES = (
     ("serving_path", lane_serving_path),
     ("specialized_decode", lane_specialized_decode),
@@ -786,6 +993,7 @@ LANES = (
     ("low_latency_gemm", lane_low_latency_gemm),
     ("lm_head", lane_lm_head),
     ("kda_projection_overlap", lane_kda_projection_overlap),
+    ("kda_batch", lane_kda_batch),
 )
 
 
@@ -793,6 +1001,7 @@ def run(models, vllm_config, rec) -> None:
     """Resolve every lane at every workload for the built models; record, never raise."""
     t0 = time.perf_counter()
     errors: dict[str, str] = {}
+    lane_seconds: dict[str, float] = {}
     try:
         from vllm.config import set_current_vllm_config
 
@@ -800,13 +1009,15 @@ def run(models, vllm_config, rec) -> None:
         named = [(role, m) for role, m in models if m is not None]
         with set_current_vllm_config(vllm_config):
             for lane, fn in LANES:
+                t_lane = time.perf_counter()
                 try:
                     _emit(rec, lane, fn(named, vllm_config, works), works)
                 except Exception as exc:  # one lane's failure hides nothing of the others
                     errors[lane] = _err(exc)
+                lane_seconds[lane] = round(time.perf_counter() - t_lane, 3)
     except Exception as exc:
         errors["stage"] = _err(exc)
-    rec.emit("dispatch-stage", seconds=round(time.perf_counter() - t0, 3), errors=errors,
+    rec.emit("dispatch-stage", seconds=round(time.perf_counter() - t0, 3), errors=errors, lane_seconds=lane_seconds,
              workloads=[w.as_dict() for w in works] if "works" in locals() else [])
 
 

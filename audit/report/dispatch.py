@@ -25,6 +25,19 @@ LANE_TITLES = {
     "kda_projection_overlap": "KDA input-projection stream overlap",
     "kda_batch": "KDA kernel by batch type (decode, prefill alone or mixed, verify)",
 }
+#: what a reader must know to read a lane's table right (shown under its title)
+LANE_NOTES = {
+    "serving_path": ("vLLM's CUDA-graph dispatch gives the mode; where the layout has K3's specialized decode, its "
+                     "own `SpecializedDecode.plan` says whether it takes the step (its constructor ran up to its "
+                     "first device work, which fixes the batch sizes it prepares). A step it takes is served by its "
+                     "own kernels: the stock lanes' rows for that cell and batch say what the stock forward would "
+                     "run, not what serves it."),
+    "specialized_decode": ("The specialized decode itself is not built in the simulation (its CuTe DSL kernels "
+                           "need a device; see the post-load stage): its MLA core per batch is vLLM's `core_for`, "
+                           "everything else is marked `needs GPU`."),
+    "kda_batch": ("vLLM's KDA `_forward` ran on meta tensors up to the kernel it calls, for each kind of batch: "
+                  "pure decode, a prefill chunk alone and with 8 decode requests beside it (mixed), verify."),
+}
 #: the specialized decode's own component for a construction lane (what serves a step it takes)
 SPECIALIZED_PARTS = {"moe": "experts", "mla.decode": "mla_core", "kda.decode": "kda", "kda.spec_verify": "kda"}
 LEVEL_TEXT = ("dispatch: resolved; vLLM's own per-call dispatch function ran on the built modules for a batch "
@@ -94,7 +107,8 @@ def ledger_tables(cells: list[dict]) -> list[dict]:
         t = by_lane[lane]
         columns = sorted(t["columns"], key=workload_order)
         rows = sorted(t["rows"].values(), key=lambda r: (r["role"] != "target", r["group"], r["ranges"], r["cells"]))
-        out.append({"lane": lane, "title": LANE_TITLES.get(lane, lane), "columns": columns,
+        out.append({"lane": lane, "title": LANE_TITLES.get(lane, lane), "note": LANE_NOTES.get(lane, ""),
+                    "columns": columns,
                     "levels": sorted(t["levels"]), "sources": sorted(t["sources"]),
                     "rows": [{**r, "spans": spans(r["tiers"])} for r in rows]})
     return out

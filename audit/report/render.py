@@ -267,6 +267,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 "inventory": None, "slice": None, **routing.get("run", {})},
         "harness_version": __version__,
         "systems": systems,
+        "sm_families": _sm_families(systems),
+        "kda_values": _kda_values(),
         "layouts": known_layouts,
         "matrices": matrices,
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],
@@ -340,3 +342,25 @@ def write_report(report_dir: Path, routing: dict, *, profile_title: str, reprodu
                          label_map=label_map)
     replace_dir(report_dir, files)
     return [report_dir / name for name in sorted(files)]
+
+
+def _sm_families(systems) -> list[dict]:
+    """``SM 9.0`` -> the audited systems it stands for in collapsed system lists."""
+    out: dict[tuple, list[str]] = {}
+    for s in systems:
+        out.setdefault(tuple(s.capability), []).append(s.name)
+    return [{"family": "SM " + ".".join(str(x) for x in k), "systems": v} for k, v in sorted(out.items())]
+
+
+def _kda_values() -> list[dict]:
+    """What each KDA lane's value (vLLM's resolved backend string) enters, per lane: ``native`` is a different
+    kernel in KDA decode than in KDA spec-verify."""
+    from audit.report.labels import KDA_LABEL
+
+    titles = {"kda.prefill": "KDA prefill", "kda.decode": "KDA decode", "kda.spec_verify": "KDA spec-verify"}
+    by_value: dict[str, list[str]] = {}
+    for (lane, value), kernel in KDA_LABEL.items():
+        if isinstance(value, str):
+            by_value.setdefault(value, []).append(f"{titles.get(lane, lane)}: `{kernel}`")
+    return [{"value": v, "meaning": "; ".join(k)} for v, k in sorted(by_value.items())]
+

@@ -92,7 +92,8 @@ def test_refusal_is_a_failing_verdict_with_where():
         "function": GATE, "where": "vllm/models/deepseek_v4/nvidia/model.py:338",
         "type": "builtins:NotImplementedError", "message": "DeepGEMM MegaMoE requires SM100 GPUs.",
         "step": "KimiK3ForConditionalGeneration.process_weights_after_loading",
-        "module": "language_model.model.layers.1.block_sparse_moe.experts", "layer": 1, "model": "target"}
+        "module": "language_model.model.layers.1.block_sparse_moe.experts", "layer": 1, "model": "target",
+        "kind": None}  # this evidence has no scope records: which kind of layer refused is not known
     claim = Claim(id="moe-dep", lane="w4a8_mxfp4_mxfp8", harness_lane="moe", layouts=("dep8",),
                   systems=("h100_sxm", "b200_sxm"), backend="deepgemm", source="test")
     exp = lambda claims: Expectations(path=Path("e.toml"), model="kimi-k3", framework="vllm",

@@ -133,7 +133,8 @@ def test_a_claim_the_audit_could_not_judge_stays_in_the_verdicts_table():
     main, _, rest = verdicts_section.partition("<details><summary>")
     collapsed = rest.partition("</details>")[0]
     total = r["verdicts"]["summary"]["UNVERIFIED"]
-    assert f"**UNVERIFIED** {total} ({len(unjudged)} UNVERIFIED row(s) are claims the audit could not judge" in main
+    assert f"**UNVERIFIED** {total} (counted per claim, cell and layer group" in main
+    assert f"{len(unjudged)} of the UNVERIFIED are claims the audit could not judge" in main
     for v in unjudged:
         assert any(line.startswith(f"| UNVERIFIED | `{v['claim']}` | ") and f"{v['layout']}" in line
                    for line in main.splitlines()), v

@@ -880,8 +880,11 @@ class _KdaProbe:
                 raise _Stop
             return grab
 
+        def empty(x):  # an op's output of the input's shape (torch.empty_like's Python meta path is slow)
+            return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
         def conv_update(x, *args, out=None, **kwargs):
-            return out if out is not None else torch.empty_like(x)
+            return out if out is not None else empty(x)
 
         class _Workspace:
             def get_simultaneous(self, *specs):
@@ -889,7 +892,7 @@ class _KdaProbe:
 
         self.stop = stop
         self.swaps = [(mod, "get_forward_context", lambda: self.context), (mod, "causal_conv1d_update", conv_update),
-                      (mod, "causal_conv1d_fn", lambda x, *a, **k: torch.empty_like(x)),
+                      (mod, "causal_conv1d_fn", lambda x, *a, **k: empty(x)),
                       (mod, "gather_initial_states",
                        lambda state, indices, *a, **k: state.new_empty((indices.shape[0], *state.shape[1:]))),
                       (mod, "current_workspace_manager", lambda: _Workspace())]
@@ -908,27 +911,29 @@ class _KdaProbe:
             setattr(m, name, fn)
 
     def kernel(self, layer, md, states: list) -> str:
+        """``states``: the layer's conv and recurrent state (meta), with a slot for every request of the batch."""
         torch = self.torch
         T = md.num_actual_tokens
         heads, dim, proj = layer.local_num_heads, layer.head_dim, layer.local_projection_size
         bf16 = torch.bfloat16
-        slots = max(2, md.num_prefills + md.num_decodes + md.num_spec_decodes + 1)
         self.reached.clear()
         self.context = types_namespace(attn_metadata={layer.prefix: md})
-        had_cache, cache = hasattr(layer, "kv_cache"), getattr(layer, "kv_cache", None)
+        own = layer.__dict__  # plain attributes, set past nn.Module's __setattr__
+        had_cache, cache = "kv_cache" in own, own.get("kv_cache")
         try:
-            layer.kv_cache = [_meta(slots, *shape, dtype=dt) for shape, dt in states]
-            layer._recoverssm_verify = self.stop("_recoverssm_verify")
+            own["kv_cache"] = states
+            own["_recoverssm_verify"] = self.stop("_recoverssm_verify")
             layer._forward(mixed_qkv=_meta(T, 3 * proj, dtype=bf16), g1=_meta(1, T, heads, dim, dtype=bf16),
                            g2=_meta(T, heads, dim, dtype=bf16), beta=_meta(1, T, heads, dtype=bf16),
                            core_attn_out=_meta(1, T, heads, dim, dtype=bf16))
         except _Stop:
             pass
         finally:
-            layer.kv_cache = cache
-            if not had_cache:
-                del layer.kv_cache
-            layer.__dict__.pop("_recoverssm_verify", None)
+            if had_cache:
+                own["kv_cache"] = cache
+            else:
+                own.pop("kv_cache", None)
+            own.pop("_recoverssm_verify", None)
         if not self.reached:
             return "no KDA kernel reached (the forward returned without one)"
         name = self.reached[0]
@@ -964,7 +969,9 @@ def lane_kda_batch(models, vllm_config, works):
                     continue
                 tiers = []
                 try:
-                    states = list(zip(layer.get_state_shape(), layer.get_state_dtype()))
+                    slots = 2 + max(w.requests for w in works) + MIXED_DECODES
+                    states = [_meta(slots, *shape, dtype=dt)
+                              for shape, dt in zip(layer.get_state_shape(), layer.get_state_dtype())]
                 except Exception as exc:
                     yield role, name, [f"not resolved: {_err(exc)}"] * len(works), f"{mod.__module__}:{mod.__qualname__}"
                     continue

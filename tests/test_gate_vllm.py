@@ -4,7 +4,7 @@ and builds of v0.33.0 with one realistic upstream regression each fail it with e
 The regressed builds are the pinned wheel with a change planted as vLLM is imported (tests/plant.py): the same
 files, one source line rewritten in memory, so no environment is built. Each regression is one a release owner
 fears in a pin bump: a device check relaxed (a configuration vLLM refused before now builds), a support check
-failing quietly, an activation check rejecting SiTU, a dispatch bound moved, a selector threshold moved.
+failing quietly, an activation check rejecting SiTU, a dispatch bound moved, a selector's support set narrowed.
 """
 import json
 import subprocess
@@ -49,6 +49,12 @@ REGRESSIONS = {
                                [("_ROUTED_DOWN_PROJ_STREAM_TOKEN_THRESHOLD = 256\n",
                                  "_ROUTED_DOWN_PROJ_STREAM_TOKEN_THRESHOLD = 64\n")])],
                              ("b200_sxm", "tp8")),
+    # K3 KDA's fused decode kernel selector stops listing 12 heads per rank (K3 at TP8): vLLM picks the Triton
+    # decode instead, with no error
+    "selector support narrowed": ([("vllm.models.kimi_k3.nvidia.kda",
+                                    [("        num_heads not in (12, 24, 48, 96)\n",
+                                      "        num_heads not in (24, 48, 96)\n")])],
+                                  ("b200_sxm", "tp8")),
 }
 
 
@@ -129,5 +135,6 @@ def test_each_regression_fails_the_gate_naming_its_change(name, shipped, regress
         "support check failing quietly": "TrtLlmMxfp4ExpertsModular",
         "activation check rejecting SiTU": "SiTU",
         "dispatch bound moved": "sequential (no auxiliary stream at this token count)",
+        "selector support narrowed": "fused_recurrent_kda_packed_decode",
     }[name]
     assert expected in text, (name, rows)

@@ -12,7 +12,7 @@ import pytest
 
 from audit.errors import ExitCode
 from audit.report import gate
-from audit.report.diff import NOT_BUILT, _ranges, diff_routings, render_diff
+from audit.report.diff import NOT_BUILT, NOT_READ, _ranges, diff_routings, render_diff
 from tests.conftest import ROOT
 
 DATA = ROOT / "tests" / "data"
@@ -72,7 +72,8 @@ def test_lanes_a_construction_stop_hid_appear_as_changes(v033):
     d = diff_routings(old, v033)
     rows = [c for c in d["changes"] if c["kind"] == "path" and ["b200_sxm", "tp8"] in c["cells"]]
     assert {r["lane"] for r in rows} == set(built)
-    assert all(r["before"] == NOT_BUILT and r["serving"] for r in rows)
+    read_after = set(v033.get("lanes_read_after_construction", ()))
+    assert all(r["before"] == (NOT_READ if r["lane"] in read_after else NOT_BUILT) and r["serving"] for r in rows)
     assert any(c["field"] == "construction" for c in d["changes"])
     assert d["unchanged_lanes"] == d["compared_lanes"] - len(built)
 

@@ -36,6 +36,8 @@ def _ranges(layers) -> str:
 
 #: what a lane with no value in an audit whose construction stopped means
 NOT_BUILT = "— (not built in this audit: construction stopped)"
+#: the same for a lane read off the built modules after construction: its layers before the stop were built
+NOT_READ = "— (not read in this audit: construction stopped before the built modules were inspected)"
 
 
 def diff_routings(old: dict, new: dict) -> dict:
@@ -44,6 +46,8 @@ def diff_routings(old: dict, new: dict) -> dict:
     old_cells = {(c["system"], c["layout"]): c for c in old["cells"]}
     new_cells = {(c["system"], c["layout"]): c for c in new["cells"]}
     common = sorted(set(old_cells) & set(new_cells))
+    read_after_a = set(old.get("lanes_read_after_construction", ()))
+    read_after_b = set(new.get("lanes_read_after_construction", ()))
     path_changes: dict[tuple, dict] = {}
     cand_changes: dict[tuple, dict] = {}
     cell_changes: dict[tuple, dict] = {}
@@ -83,8 +87,10 @@ def diff_routings(old: dict, new: dict) -> dict:
                 after = {layer: gone_b for layer in before}
             compared += 1
             moved = defaultdict(set)
+            la = NOT_READ if blank_a == NOT_BUILT and lane in read_after_a else blank_a
+            lb = NOT_READ if blank_b == NOT_BUILT and lane in read_after_b else blank_b
             for layer in sorted(set(before) | set(after)):
-                va, vb = before.get(layer, blank_a), after.get(layer, blank_b)
+                va, vb = before.get(layer, la), after.get(layer, lb)
                 if va != vb:
                     moved[(va, vb)].add(layer)
             if not moved:

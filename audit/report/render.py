@@ -95,9 +95,14 @@ def _levels(cell: dict) -> set[str]:
     return {g["evidence"] for gs in cell["lanes"].values() for g in gs if "evidence" in g} or {cell["evidence"]}
 
 
-def _lane_summary(groups: list[dict], cell: dict) -> str:
+def _lane_summary(groups: list[dict], cell: dict, read_after: bool = False) -> str:
+    """``read_after``: the lane is read off the built modules once construction finished, so a stop leaves it
+    unread (the layers before the stop were built; nothing read them)."""
     stopped = cell["status"] == "PARTIAL"
     failure = cell.get("failure") or {}
+    if not groups and stopped and read_after:
+        return (f"not read: {failure.get('stage', '?')} raised {short(failure.get('type', ''))} before the "
+                f"built modules were inspected")
     if not groups:
         if stopped and failure.get("outcome") == "limit":
             return f"not built: simulation limit ({failure.get('stage', '?')} raised {short(failure.get('type', ''))})"
@@ -208,7 +213,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 elif c["status"] == "INCOMPLETE":
                     row.append("INCOMPLETE")
                 else:
-                    row.append(_lane_summary(c["lanes"].get(lane, []), c))
+                    row.append(_lane_summary(c["lanes"].get(lane, []), c,
+                                             lane in routing.get("lanes_read_after_construction", ())))
             rows.append(row)
         levels = sorted(set().union(*[_levels(by[(s.name, layout.name)]) for s in systems
                                       if (s.name, layout.name) in by]))

@@ -650,4 +650,8 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
             # routing.json is written with sorted keys: the profile's lane order is kept as a list
             "lane_order": [lane.id for lane in profile.lanes],
             "lane_levels": {lane.id: lane.level for lane in profile.lanes},
+            # lanes read off the built modules after construction (not from a selector as it ran): a stop
+            # leaves them unread, not unbuilt
+            "lanes_read_after_construction": sorted(lane.id for lane in profile.lanes
+                                                    if lane.sources and all(s.kind == "module" for s in lane.sources)),
             "pin": pin, "run": run or {}, "cells": cells}

@@ -139,6 +139,8 @@ def test_a_claim_the_audit_could_not_judge_stays_in_the_verdicts_table():
         assert any(line.startswith(f"| UNVERIFIED | `{v['claim']}` | ") and f"{v['layout']}" in line
                    for line in main.splitlines()), v
     assert "| `` |" not in main  # no row without its claim in the claims table
+    # a refusal no claim covers is a failing verdict: in the main table, never folded away
+    assert "| REFUSED | (no claim) | Routed experts |" in main and "| REFUSED |" not in collapsed
     assert "lane path(s) no claim covers" in collapsed
     rows = [line for line in collapsed.splitlines() if line.startswith("| ") and not line.startswith("| verdict |")]
     assert rows

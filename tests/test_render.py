@@ -180,3 +180,12 @@ def test_cell_lists_collapse_to_layouts_and_whole_sms():
                            "b200_sxm/dep8"], audited) == "tp8, dep8: SM 9.0, b200_sxm"
     assert collapse_cells(["l40s/dep8", "gb200/tp8"], audited) == "tp8: gb200; dep8: l40s"
     assert collapse_cells(["—/—"], audited) == "—"
+
+
+def test_the_dispatch_stand_ins_are_listed_under_what_was_simulated():
+    r = json.loads((ROOT / "tests" / "data" / "routing-v0.33.0.json").read_text(encoding="utf-8"))
+    text = render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    simulated = text[text.index("## What was simulated"):]
+    simulated = simulated[:simulated.index("Simulated device per system")]
+    assert "kda_batch" in simulated and "KimiK3DeltaAttention._forward's inputs and callees" in simulated
+    assert "SpecializedDecode.plan's inputs" in simulated and "gather_initial_states" in simulated

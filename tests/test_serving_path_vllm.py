@@ -35,6 +35,10 @@ KDA_PLANTS = ("vllm.models.kimi_k3.nvidia.kda", [
     ('                if self.kda_prefill_backend == "flashkda":',
      '                raise ValueError("planted refusal after the stand-ins")\n'
      '                if self.kda_prefill_backend == "flashkda":')])
+#: a raise planted in SpecializedDecode.plan right after it read the stand-ins (forward context, capturing stream)
+PLAN_RAISES = ("vllm.models.kimi_k3.nvidia.specialized_decode.runtime.decode", [(
+    "        metadata = [decode_metadata(d.self_attn, context, q, b) for d in self.layers]\n",
+    "        raise ValueError('planted refusal after the plan stand-ins')\n")])
 CLAIM = '''schema = 1
 model = "kimi-k3"
 framework = "vllm"
@@ -167,3 +171,13 @@ def test_a_planted_kda_change_moves_exactly_those_batches(stock, planted):
     # the planted raise after the prefill path's stand-ins is what the prefill rows say
     for w in ("prefill 512", "prefill 2048", "prefill 8192"):
         assert _tier(after, "kda_batch", w) == "not resolved: ValueError: planted refusal after the stand-ins"
+
+
+def test_a_raise_after_the_planner_stand_ins_is_what_the_rows_say(vllm_env, tmp_path_factory, stock):
+    cells, _ = _run(vllm_env, tmp_path_factory, "path-plan-raises", [CELL], plants=[PLAN_RAISES])
+    tiers = cells[CELL]["dispatch"]["lanes"]["serving_path"][0]["tiers"]
+    for b in (1, 8, 64):  # the steps that reach past the stand-ins: FULL graphs of a prepared size
+        assert tiers[f"decode {b}"] == (f"FULL graph, {b} tokens; specialized decode not resolved "
+                                        "(ValueError: planted refusal after the plan stand-ins)")
+    # steps plan declines before reading them are unchanged
+    assert tiers["decode 256"] == _tier(stock[0][CELL], "serving_path", "decode 256")

@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from audit.report import dispatch
+from audit.report.perflabels import refusal
 from audit.errors import UsageError
 
 DIFF_SCHEMA = 1
@@ -110,7 +111,7 @@ def diff_routings(old: dict, new: dict) -> dict:
 
     # a cell vLLM refuses in both audits serves nothing in either: what moved inside it (where the refusal
     # happens, lanes built before it) is shown, and is not a change of how the model is served
-    refused_both = {cell for cell in common if refused(old_cells[cell]) and refused(new_cells[cell])}
+    refused_both = {cell for cell in common if refusal(old_cells[cell]) and refusal(new_cells[cell])}
 
     def rows(bucket, kind):
         out = []
@@ -162,12 +163,6 @@ def diff_routings(old: dict, new: dict) -> dict:
         "only_in_to": [list(c) for c in only_new],
         "empty": not changes and not only_old and not only_new,
     }
-
-
-def refused(cell: dict) -> bool:
-    """vLLM's own code refused the deployment, at construction or at load (a simulation limit is not a refusal)."""
-    failure = cell.get("failure") or {}
-    return bool(cell.get("load_refused")) or (cell.get("status") == "PARTIAL" and failure.get("outcome") == "refused")
 
 
 #: cell facts that are information, not a change of how the model is served: the packages installed (they

@@ -38,6 +38,28 @@ LANE_NOTES = {
     "kda_batch": ("vLLM's KDA `_forward` ran on meta tensors up to the kernel it calls, for each kind of batch: "
                   "pure decode, a prefill chunk alone and with 8 decode requests beside it (mixed), verify."),
 }
+#: the stand-ins a dispatch lane runs vLLM's function with (probes/resolve/dispatch.py), each shape-only: listed under
+#: "What was simulated" wherever the lane has rows; a raise planted right after them surfaces as `not resolved`
+#: (tests/test_serving_path_vllm.py)
+STAND_INS = {
+    "serving_path": ("dispatch `serving_path`: SpecializedDecode.plan's inputs",
+                     "a forward context holding the step's CUDA-graph mode and, per layer, the request counts of the "
+                     "padded batch (meta index tensors); the current stream answers 'capturing' exactly when vLLM "
+                     "dispatched the step to a graph"),
+    "kda_batch": ("dispatch `kda_batch`: KimiK3DeltaAttention._forward's inputs and callees",
+                  "a forward context holding the batch's metadata (request counts, meta index tensors); the layer's "
+                  "conv and recurrent state as meta tensors of its own state shapes; causal_conv1d_fn/_update, "
+                  "gather_initial_states and the workspace return tensors of their output shapes; each KDA kernel "
+                  "stops the call when reached (nothing runs)"),
+}
+
+
+def stand_ins(cells: list[dict]) -> dict[str, str]:
+    """The dispatch stand-ins of the lanes any cell resolved."""
+    lanes = {lane for c in cells for lane in ((c.get("dispatch") or {}).get("lanes") or {})}
+    return dict(STAND_INS[lane] for lane in sorted(lanes) if lane in STAND_INS)
+
+
 #: the specialized decode's own component for a construction lane (what serves a step it takes)
 SPECIALIZED_PARTS = {"moe": "experts", "mla.decode": "mla_core", "kda.decode": "kda", "kda.spec_verify": "kda"}
 LEVEL_TEXT = ("dispatch: resolved; vLLM's own per-call dispatch function ran on the built modules for a batch "

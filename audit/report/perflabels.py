@@ -118,7 +118,7 @@ def _by_tokens(cell: dict, lane: str, group: dict, label_map: dict[str, str]) ->
     return out
 
 
-def _refused(cell: dict) -> str | None:
+def refusal(cell: dict) -> str | None:
     """Why vLLM refuses to serve this cell's configuration (its own check raised at construction or at
     load), or None. A simulation limit is no refusal: the layers it reached keep their labels."""
     r = cell.get("load_refused")
@@ -140,7 +140,7 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
         if cell.get("status") == "INCOMPLETE":
             skipped.append({"system": system, "layout": layout, "why": "the cell did not finish"})
             continue
-        refused = _refused(cell)
+        refused = refusal(cell)
         if refused:  # nothing serves there: a label would describe a server that never starts
             skipped.append({"system": system, "layout": layout, "why": refused})
             continue

@@ -263,6 +263,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         for k, v in c.get("simulated", {}).items():
             merged.setdefault(k, set()).add(str(v))
     simulated = {k: "; ".join(sorted(v)) for k, v in sorted(merged.items())}
+    simulated.update(dispatch.stand_ins(cells))
     levels = sorted(set().union(*[_levels(c) for c in cells]))
     return {
         "title": profile_title,
@@ -274,7 +275,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "harness_version": __version__,
         "systems": systems,
         "sm_families": _sm_families(systems),
-        "kda_values": _kda_values(),
+        "kda_values": _kda_values(lane_titles),
         "layouts": known_layouts,
         "matrices": matrices,
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],
@@ -358,15 +359,13 @@ def _sm_families(systems) -> list[dict]:
     return [{"family": "SM " + ".".join(str(x) for x in k), "systems": v} for k, v in sorted(out.items())]
 
 
-def _kda_values() -> list[dict]:
+def _kda_values(lane_titles: dict) -> list[dict]:
     """What each KDA lane's value (vLLM's resolved backend string) enters, per lane: ``native`` is a different
     kernel in KDA decode than in KDA spec-verify."""
     from audit.report.labels import KDA_LABEL
 
-    titles = {"kda.prefill": "KDA prefill", "kda.decode": "KDA decode", "kda.spec_verify": "KDA spec-verify"}
     by_value: dict[str, list[str]] = {}
     for (lane, value), kernel in KDA_LABEL.items():
         if isinstance(value, str):
-            by_value.setdefault(value, []).append(f"{titles.get(lane, lane)}: `{kernel}`")
+            by_value.setdefault(value, []).append(f"{lane_titles.get(lane, lane)}: `{kernel}`")
     return [{"value": v, "meaning": "; ".join(k)} for v, k in sorted(by_value.items())]
-

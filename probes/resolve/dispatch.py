@@ -29,6 +29,7 @@ import dataclasses
 import importlib
 import re
 import time
+import types
 
 from probes.core.recorder import describe
 
@@ -537,14 +538,12 @@ def _specialized(model, vllm_config):
     return planner
 
 
-def _plan_takes(planner, model, cg: str, padded: int, w: Workload) -> bool:
+def _plan_takes(planner, cg: str, padded: int, w: Workload) -> bool:
     """vLLM's own answer (``SpecializedDecode.plan``) to whether the specialized decode takes a step: the step
     replayed as vLLM dispatched it (``cg``: a graph captured at ``padded`` tokens, or eager), each layer given
     the metadata of that batch (a padded FULL graph holds whole decode or verify requests). Stand-ins make the
     objects plan reads exist: the forward context, a stream that is capturing exactly when the step replays a
     graph, and per layer the batch's request counts."""
-    import types
-
     import torch
 
     mod = importlib.import_module(type(planner).__module__)
@@ -557,7 +556,7 @@ def _plan_takes(planner, model, cg: str, padded: int, w: Workload) -> bool:
         attention = layer.self_attn
         name = mod.layer_name(attention)
         if isinstance(attention, kda.KimiK3DeltaAttention):
-            metadata[name] = _kda_metadata(kda.KimiK3KDAMetadata, attention, batch)
+            metadata[name] = _kda_metadata(kda.KimiK3KDAMetadata, batch)
         else:  # MLA: the request counts its metadata carries (no speculative fields)
             reqs = batch.requests if batch.phase != "prefill" else 0
             metadata[name] = types.SimpleNamespace(
@@ -617,7 +616,7 @@ def lane_serving_path(models, vllm_config, works):
                 text += f"; specialized decode not resolved ({_err(planner)})"
             elif planner is not None:
                 try:
-                    takes = _plan_takes(planner, model, cg, padded, w)
+                    takes = _plan_takes(planner, cg, padded, w)
                     text += ": specialized decode" if takes else ": stock path (specialized decode not taken)"
                 except Exception as exc:
                     text += f"; specialized decode not resolved ({_err(exc)})"
@@ -834,7 +833,7 @@ _KDA_CORES = {
 MIXED_DECODES = 8
 
 
-def _kda_metadata(cls, layer, w: Workload, decodes: int = 0):
+def _kda_metadata(cls, w: Workload, decodes: int = 0):
     """The metadata of a batch as vLLM's KDA builder describes it to the layer: how many prefill, decode and
     verify requests and tokens, and index tensors (meta) of their shapes. It only says what the batch *is*;
     which kernel serves it is decided by the layer's own ``_forward``."""
@@ -917,7 +916,7 @@ class _KdaProbe:
         heads, dim, proj = layer.local_num_heads, layer.head_dim, layer.local_projection_size
         bf16 = torch.bfloat16
         self.reached.clear()
-        self.context = types_namespace(attn_metadata={layer.prefix: md})
+        self.context = types.SimpleNamespace(attn_metadata={layer.prefix: md})
         own = layer.__dict__  # plain attributes, set past nn.Module's __setattr__
         had_cache, cache = "kv_cache" in own, own.get("kv_cache")
         try:
@@ -941,12 +940,6 @@ class _KdaProbe:
         if name == "_recoverssm_verify":
             text += " (CuTe)" if getattr(layer, "recoverssm_verify", None) is not None else " (Triton)"
         return text
-
-
-def types_namespace(**kw):
-    import types
-
-    return types.SimpleNamespace(**kw)
 
 
 def lane_kda_batch(models, vllm_config, works):
@@ -977,9 +970,9 @@ def lane_kda_batch(models, vllm_config, works):
                     continue
                 for w in works:
                     try:
-                        text = probe.kernel(layer, _kda_metadata(md_cls, layer, w), states)
+                        text = probe.kernel(layer, _kda_metadata(md_cls, w), states)
                         if w.phase == "prefill":
-                            mixed = probe.kernel(layer, _kda_metadata(md_cls, layer, w, decodes=MIXED_DECODES), states)
+                            mixed = probe.kernel(layer, _kda_metadata(md_cls, w, decodes=MIXED_DECODES), states)
                             text = (f"{text} (alone or with {MIXED_DECODES} decode requests in the batch)"
                                     if mixed == text else f"alone: {text}; with {MIXED_DECODES} decode requests: {mixed}")
                     except Exception as exc:

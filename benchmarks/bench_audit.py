@@ -83,46 +83,67 @@ class PeakRSS(threading.Thread):
 GROUP_STAGES = ("platform", "imports")
 
 
+def _parent(f) -> dict | None:
+    """The agent parent's record when it installed the platform and imported the shared modules itself (then
+    the ``platform`` stage in every cell's evidence is the parent's, run once for all SM processes)."""
+    records = f.of_kind("shared_parent")
+    return records[0] if records else None
+
+
 def stage_seconds(evidence_dir: Path) -> dict[str, float]:
     """Seconds each stage took, summed over a run: cell stages over every cell, the SM process's own stages
-    (platform, imports) once per SM capability (from the cells' own stage records)."""
+    (platform, imports) once per SM capability, the agent parent's (platform, shared imports) once (from the
+    cells' own stage records)."""
     from audit.evidence.files import read_dir
 
     out: dict[str, float] = {}
     seen_groups: set[tuple] = set()
     for f in read_dir(evidence_dir):
         capability = tuple(SYSTEMS[f.cell[0]].capability) if f.cell and f.cell[0] in SYSTEMS else ()
+        parent = _parent(f)
+        if parent is not None and "shared-imports" not in seen_groups:
+            seen_groups.add("shared-imports")
+            out["shared-imports"] = out.get("shared-imports", 0.0) + float(parent.get("seconds") or 0)
         for r in f.of_kind("stage"):
             if r["stage"] in GROUP_STAGES:
-                if (r["stage"], capability) in seen_groups:
+                key = (r["stage"], "parent" if parent is not None and r["stage"] == "platform" else capability)
+                if key in seen_groups:
                     continue
-                seen_groups.add((r["stage"], capability))
+                seen_groups.add(key)
             out[r["stage"]] = out.get(r["stage"], 0.0) + float(r.get("seconds") or 0)
         for r in f.of_kind("dispatch-stage"):
             out["dispatch"] = out.get("dispatch", 0.0) + float(r.get("seconds") or 0)
     return out
 
 
-def cell_costs(evidence_dir: Path) -> tuple[dict[tuple, float], dict[tuple, list[float]]]:
-    """From a run's stage records: each SM process's own setup (platform + imports) and each cell's seconds
-    (its own stages and the dispatch stage), by capability."""
+def cell_costs(evidence_dir: Path) -> tuple[dict[tuple, float], dict[tuple, list[float]], float]:
+    """From a run's stage records: each SM process's own setup (platform + imports), each cell's seconds (its
+    own stages and the dispatch stage), by capability, and the agent parent's serial part before any SM
+    process starts (platform + shared imports, when it did them; else 0)."""
     from audit.evidence.files import read_dir
 
     setup: dict[tuple, float] = {}
     cells: dict[tuple, list[float]] = {}
+    serial = 0.0
     for f in read_dir(evidence_dir):
         if not f.cell or f.cell[0] not in SYSTEMS:
             continue
         sm = tuple(SYSTEMS[f.cell[0]].capability)
+        parent = _parent(f)
+        mine = [r for r in f.of_kind("stage") if r["stage"] in GROUP_STAGES
+                and not (parent is not None and r["stage"] == "platform")]
+        if parent is not None:
+            serial = max(serial, float(parent.get("seconds") or 0) + sum(
+                float(r.get("seconds") or 0) for r in f.of_kind("stage") if r["stage"] == "platform"))
         own = sum(float(r.get("seconds") or 0) for r in f.of_kind("stage") if r["stage"] not in GROUP_STAGES)
-        group = sum(float(r.get("seconds") or 0) for r in f.of_kind("stage") if r["stage"] in GROUP_STAGES)
+        group = sum(float(r.get("seconds") or 0) for r in mine)
         setup[sm] = max(setup.get(sm, 0.0), group)
         own += sum(float(r.get("seconds") or 0) for r in f.of_kind("dispatch-stage"))
         cells.setdefault(sm, []).append(own)
-    return setup, cells
+    return setup, cells, serial
 
 
-def projected_wall(setup: dict, cells: dict, slots: int) -> float:
+def projected_wall(setup: dict, cells: dict, slots: int, serial: float = 0.0) -> float:
     """The agent's schedule at ``slots`` processes: capabilities split as probes.resolve.agent.split_groups does
     (an extra vLLM import per split) and placed on slots as probes.resolve.agent.plan_slots does; each slot runs
     its SM processes one after another, each costing its measured import plus its cells."""
@@ -133,7 +154,7 @@ def projected_wall(setup: dict, cells: dict, slots: int) -> float:
     for queue in plan_slots(split_groups(flat, slots), slots):
         loads.append(sum(setup.get(tuple(g[0]["system"]["capability"]), 0.0) + sum(c["cost"] for c in g)
                          for g in queue))
-    return max(loads)
+    return serial + max(loads)
 
 
 def main() -> int:
@@ -174,7 +195,7 @@ def main() -> int:
         first, first_s, _ = audit("first")
         outcome, full_s, watch = audit("full")
         stages = stage_seconds(outcome.run_dir / "evidence")
-        setup, costs = cell_costs(outcome.run_dir / "evidence")
+        setup, costs, serial = cell_costs(outcome.run_dir / "evidence")
         t0 = time.perf_counter()  # the same inputs again: every cell's evidence comes from the cache
         again = run_audit(args.pin, lock_path=args.lock, reports_dir=Path(tmp) / "full-again", parallel=parallel)
         cached = time.perf_counter() - t0
@@ -198,7 +219,7 @@ def main() -> int:
     print(f"serving-time stages (post-load+dispatch) {serving:6.1f} s of {cell_total:.1f} s of stage work: "
           f"{cell_total / max(cell_total - serving, 1e-9):.2f} x the work without them")
     print("projected full audit (stage seconds only, no process start-up or host work): " + ", ".join(
-        f"{n} cores {projected_wall(setup, costs, n):.0f} s" for n in (parallel, 8, 16, 32))
+        f"{n} cores {projected_wall(setup, costs, n, serial):.0f} s" for n in (parallel, 8, 16, 32))
         + f"  [measured at {parallel}: {full_s:.0f} s]")
     print(f"peak RSS of the audit (all processes)  {watch.peak / 2**30:7.2f} GiB; largest single process "
           f"{watch.peak_process / 2**30:.2f} GiB")

@@ -218,8 +218,92 @@ def learn_imports(cache_dir: Path, evidence_dir: Path) -> None:
         pass  # a pure speed-up: a full or read-only cache must not fail the audit
 
 
+SHARED_IMPORTS = "shared-imports.json"
+#: where the agent's SM processes leave what they imported and which imports read the device (the agent's
+#: ``probes.resolve.agent.LEARN_DIR``, under the evidence directory)
+SHARED_LEARN_DIR = ".shared-imports"
+
+
+def shared_imports_file(cache_dir: Path) -> Path:
+    """The environment's list (``SERVING_TRUTH_SHARED_IMPORTS`` names another file: tests, or a user who wants
+    to start it over)."""
+    override = os.environ.get("SERVING_TRUTH_SHARED_IMPORTS")
+    return Path(override) if override else cache_dir / SHARED_IMPORTS
+
+
+#: top-level names never imported ahead of vLLM: vLLM itself, the probes, the interpreter's entry points
+_NEVER_AHEAD = ("vllm", "probes", "__main__", "__mp_main__")
+
+
+def ahead_imports(cache_dir: Path) -> list[str]:
+    """Top-level packages earlier runs saw imported only after the first module that reads the device: each SM
+    process imports them before vLLM's own modules, so a later run can tell whether their imports read the
+    device (a pure speed-up; a package that reads it is a reader from then on)."""
+    try:
+        data = json.loads(shared_imports_file(cache_dir).read_text(encoding="utf-8"))
+        return [m for m in data.get("ahead", ()) if isinstance(m, str)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def shared_imports(cache_dir: Path) -> list[str]:
+    """Modules earlier runs of this environment imported, in every SM process, before the first module whose
+    import read the simulated device, in import order: the agent's parent imports them once, before any SKU is
+    set, and every SM process forks with them. A pure speed-up: a module that reads the device there makes the
+    agent start again without them."""
+    try:
+        data = json.loads(shared_imports_file(cache_dir).read_text(encoding="utf-8"))
+        return [m for m in data["shared"] if isinstance(m, str)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def learn_shared_imports(cache_dir: Path, evidence_dir: Path) -> None:
+    """From this run's SM processes (each one's import order and the modules whose import read the device, and
+    the modules the agent's parent was importing when it saw a read before a SKU was set): the modules every SM
+    process started importing before its first reader. Readers accumulate over runs of the environment."""
+    try:
+        readers = set(json.loads(shared_imports_file(cache_dir).read_text(encoding="utf-8"))["readers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        readers = set()
+    learn = evidence_dir / SHARED_LEARN_DIR
+    orders = []
+    for path in sorted(learn.glob("sm*.json")):
+        try:
+            one = json.loads(path.read_text(encoding="utf-8"))
+            orders.append([m for m in one["order"] if isinstance(m, str)])
+            readers.update(m for m in one["readers"] if isinstance(m, str))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    try:
+        for read in json.loads((learn / "tripped.json").read_text(encoding="utf-8")):
+            readers.update(m for m in read.get("importing", ()) if isinstance(m, str))
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    if not orders:
+        return
+    prefixes, later = [], {}
+    for order in orders:
+        first = next((i for i, m in enumerate(order) if m in readers), len(order))
+        prefixes.append(order[:first])
+        later.update(dict.fromkeys(m.partition(".")[0] for m in order[first:]))
+    common = set(prefixes[0]).intersection(*map(set, prefixes[1:]))
+    shared = [m for m in prefixes[0] if m in common]
+    # packages first imported after a reader, whose own import may well read nothing: the SM processes of the
+    # next run import them before vLLM's own modules, so the run after that can share those that read nothing
+    started = {m.partition(".")[0] for m in shared} | {m.partition(".")[0] for m in readers}
+    ahead = [t for t in later if t not in started and t not in _NEVER_AHEAD]
+    from audit.fsutil import write_atomic
+
+    try:
+        write_atomic(shared_imports_file(cache_dir), json.dumps({"shared": shared, "ahead": ahead,
+                                                                "readers": sorted(readers)}))
+    except OSError:
+        pass  # a pure speed-up
+
+
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str,
-               learned: list[str] = (), where: Callable[[Path | str], str] = str,
+               learned: list[str] = (), shared: list[str] = (), ahead: list[str] = (), where: Callable[[Path | str], str] = str,
                harness_env: list[str] = (), redact_env: list[str] = (), name: str = "plan.json",
                memo_dir: str | None = None) -> Path:
     """``plan.json`` for ``probes.resolve.agent``. *where* maps a host path to the path the agent sees
@@ -246,6 +330,8 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "warm_third_party": ["torch", "transformers", "triton"],
         "warm_imports": list(request.profile.warm_imports),
         "learned_imports": list(learned),
+        "shared_imports": [m for m in shared if not m.startswith(("probes", "__main__", "__mp_main__"))],
+        "ahead_imports": [m for m in ahead if m not in _NEVER_AHEAD],
         "harness_env": sorted(harness_env),
         "redact_env": sorted(redact_env),
         "cells": [{"system": s.as_job(), "layout": l.as_job(),

@@ -34,9 +34,9 @@ from audit.fsutil import cache_root, load_memo, memo_hash, save_memo, sha256_fil
 from audit.pins.fetch import download
 from audit.pins.lock import Pin, contained, unsafe_path_field
 from audit.pins.wheelcache import WheelCache
-from audit.runtimes.base import (Progress, RunRequest, RunResult, agent_env, cell_dir_name, collect_missing,
-                   learn_imports, learned_imports, log_tail, observe_env, report_finished, stage_probes,
-                   timed_out, write_model_dirs, write_plan)
+from audit.runtimes.base import (Progress, RunRequest, RunResult, agent_env, ahead_imports, cell_dir_name, collect_missing,
+                   learn_imports, learn_shared_imports, learned_imports, log_tail, observe_env, report_finished,
+                   shared_imports, stage_probes, timed_out, write_model_dirs, write_plan)
 
 ENV_MARKER = ".serving-truth-env.json"
 #: run inside a freshly built env: what it holds (torch must be a CUDA build)
@@ -362,6 +362,7 @@ class LocalRuntime:
         caches = self.root / "runtime-cache" / env.name
         plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub),
                           out_dir=str(request.evidence_dir), learned=learned_imports(caches),
+                          shared=shared_imports(caches), ahead=ahead_imports(caches),
                           harness_env=["CUDA_HOME"],  # chosen by this runtime, stated in the provenance
                           memo_dir=os.environ.get("SERVING_TRUTH_MEMO") or str(caches / "memo"))
         log = request.run_dir / "agent.log"
@@ -378,6 +379,7 @@ class LocalRuntime:
                 _kill(proc)
                 raise
         learn_imports(caches, request.evidence_dir)
+        learn_shared_imports(caches, request.evidence_dir)
         missing = collect_missing(request, fallback_log=log)
         if len(missing) == len(request.cells):
             from audit.errors import ProbeRunError

@@ -7,8 +7,13 @@ Runs inside the pinned environment (a venv holding the pinned wheel, or the pinn
 Process layout (import-time state follows the GPU, so the capability never changes in a process):
 
 * the agent loads the stub libcuda and imports torch and other platform-independent modules once;
-* it forks one child per distinct SM capability, which installs the probes and the simulated
-  platform, then imports vLLM (import-time constants and cached selectors see that SM only);
+  when the plan lists shared imports (modules earlier runs saw every SM process import before the first
+  module whose import reads the simulated device), it also installs the probes and the simulated platform
+  with no SKU set and imports those modules once. Every stand-in reads the SKU at call time, and a read with
+  none set raises and is recorded even if swallowed: the agent then starts again without sharing;
+* it forks one child per distinct SM capability, which sets that SKU, installs the probes and the simulated
+  platform (unless the parent did), then imports vLLM (import-time constants and cached selectors see that
+  SM only), noting the order it starts importing modules and which imports read the device, for the host;
 * that child forks one grandchild per cell, which sets the SKU and world size, builds the config
   from ``vllm serve`` arguments, initialises a fake process group, constructs the model on the meta
   device, inspects it, and writes ``<out_dir>/<system>--<layout>/evidence-*.jsonl``;
@@ -29,7 +34,6 @@ import traceback
 
 from probes.core.lifecycle import die_with_parent, watch_parent
 from probes.core.plan import read_plan
-from probes.core.recorder import Recorder
 from probes.core.stages import Stage, StageFailed
 from probes.resolve.warmup import IMPORTED_FILE, _read_imported, warm_up
 
@@ -81,15 +85,16 @@ def _note(path: str, text: str) -> None:
         pass
 
 
-def run_group(plan: dict, cells: list[dict]) -> int:
-    """One SM: install probes and platform, import vLLM, then one forked process per cell."""
+def run_group(plan: dict, cells: list[dict], shared: dict) -> int:
+    """One SM: set its SKU, install probes and platform (unless the shared parent did), import vLLM, then one
+    forked process per cell."""
     from probes.resolve import cell as resolve
 
-    rec = Recorder(None, role="resolve-agent", meta={"mode": "resolve", "pin": plan.get("pin", ""),
-                                                     "wheel_sha256": plan.get("wheel_sha256", "")})
     first = cells[0]
-    warm = resolve.prepare_group(plan, first, rec, Stage)
+    warm = resolve.prepare_group(plan, first, shared, Stage)
+    rec = warm["rec"]
     _freeze()
+    write_learned(plan, first, shared)
     failed = 0
     for cell in cells:
         out = cell_dir(plan, cell)
@@ -102,7 +107,33 @@ def run_group(plan: dict, cells: list[dict]) -> int:
         if warm.get("error") is None:
             warm_up(_read_imported(out))
             _freeze()
+            write_learned(plan, first, shared)
     return 1 if failed else 0
+
+
+#: where SM processes leave what the host learns for shared imports (under the plan's out_dir)
+LEARN_DIR = ".shared-imports"
+
+
+def write_learned(plan: dict, first_cell: dict, shared: dict) -> None:
+    """The order in which this SM process started importing modules (after those the shared parent imported),
+    and those whose import read the simulated device (``readers``): the host shares the prefix before the
+    first reader in later runs. Speed only: a failure to write is ignored."""
+    from probes.resolve import simulate
+
+    sm = ".".join(str(x) for x in first_cell["system"]["capability"])
+    path = os.path.join(plan["out_dir"], LEARN_DIR, f"sm{sm}-{os.getpid()}.json")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            # imported under their own names (not an alias another module put in sys.modules, which only that
+            # module's code makes importable)
+            order = [m for m in (*shared["imported"], *simulate.ImportOrder.order)
+                     if getattr(sys.modules.get(m), "__name__", None) == m]
+            json.dump({"order": order, "readers": sorted(simulate._State.readers)}, fh)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
 
 
 def _freeze() -> None:
@@ -119,6 +150,9 @@ def _run_cell(plan, cell, rec, warm, out) -> int:
     os.dup2(log, 1)
     os.dup2(log, 2)
     from probes.resolve import cell as resolve
+    from probes.resolve import simulate
+
+    simulate._State.learning = False  # only the SM process's own imports are learned from
 
     before = set(sys.modules)
     rec.retarget(out, cell={"system": cell["system"]["name"], "layout": cell["layout"]["name"]})
@@ -211,7 +245,12 @@ def plan_slots(groups: list[list[dict]], slots: int) -> list[list[list[dict]]]:
     return [p for p in plan if p]
 
 
+#: the agent's environment as it started (before any import could set a variable)
+_STARTED_WITH: dict[str, str] = {}
+
+
 def main(argv: list[str] | None = None) -> int:
+    _STARTED_WITH.update(os.environ)
     argv = sys.argv[1:] if argv is None else argv
     plan = read_plan(argv, "python -m probes.resolve.agent PLAN.json", nargs=1)
     if plan is None:
@@ -224,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
     from probes.resolve import cell as resolve
 
-    resolve.prepare_process(plan)
+    shared = resolve.prepare_process(plan, Stage)
+    if shared["retry"]:
+        return _start_again(plan, shared["retry"], argv)
     _freeze()
     parallel = max(1, int(plan.get("parallel", 1)))
     groups = split_groups(plan["cells"], parallel)
@@ -253,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         if not queues[slot]:
             return
         cells = queues[slot].pop(0)
-        pid = _fork(run_group, plan, cells)
+        pid = _fork(run_group, plan, cells, shared)
         running[pid] = None
         slot_of[pid] = slot
         groups_of[pid] = "SM " + ".".join(str(x) for x in cells[0]["system"]["capability"])
@@ -268,6 +309,30 @@ def main(argv: list[str] | None = None) -> int:
         if slot is not None:  # the next SM process of the slot that freed
             start(slot)
     return 0 if not failed else 1
+
+
+def _start_again(plan: dict, reads: list[dict], argv: list[str]) -> int:
+    """A shared import read the device before any SKU was set: what it computed may be wrong for every SM, so
+    this process is replaced by a fresh one that imports nothing before the SKU (the host reads the note and
+    stops sharing those modules)."""
+    from probes.resolve import cell as resolve
+
+    note = os.path.join(plan["out_dir"], LEARN_DIR, "tripped.json")
+    try:
+        os.makedirs(os.path.dirname(note), exist_ok=True)
+        with open(note, "w", encoding="utf-8") as fh:
+            json.dump(reads, fh)
+    except OSError:
+        pass
+    modules = sorted({m for r in reads for m in r.get("importing", ())})
+    print(f"[serving-truth agent] a shared import read the device before a SKU was set ({', '.join(modules)}); "
+          "starting again without shared imports", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # the environment the agent started with: imports set variables of their own (vLLM sets Triton's), and the
+    # fresh process must see what the first one saw
+    env = dict(_STARTED_WITH, **{resolve.NO_SHARED_IMPORTS: "1"})
+    os.execve(sys.executable, [sys.executable, "-m", "probes.resolve.agent", *argv], env)
+    return 1  # not reached
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import importlib
 import importlib.metadata
 import os
 import re
+import sys
+import time
 
 from probes.resolve import simulate, standins
 from probes.core.install import ProbeSet
@@ -90,51 +92,100 @@ def _serving_facts(vllm_config) -> dict:
     return out
 
 
-def prepare_process(plan: dict) -> None:
-    """The agent's parent: stub driver and platform-independent imports, shared by every fork."""
+#: set by the agent before it starts itself again without shared imports (one of them read the device)
+NO_SHARED_IMPORTS = "SERVING_TRUTH_NO_SHARED_IMPORTS"
+
+
+def prepare_process(plan: dict, Stage) -> dict:
+    """The agent's parent, shared by every fork: stub driver, platform-independent third-party imports, and,
+    when the plan lists modules that earlier runs saw import without reading the device (``shared_imports``),
+    the probes and simulated platform with no SKU set, then those modules.
+
+    A device read while no SKU is set raises and is recorded (:class:`simulate.SkuNotSet`); ``retry`` then
+    tells the agent to start again without shared imports, so a stale list costs time, never evidence."""
+    from probes.core.environment import fingerprint
+    from probes.core.recorder import Recorder
+
     simulate.load_stub_libcuda(plan["stub_libcuda"])
     for name in plan.get("warm_third_party", ()):
         try:
             importlib.import_module(name)
         except Exception:  # a warm-up import is an optimisation; the cell records real failures
             pass
-
-
-def prepare_group(plan: dict, first_cell: dict, rec, Stage) -> dict:
-    """One SM: probes, simulated platform, vLLM imports. Failures are recorded, then re-raised per cell."""
-    from probes.core.environment import fingerprint
-
-    warm: dict = {"error": None}
+    rec = Recorder(None, role="resolve-agent", meta={"mode": "resolve", "pin": plan.get("pin", ""),
+                                                     "wheel_sha256": plan.get("wheel_sha256", "")})
     rec.emit("fingerprint", **fingerprint(plan))
+    shared = {"rec": rec, "error": None, "probes": None, "platform": False, "retry": None, "imported": []}
+    modules = [] if os.environ.get(NO_SHARED_IMPORTS) else list(plan.get("shared_imports", ()))
+    if not modules:
+        return shared
+    from probes.resolve.warmup import warm_up
+
     try:
         with Stage(rec, "platform"):
-            simulate.set_simulated(first_cell["system"], first_cell["layout"]["world_size"])
-            simulate.simulate_torch()
-            if plan.get("probes", True):
-                targets = TARGETS + tuple(Target(t["id"], t["kind"], tuple(t["specs"]), title=t.get("title", ""))
-                                          for t in plan.get("extra_targets", ()))
-                probes = ProbeSet(rec, targets=targets, vllm_version=_vllm_version()).install()
-                hooks = probes.hooks
-            else:  # a bare run, to compare against: same simulation, no probes
-                probes, hooks = None, PostImportHooks()
-            simulate.install_stand_ins(hooks)
-            simulate.install_in_process_registry(hooks)
-            simulate.install_node_topology(hooks)
-            standins.install(hooks)
-            from probes.resolve import memo
+            shared["probes"] = _install_platform(plan, rec)
+        shared["platform"] = True
+        t0 = time.perf_counter()
+        failures: list = []
+        ok, failed = warm_up(modules, failures)  # one that fails here is imported (or fails) in each SM process
+        shared["imported"] = [m for m in modules if m in sys.modules]
+        # not a stage: whether modules were shared is speed only and must not change what a cell records
+        rec.emit("shared_parent", listed=len(modules), ok=ok, failed=failed, failures=failures[:20],
+                 seconds=round(time.perf_counter() - t0, 3))
+    except Exception as exc:  # StageFailed: already recorded in the buffer every cell inherits
+        shared["error"] = exc
+    if simulate._State.reads_before_sku:
+        shared["retry"] = list(simulate._State.reads_before_sku)
+    return shared
 
-            memo.install(hooks, None if plan.get("postload_every_layer") else plan.get("memo_dir"),
-                         standins.humming_facts)
-            platform = simulate.install_platform()
-            simulate.stand_in_cuda_streams()
-            base = type(platform).__mro__[1]
-            rec.emit("platform", cls=f"{base.__module__}:{base.__qualname__}")
-            warm["probes"] = probes
+
+def _install_platform(plan: dict, rec):
+    """Probes, stand-ins and the simulated platform: nothing here reads the SKU, so the shared parent can do it
+    before any is set (each stand-in reads it when vLLM asks)."""
+    simulate.simulate_torch()
+    if plan.get("probes", True):
+        targets = TARGETS + tuple(Target(t["id"], t["kind"], tuple(t["specs"]), title=t.get("title", ""))
+                                  for t in plan.get("extra_targets", ()))
+        probes = ProbeSet(rec, targets=targets, vllm_version=_vllm_version()).install()
+        hooks = probes.hooks
+    else:  # a bare run, to compare against: same simulation, no probes
+        probes, hooks = None, PostImportHooks()
+    simulate.install_stand_ins(hooks)
+    simulate.install_in_process_registry(hooks)
+    simulate.install_node_topology(hooks)
+    standins.install(hooks)
+    from probes.resolve import memo
+
+    memo.install(hooks, None if plan.get("postload_every_layer") else plan.get("memo_dir"), standins.humming_facts)
+    platform = simulate.install_platform()
+    simulate.stand_in_cuda_streams()
+    base = type(platform).__mro__[1]
+    rec.emit("platform", cls=f"{base.__module__}:{base.__qualname__}")
+    return probes
+
+
+def prepare_group(plan: dict, first_cell: dict, shared: dict, Stage) -> dict:
+    """One SM: its SKU, then (unless the shared parent did) probes and simulated platform, then vLLM's imports.
+    Failures are recorded, then re-raised per cell. Imports here run with ``learning`` on: every module whose
+    import reads the device is noted, so the host can tell which modules are safe to share."""
+    rec = shared["rec"]
+    warm: dict = {"error": shared["error"], "probes": shared["probes"], "rec": rec}
+    if warm["error"] is not None:
+        return warm
+    simulate.set_simulated(first_cell["system"], first_cell["layout"]["world_size"])
+    simulate.ImportOrder.start()
+    try:
+        if not shared["platform"]:
+            with Stage(rec, "platform"):
+                warm["probes"] = _install_platform(plan, rec)
         with Stage(rec, "imports"):
-            for name in plan.get("warm_imports", ()):
-                importlib.import_module(name)
             from probes.resolve.warmup import warm_up
 
+            # packages earlier runs saw imported only after a module that reads the device: imported first, so
+            # the host can learn whether they read it themselves (and, if not, share them in later runs)
+            warm_up(plan.get("ahead_imports", ()))
+            for name in plan.get("warm_imports", ()):
+                importlib.import_module(name)
             ok, failed = warm_up(plan.get("learned_imports", ()))
             rec.emit("warm_imports", listed=len(plan.get("warm_imports", ())), learned_ok=ok,
                      learned_failed=failed)

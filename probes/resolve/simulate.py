@@ -55,11 +55,25 @@ class _DeviceProperties:
                 f"total_memory={self.total_memory}, multi_processor_count={self.multi_processor_count})")
 
 
+class SkuNotSet(RuntimeError):
+    """A device query answered before any SKU was set: the agent's shared parent imports modules for every SM
+    with no SKU, so a module that reads the device there must be imported by each SM process instead."""
+
+
 class _State:
-    """The SKU and world size currently simulated (set per cell; read by every stand-in)."""
+    """The SKU and world size currently simulated (set per SM process and cell; read by every stand-in through
+    :meth:`sku` and :meth:`world`, never through the attributes).
+
+    Every read while no SKU is set is recorded (``reads_before_sku``) and raises :class:`SkuNotSet`: the shared
+    parent checks the record after its imports, so a read a library swallowed is still seen. While
+    ``learning`` is on (an SM process importing), each read also names the modules being imported at that
+    moment (``readers``): those may depend on the SKU and are never imported before one is set."""
 
     props: _DeviceProperties | None = None
-    world_size: int = 1
+    world_size: int | None = None
+    learning: bool = False
+    readers: set = set()
+    reads_before_sku: list = []
 
     @classmethod
     def set(cls, system: dict, world_size: int) -> None:
@@ -68,6 +82,74 @@ class _State:
             raise RuntimeError("the simulated capability cannot change inside one process")
         cls.props = _DeviceProperties(system)
         cls.world_size = int(world_size)
+
+    @classmethod
+    def sku(cls) -> _DeviceProperties:
+        if cls.props is None or cls.learning:
+            cls._read("device")
+        return cls.props
+
+    @classmethod
+    def world(cls) -> int:
+        if cls.world_size is None or cls.learning:
+            cls._read("device count")
+        return cls.world_size
+
+    @classmethod
+    def _read(cls, what: str) -> None:
+        importing = importing_modules()
+        if cls.learning:
+            cls.readers.update(importing)
+        if cls.props is None:
+            cls.reads_before_sku.append({"what": what, "importing": importing})
+            raise SkuNotSet(f"the simulated {what} was read before a SKU was set (while importing "
+                            f"{', '.join(importing) or 'nothing'})")
+
+
+class ImportOrder:
+    """A meta-path finder that finds nothing: while ``_State.learning`` is on, it notes the order in which this
+    process starts importing modules. A module that starts before the first module whose import reads the
+    device finished before that one started, so it never depends on the SKU: the host shares that prefix."""
+
+    order: list = []
+    _seen: set = set()
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if _State.learning and name not in cls._seen:
+            cls._seen.add(name)
+            cls.order.append(name)
+        return None
+
+    @classmethod
+    def start(cls) -> None:
+        import sys
+
+        _State.learning = True
+        if cls not in sys.meta_path:
+            sys.meta_path.insert(0, cls)
+
+
+def importing_modules() -> list[str]:
+    """The modules whose import is running at this moment, outermost first: each ``<module>`` frame on the
+    stack, and each module a post-import hook is patching (the hook runs after the module's own code)."""
+    import sys
+
+    names: list[str] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code.co_name
+        if code == "<module>":
+            name = frame.f_globals.get("__name__", "?")
+            if name not in ("__main__", "__mp_main__"):  # the agent's own entry point, not an import
+                names.append(name)
+        elif code == "exec_module":
+            module = frame.f_locals.get("module")
+            name = getattr(module, "__name__", None)
+            if isinstance(name, str):
+                names.append(name)
+        frame = frame.f_back
+    return list(dict.fromkeys(reversed(names)))
 
 
 def set_simulated(system: dict, world_size: int) -> None:
@@ -79,19 +161,20 @@ def simulate_torch() -> None:
     import torch
 
     def get_device_capability(device=None):
-        return (_State.props.major, _State.props.minor)
+        props = _State.sku()
+        return (props.major, props.minor)
 
     def get_device_properties(device=None):
-        return _State.props
+        return _State.sku()
 
     def get_device_name(device=None):
-        return _State.props.name
+        return _State.sku().name
 
     def current_device():
         return 0
 
     def device_count():
-        return _State.world_size
+        return _State.world()
 
     for name, fn in (("get_device_capability", get_device_capability),
                      ("get_device_properties", get_device_properties),
@@ -139,17 +222,17 @@ def install_platform():
     P = _State
 
     overrides = {
-        "get_device_capability": lambda cls, device_id=0: DeviceCapability(major=P.props.major, minor=P.props.minor),
-        "get_device_name": lambda cls, device_id=0: P.props.name,
-        "get_device_uuid": lambda cls, device_id=0: P.props.uuid,
-        "get_device_total_memory": lambda cls, device_id=0: P.props.total_memory,
-        "device_count": lambda cls: P.world_size,
+        "get_device_capability": lambda cls, device_id=0: DeviceCapability(major=P.sku().major, minor=P.sku().minor),
+        "get_device_name": lambda cls, device_id=0: P.sku().name,
+        "get_device_uuid": lambda cls, device_id=0: P.sku().uuid,
+        "get_device_total_memory": lambda cls, device_id=0: P.sku().total_memory,
+        "device_count": lambda cls: P.world(),
         "is_fully_connected": lambda cls, *a, **k: True,
         "get_device_numa_node": lambda cls, device_id=0: None,
         "get_all_device_numa_nodes": lambda cls: None,
-        "num_compute_units": lambda cls, device_id=0: P.props.multi_processor_count,
+        "num_compute_units": lambda cls, device_id=0: P.sku().multi_processor_count,
         "is_integrated_gpu": lambda cls, device_id=0: False,
-        "is_arch_support_pdl": lambda cls: P.props.major >= 9,
+        "is_arch_support_pdl": lambda cls: P.sku().major >= 9,
     }
     ns: dict = {"__module__": __name__, "__qualname__": "SimulatedCudaPlatform"}
     for name, fn in overrides.items():
@@ -183,12 +266,17 @@ def meta_device_mode():
             return dev.startswith("cuda")
         return isinstance(dev, int)
 
+    ctors = _device_constructors()  # torch's own set of factory functions (cached, the same object every call)
+
     class _MetaDevice(DeviceContext):
+        # called for every tensor operation while a model is built or converted: the common case (no keyword
+        # arguments, not a factory) returns after one set lookup
         def __torch_function__(self, func, types_, args=(), kwargs=None):
-            kwargs = kwargs or {}
+            if not kwargs:
+                return func(*args, device=meta) if func in ctors else func(*args)
             device = kwargs.get("device")
             if device is None:
-                if func in _device_constructors():
+                if func in ctors:
                     kwargs["device"] = meta
             elif _is_cuda(device):
                 kwargs["device"] = meta

@@ -154,14 +154,14 @@ class SimulatedHummingDevice:
     definition (DDR memory bandwidth: clock x 2 x bus width); any other field raises."""
 
     def __init__(self, index: int = 0):
-        props = simulate._State.props
+        props = simulate._State.sku()
         self.index = index
         self._name = props.name
         self._attrs = props.attributes
         self._where = props.attributes_source or "no measured attribute set"
 
     def _attr(self, driver_name: str):
-        p = simulate._State.props
+        p = simulate._State.sku()
         if driver_name in ("COMPUTE_CAPABILITY_MAJOR", "COMPUTE_CAPABILITY_MINOR"):  # the simulated SKU's own
             return p.major if driver_name.endswith("MAJOR") else p.minor
         if driver_name == "MULTIPROCESSOR_COUNT":
@@ -366,7 +366,7 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
     if not all(checks):
         raise RuntimeError(f"DeepGEMM check_sf_layout: scale shape {tuple(sf.shape)} does not fit mn={mn}, k={k}, "
                            f"granularity ({gran_mn}, {gran_k}), num_groups={num_groups}")
-    arch = simulate._State.props.major
+    arch = simulate._State.sku().major
     _count("deep_gemm transform_sf_into_required_layout (meta)")
     if arch not in archs:
         raise NotImplementedError(f"DeepGEMM's scale layout transform on SM {arch}.x: the compiled DeepGEMM carries no "

@@ -18,7 +18,7 @@ def _read_imported(out: str) -> list[str]:
         return []
 
 
-def warm_up(modules) -> tuple[int, int]:
+def warm_up(modules, failures: list | None = None) -> tuple[int, int]:
     """Import, in this SM's process, modules a cell imported lazily, so later cells fork with them.
 
     Safe because import-time state in vLLM depends on the platform (the same SM here) and the
@@ -32,6 +32,8 @@ def warm_up(modules) -> tuple[int, int]:
         try:
             importlib.import_module(name)
             ok += 1
-        except Exception:  # an optimisation must never break the run
+        except Exception as exc:  # an optimisation must never break the run
             failed += 1
+            if failures is not None:
+                failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:200]}")
     return ok, failed

@@ -953,12 +953,14 @@ def lane_kda_batch(models, vllm_config, works):
         return
     kda = importlib.import_module(mod.__module__)
     md_cls = getattr(kda, "KimiK3KDAMetadata", None)
-    if md_cls is None:
-        return
     with _KdaProbe(kda) as probe:
         for role, model in models:
             for name, layer in model.named_modules():
                 if not isinstance(layer, mod):
+                    continue
+                if md_cls is None:  # the batch's metadata class moved: the lane says so on every KDA layer
+                    yield (role, name, [f"not resolved: {mod.__module__} has no KimiK3KDAMetadata"] * len(works),
+                           f"{mod.__module__}:{mod.__qualname__}")
                     continue
                 tiers = []
                 try:

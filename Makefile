@@ -2,6 +2,7 @@
 PYTHON  ?= python3
 VENV    ?= .venv
 PIN     ?= v0.33.0
+MODEL   ?=
 RUNTIME ?= auto
 SYSTEMS ?= all
 LAYOUTS ?= all
@@ -22,7 +23,7 @@ BIN     := $(VENV)/bin
 # a pin named "x; rm -rf y", which images.lock then refuses; nothing is run)
 q = '$(subst ','\'',$(1))'
 
-.PHONY: setup env audit render accept diff test bench pins clean clean-containers test-image lock-resolve lock-add selftest-gpu
+.PHONY: setup env audit render accept diff test bench pins models clean clean-containers test-image lock-resolve lock-add selftest-gpu
 
 setup: $(VENV)/.installed
 
@@ -40,7 +41,7 @@ env: setup
 # code (0 ok, 1 findings, 2 bad input, 3 environment, 4 run failed/INCOMPLETE, 5 report not written,
 # 70 internal error, 130 interrupted). A CI gate that needs the code calls .venv/bin/serving-truth directly.
 audit: setup
-	@$(BIN)/serving-truth audit $(call q,$(PIN)) --runtime $(call q,$(RUNTIME)) --systems $(call q,$(SYSTEMS)) --layouts $(call q,$(LAYOUTS)) \
+	@$(BIN)/serving-truth audit $(call q,$(PIN)) $(if $(MODEL),--model $(call q,$(MODEL))) --runtime $(call q,$(RUNTIME)) --systems $(call q,$(SYSTEMS)) --layouts $(call q,$(LAYOUTS)) \
 		--lock $(call q,$(LOCK)) --mode $(call q,$(MODE)) $(if $(SLICE),--slice $(call q,$(SLICE))) $(if $(filter 0,$(PROFILER)),--no-profiler) \
 		$(if $(PASS_ENV),--pass-env $(call q,$(PASS_ENV))) $(if $(CLUSTER),--cluster $(call q,$(CLUSTER))) \
 		$(if $(EXPECTATIONS),--expectations $(call q,$(EXPECTATIONS))) $(if $(BASELINE),--baseline $(call q,$(BASELINE))) \
@@ -86,12 +87,12 @@ render: setup
 # Accept every finding of an audited pin for the pin-bump gate (expectations/<model>.accepted.toml):
 # make accept PIN=v0.33.0; then make audit PIN=<candidate> BASELINE=v0.33.0 fails only on new findings
 accept: setup
-	$(BIN)/serving-truth accept $(call q,$(PIN)) --lock $(call q,$(LOCK)) --reports $(call q,$(REPORTS)) \
+	$(BIN)/serving-truth accept $(call q,$(PIN)) $(if $(MODEL),--model $(call q,$(MODEL))) --lock $(call q,$(LOCK)) --reports $(call q,$(REPORTS)) \
 		$(if $(ACCEPTED),--accepted $(call q,$(ACCEPTED)))
 
 # reports/diffs/<FROM>..<TO>.md from two audited pins: make diff FROM=v0.30.0 TO=v0.33.0
 diff: setup
-	$(BIN)/serving-truth diff $(call q,$(FROM)) $(call q,$(TO)) --reports $(call q,$(REPORTS))
+	$(BIN)/serving-truth diff $(call q,$(FROM)) $(call q,$(TO)) $(if $(MODEL),--model $(call q,$(MODEL))) --reports $(call q,$(REPORTS))
 
 # Re-audit every pin with a wheel in release order and rewrite reports/ and reports/diffs/ (the committed
 # reports are exactly what this writes). Builds one environment at a time and drops it after use.
@@ -99,10 +100,14 @@ diff: setup
 # templates or verdict code changed; no vLLM environment needed).
 FROM_RUNS ?=
 reports: setup
-	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(filter 1,$(FROM_RUNS)),--from-runs,--drop-envs)
+	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(filter 1,$(FROM_RUNS)),--from-runs,--drop-envs)
 
 pins: setup
 	$(BIN)/serving-truth pins --lock $(call q,$(LOCK))
+
+# The models the harness audits (make audit MODEL=<name>; default kimi-k3)
+models: setup
+	$(BIN)/serving-truth models
 
 test: setup
 	$(BIN)/python -m pytest

@@ -17,6 +17,8 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="audit one pin and write reports/<pin>/ledger.md")
     a.add_argument("pin", help="a pin name from images.lock, e.g. v0.33.0")
+    a.add_argument("--model", default=None, help="the model to audit (see `serving-truth models`; default: kimi-k3); "
+                                                 "reports of a model other than the default go under reports/<model>/")
     a.add_argument("--runtime", default="auto", help="where to run the probes: local, docker or slurm (default: auto, "
                    "the pin's wheel in a local venv when it pins one, else its image under docker)")
     a.add_argument("--pass-env", default="", metavar="NAME[,NAME]",
@@ -34,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--no-profiler", dest="profiler", action="store_false",
                    help="observe: do not corroborate the probes with vLLM's torch profiler traces")
     a.add_argument("--systems", default="all", help="comma list of systems, or 'all'")
-    a.add_argument("--layouts", default="all", help="comma list of layouts (tp8, tp16, dep8), or 'all'")
+    a.add_argument("--layouts", default="all", help="comma list of the model's layouts (e.g. tp8, tp16), or 'all'")
     a.add_argument("--lock", default="images.lock", help="path to images.lock")
     a.add_argument("--reports", default="reports", help="reports directory")
     a.add_argument("--parallel", type=int, default=None,
@@ -78,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ac = sub.add_parser("accept", help="record every finding of an audited pin as accepted for the pin-bump gate")
     ac.add_argument("pin")
+    ac.add_argument("--model", default=None, help="whose report (default: kimi-k3)")
     ac.add_argument("--reports", default="reports")
     ac.add_argument("--lock", default="images.lock")
     ac.add_argument("--accepted", default="auto", metavar="FILE",
@@ -86,9 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diff", help="render reports/diffs/<from>..<to>.md from two audited pins")
     d.add_argument("from_pin")
     d.add_argument("to_pin")
+    d.add_argument("--model", default=None, help="whose reports (default: kimi-k3)")
     d.add_argument("--reports", default="reports")
 
     sub.add_parser("pins", help="list the pins in images.lock").add_argument("--lock", default="images.lock")
+    sub.add_parser("models", help="list the models the harness audits (their profiles: audit/models/)")
 
     c = sub.add_parser("clean-containers", help="remove containers left by serving-truth runs whose harness died")
     c.add_argument("--all", action="store_true", help="also those of runs still in progress")
@@ -131,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--pins", default="", help="comma list (default: every pin with a wheel)")
     rg.add_argument("--lock", default="images.lock")
     rg.add_argument("--reports", default="reports")
+    rg.add_argument("--model", default=None, help="whose reports (default: kimi-k3)")
     rg.add_argument("--drop-envs", action="store_true",
                     help="remove each pin's environment after its audit (~9 GB each), except --keep-envs")
     rg.add_argument("--keep-envs", default="v0.33.0,v0.30.0",
@@ -186,17 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "pins":
             return _pins(args, out)
+        if args.command == "models":
+            return _models(out)
         if args.command == "diff":
+            from audit import models
             from audit.report.diff import write_diff
 
-            md, _, d = write_diff(args.reports, args.from_pin, args.to_pin)
+            md, _, d = write_diff(models.reports_root(args.reports, models.get(args.model)), args.from_pin, args.to_pin)
             err.print("no change" if d["empty"] else f"{len(d['changes'])} change row(s)")
             out.print(str(md))
             return ExitCode.OK
         if args.command == "accept":
             from audit.core import accept_findings
 
-            path, n = accept_findings(args.pin, reports_dir=args.reports, lock_path=args.lock, accepted=args.accepted)
+            from audit import models
+
+            path, n = accept_findings(args.pin, reports_dir=args.reports, lock_path=args.lock, accepted=args.accepted,
+                                      profile=models.get(args.model))
             err.print(f"{n} finding(s) of {args.pin} accepted in {path}; the gate against a baseline now fails "
                       "only on findings not listed there")
             out.print(str(path))
@@ -206,10 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "regenerate":
             from audit.core import regenerate_reports
 
+            from audit import models
+
             pins = [p.strip() for p in args.pins.split(",") if p.strip()]
+            profile = models.get(args.model)
             with err.status("regenerating reports") as status:
                 done = regenerate_reports(lock_path=args.lock, reports_dir=args.reports, pins=pins or None,
                                           drop_envs=args.drop_envs, cache=args.cache, from_runs=args.from_runs,
+                                          profile=profile,
                                           keep_envs=tuple(p.strip() for p in args.keep_envs.split(",") if p.strip()),
                                           progress=lambda event, **f: status.update(f.get("text", event)))
             for o in done:
@@ -298,6 +314,19 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
+def _models(out) -> int:
+    from rich.table import Table
+
+    from audit import models
+
+    t = Table("model", "architecture", "layouts", "judged lanes", "reports")
+    for name, p in models.PROFILES.items():
+        t.add_row(name + (" (default)" if name == models.DEFAULT else ""), p.architecture, ", ".join(p.layouts),
+                  ", ".join(j.lane for j in p.judged), f"{models.reports_root('reports', p)}/<pin>/")
+    out.print(t)
+    return ExitCode.OK
+
+
 def _pins(args, out) -> int:
     from rich.table import Table
 
@@ -342,8 +371,9 @@ def _env(args, out, err) -> int:
 def _audit(args, out, err) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from audit import models
     from audit.core import run_audit
-    from audit.systems import LAYOUTS, SYSTEMS, cells_of, select
+    from audit.systems import SYSTEMS, cells_of, select
 
     from audit.pins.lock import load
     from audit.runtimes import get_runtime
@@ -351,6 +381,8 @@ def _audit(args, out, err) -> int:
     if args.parallel is not None:
         _positive(args.parallel, "parallel")
     from audit.errors import UsageError
+
+    profile = models.get(args.model)  # an unknown model is bad input before any work
 
     if args.runtime == "auto":  # the runtime follows the pin: its wheel locally, else its image under docker
         from audit.pins.lock import default_runtime
@@ -365,7 +397,7 @@ def _audit(args, out, err) -> int:
 
     get_runtime(args.runtime, pass_env=pass_env, cluster=args.cluster, lock_dir=Path(args.lock).resolve().parent
                 ).check(load(args.lock).get(args.pin))  # bad input fails before any work
-    n = len(cells_of(select("system", args.systems, SYSTEMS), select("layout", args.layouts, LAYOUTS)))
+    n = len(cells_of(select("system", args.systems, SYSTEMS), select("layout", args.layouts, profile.layouts)))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:
         task = bar.add_task(f"audit {args.pin}", total=n)
@@ -383,7 +415,7 @@ def _audit(args, out, err) -> int:
                             baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
                             cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name,
                             profiler=args.profiler, replace=args.replace, cache=args.cache,
-                            postload_every_layer=args.postload_every_layer, accepted=args.accepted)
+                            postload_every_layer=args.postload_every_layer, accepted=args.accepted, profile=profile)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
         err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")

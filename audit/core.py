@@ -13,12 +13,13 @@ from audit.evidence import files as evidence
 from audit.pins import lock as lockmod
 from audit.report import routing as routingmod
 from audit.errors import AuditError, EvidenceError, ReportWriteError, RunAborted, RunIncomplete, UsageError
-from audit.profiles import KIMI_K3, Profile
+from audit import models
+from audit.profiles import Profile
 from audit.fsutil import DirLock, cache_root, replace_dir, report_dir_for, write_atomic
 from audit.report.render import report_files
 from audit.runtimes import RunRequest, RunResult, get_runtime, refresh_missing
 from audit.runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs, newest_full_run
-from audit.systems import LAYOUTS, SYSTEMS, cells_of, select
+from audit.systems import SYSTEMS, cells_of, select
 
 
 @dataclass
@@ -46,14 +47,17 @@ class AuditOutcome:
 
 
 def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True,
-                      lock: str = "images.lock", expectations: str = "auto", baseline: str = "") -> str:
+                      lock: str = "images.lock", expectations: str = "auto", baseline: str = "",
+                      profile: Profile | None = None) -> str:
     """The command that audits the same inputs again: ``make audit`` with its variables, or the CLI where
     make has no variable for an option (``--no-cuda-toolkit``); defaults are left out."""
     lock = _display(Path(lock)) if lock != "images.lock" else lock
+    profile = profile or models.get(None)
     options = [  # (make variable, CLI option, value, whether it differs from the default)
+        ("MODEL", "--model", profile.name, profile.name != models.DEFAULT),
         ("RUNTIME", "--runtime", runtime, runtime != "local" or not cuda_toolkit),
         ("SYSTEMS", "--systems", ",".join(s.name for s in systems), len(systems) != len(SYSTEMS)),
-        ("LAYOUTS", "--layouts", ",".join(l.name for l in layouts), len(layouts) != len(LAYOUTS)),
+        ("LAYOUTS", "--layouts", ",".join(l.name for l in layouts), len(layouts) != len(profile.layouts)),
         ("LOCK", "--lock", lock, lock != "images.lock"),
         ("EXPECTATIONS", "--expectations", expectations, expectations != "auto"),
         ("BASELINE", "--baseline", baseline, bool(baseline)),
@@ -85,7 +89,7 @@ def default_parallel() -> int:
 
 def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: str = "local",
               systems: str | list | None = None, layouts: str | list | None = None,
-              reports_dir: str | Path = "reports", profile: Profile = KIMI_K3, parallel: int | None = None,
+              reports_dir: str | Path = "reports", profile: Profile | None = None, parallel: int | None = None,
               timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
               cuda_toolkit: bool = True, baseline: str | None = "auto",
               expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
@@ -94,6 +98,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
               postload_every_layer: bool = False, accepted: str | None = "auto") -> AuditOutcome:
     import math
 
+    profile = profile or models.get(None)
     started = time.monotonic()  # --timeout counts from here: building the environment is part of the audit
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
                                       and timeout_s > 0):
@@ -104,18 +109,19 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         raise UsageError(f"--parallel must be at least 1, got {parallel!r}")
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
-    report_dir_for(reports_dir, pin.name)  # a pin that cannot name a report directory is bad input
+    root = models.reports_root(reports_dir, profile)  # this model's reports (the default model's: reports/)
+    report_dir_for(root, pin.name)  # a pin that cannot name a report directory is bad input
     if baseline not in (None, "", "auto", "none"):
         # an explicit baseline is the pin-bump gate: an unknown one, or one with no report to compare with, is
         # bad input before any work (the audit would run every cell and then have nothing to gate against)
         lock.get(baseline)
         from audit.report.diff import load_routing
 
-        load_routing(Path(reports_dir), baseline)
+        load_routing(root, baseline)
         load_accepted_findings(accepted, lock_path=lock_path, profile=profile)
     load_expectations(expectations, lock_path=lock_path, profile=profile)  # bad expectations fail early too
     sys_sel = select("system", systems, SYSTEMS)
-    lay_sel = select("layout", layouts, LAYOUTS)
+    lay_sel = select("layout", layouts, profile.layouts)
     rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit, lock_dir=Path(lock_path).resolve().parent,
                      pass_env=list(pass_env), cluster=cluster, wait=wait)
     if not cache and hasattr(rt, "stat_memo"):
@@ -125,7 +131,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     if not cells:
         raise UsageError("no (system, layout) pair to audit: " + ", ".join(
             f"{l.name} is for {l.scope}" for l in lay_sel if l.scope), hint="add a system the layout exists on")
-    run_dir = new_run_dir(pin, root=getattr(rt, "run_root", None))
+    run_dir = new_run_dir(pin, root=getattr(rt, "run_root", None), prefix=models.run_prefix(profile, pin.name))
     if mode not in ("resolve", "observe"):
         raise UsageError(f"unknown mode {mode!r}", hint="resolve (no GPU) or observe (serves on real GPUs)")
     if slice_name and mode != "observe":
@@ -140,7 +146,7 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                          deadline=started + timeout_s if timeout_s else None)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit, lock=str(lock_path),
                                   expectations=str(expectations) if expectations not in (None, "") else "none",
-                                  baseline="" if baseline in (None, "auto") else baseline)
+                                  baseline="" if baseline in (None, "auto") else baseline, profile=profile)
     if mode == "observe":
         reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "") + ("" if profiler else " PROFILER=0")
     cached: dict = {}
@@ -175,13 +181,13 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         run_info["slice"] = {"name": s.name, "layers": s.layers, "kept": s.kept, "cut": s.cut}
     _write_run_json(request, profile, run_info, result.missing)
     if run_info.get("slurm", {}).get("pending"):  # --no-wait: submitted; rendered later from run_dir
-        return AuditOutcome(pin=pin.name, report_dir=Path(reports_dir) / pin.name, ledger=None, routing_path=None,
+        return AuditOutcome(pin=pin.name, report_dir=root / pin.name, ledger=None, routing_path=None,
                             run_dir=run_dir, cells=len(cells), incomplete=0, partial=0, drift=0, pending=True)
     outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline,
                          expectations=expectations, replace=replace or (len(sys_sel) == len(SYSTEMS)
-                                                                         and len(lay_sel) == len(LAYOUTS)),
+                                                                         and len(lay_sel) == len(profile.layouts)),
                          accepted=accepted)
-    prune_runs(pin)
+    prune_runs(pin, prefix=models.run_prefix(profile, pin.name), layouts=profile.layouts)
     return outcome
 
 
@@ -193,12 +199,12 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
     into the run directory), and ``[system, layout, why]`` for entries found damaged and discarded. With
     ``use`` False nothing is looked up: the keys only tell which entries the fresh run refreshes."""
     from audit.evidence import cache as evcache
-    from audit.runtimes.base import model_dir_name, write_model_dirs
+    from audit.runtimes.base import model_dir_name, plan_targets, write_model_dirs
 
     progress("stage", text="looking up cached evidence" if use else "computing evidence-cache keys")
     identity = rt.cache_identity(request.pin, progress)
     write_model_dirs(request)
-    plan = {"probes": request.probes, "extra_targets": list(request.extra_targets), "stop_after": request.stop_after,
+    plan = {"probes": request.probes, "extra_targets": plan_targets(request), "stop_after": request.stop_after,
             "serve_args": list(request.serve_args), "slice": request.slice, "observe_install": request.observe_install,
             "postload_every_layer": request.postload_every_layer, "draft_weights": list(request.profile.draft_weights),
             # the evidence names its pin: two pins of the same wheel keep their own entries
@@ -304,12 +310,14 @@ def load_accepted_findings(spec: str | None, *, lock_path, profile: Profile) -> 
 
 
 def accept_findings(pin_name: str, *, reports_dir: str | Path = "reports", lock_path: str | Path = "images.lock",
-                    accepted: str | None = "auto", profile: Profile = KIMI_K3) -> tuple[Path, int]:
+                    accepted: str | None = "auto", profile: Profile | None = None) -> tuple[Path, int]:
     """Write the accepted-findings file from an audited pin's report: every failing verdict and required probe
     drift in it (notes already written for the same findings are kept). Atomic; returns (path, count)."""
     from audit.report.diff import load_routing
     from audit.report.gate import accepted_text, findings, load_accepted
 
+    profile = profile or models.get(None)
+    reports_dir = models.reports_root(reports_dir, profile)
     lock = lockmod.load(lock_path)
     lock.get(pin_name)
     routing = load_routing(Path(reports_dir), pin_name)
@@ -379,8 +387,7 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
     checked against the lock), one of the run's cells, and for resolve cells the ``vllm serve`` arguments that
     cell's layout gives. Evidence of another pin, another cell or other arguments is refused, never rendered
     under this run's name."""
-    from audit.systems import LAYOUTS
-
+    layouts = models.get(meta.get("profile")).layouts
     cells = {tuple(c) for c in meta.get("cells") or []}
     if not cells:
         raise EvidenceError("run.json names no cell", path=str(run_dir / "run.json"),
@@ -402,8 +409,8 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
         if f.cell is not None and f.cell not in cells:
             raise EvidenceError(f"evidence of cell {f.cell[0]}/{f.cell[1]}, which this run does not list", path=where)
         argv = h.get("argv")
-        if h.get("mode") == "resolve" and f.cell is not None and argv is not None and f.cell[1] in LAYOUTS:
-            expected = [*LAYOUTS[f.cell[1]].serve_args, *plan.get("serve_args", [])] if plan else None
+        if h.get("mode") == "resolve" and f.cell is not None and argv is not None and f.cell[1] in layouts:
+            expected = [*layouts[f.cell[1]].serve_args, *plan.get("serve_args", [])] if plan else None
             if expected is not None and list(argv[3:]) != expected:
                 raise EvidenceError(f"evidence of `vllm serve` arguments {' '.join(argv[3:])!r}, not the "
                                     f"{f.cell[1]} layout's", path=where)
@@ -424,9 +431,11 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     meta = _read_run_json(run_dir)
     lock = lockmod.load(lock_path)
     pin = lock.get(meta["pin"])
-    profile = {KIMI_K3.name: KIMI_K3}.get(meta["profile"])
+    profile = models.PROFILES.get(meta["profile"])
     if profile is None:
-        raise EvidenceError(f"unknown model profile {meta['profile']!r}", path=str(run_dir / "run.json"))
+        raise EvidenceError(f"unknown model profile {meta['profile']!r}", path=str(run_dir / "run.json"),
+                            hint="known models: " + ", ".join(models.PROFILES))
+    reports_dir = models.reports_root(reports_dir, profile)
     missing = {(s, l): info for s, l, info in meta["missing"]}
     refreshed = refresh_missing(run_dir, meta["run"])  # JobsPending while a batch job has not ended
     if refreshed is not None:
@@ -548,7 +557,7 @@ def _fuller_report(report_dir: Path, cells: list[tuple[str, str]]) -> int | None
 def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
                        pins: list[str] | None = None, drop_envs: bool = False, keep_envs: tuple[str, ...] = (),
                        progress: Progress = lambda *a, **k: None, cache: bool = True,
-                       from_runs: bool = False) -> list[AuditOutcome]:
+                       from_runs: bool = False, profile: Profile | None = None) -> list[AuditOutcome]:
     """Audit every pin that has a wheel (or those named), in release order so that each ledger's "changes
     since" finds the previous pin's fresh report, replacing ``reports/<pin>/``; then write the diff between
     each pair of consecutive pins under ``reports/diffs/``. With ``drop_envs`` the environment of each pin
@@ -560,6 +569,7 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
     from audit.report.diff import write_diff
     from audit.runtimes.local import LocalRuntime
 
+    profile = profile or models.get(None)
     lock = lockmod.load(lock_path)
     chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and (not pins or p.name in pins)]
     unknown = sorted(set(pins or ()) - {p.name for p in chosen})
@@ -570,7 +580,7 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
     outcomes = []
     for pin in chosen:
         if from_runs:
-            run = newest_full_run(pin)
+            run = newest_full_run(pin, prefix=models.run_prefix(profile, pin.name), layouts=profile.layouts)
             if run is None:
                 raise UsageError(f"no finished run of every cell of {pin.name} under {cache_root() / 'runs'}",
                                  hint="regenerate without --from-runs (it audits), or audit the pin first")
@@ -579,12 +589,12 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
             continue
         progress("stage", text=f"auditing {pin.name}")
         outcomes.append(run_audit(pin.name, lock_path=lock_path, reports_dir=reports_dir, progress=progress,
-                                  replace=True, cache=cache))
+                                  replace=True, cache=cache, profile=profile))
         if drop_envs and pin.name not in keep_envs:
             env = LocalRuntime().env_dir(pin)  # validated: a direct child of <cache>/envs
             shutil.rmtree(env, ignore_errors=True)
     for before, after in zip(chosen, chosen[1:]):
-        write_diff(Path(reports_dir), before.name, after.name)
+        write_diff(models.reports_root(reports_dir, profile), before.name, after.name)
     return outcomes
 
 

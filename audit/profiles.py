@@ -1,8 +1,9 @@
-"""Model profiles: what to audit for a model, as data.
+"""Model profiles: what to audit for a model, as data (the profiles themselves are in ``audit/models/``).
 
 A profile names the model's config (shipped as package data, no weights), the modules worth
-importing once per SM, and the *lanes* the ledger reports: for each lane, which evidence records
-(by probe target id) carry its answer per layer. A new model is a new profile, not new code.
+importing once per SM, the *lanes* the ledger reports (for each lane, which evidence records, by probe
+target id, carry its answer per layer), the serving layouts, and the model's perf-database vocabulary.
+A new model is a new profile registered in :mod:`audit.models`, not new code.
 """
 from __future__ import annotations
 
@@ -47,6 +48,22 @@ class Lane:
 
 
 @dataclass(frozen=True)
+class JudgedLane:
+    """A harness lane perf databases label, so claims are judged against it.
+
+    ``perf_lane`` is the perf database's name for it (None where the name follows from the value: MXFP4 MoE
+    lanes are named by their activation precision); ``phase`` is how labels.json states the phase;
+    ``workloads`` the kinds of batch it serves (decode / prefill / verify); ``dispatch`` the dispatch lanes whose
+    per-call choices refine it, as (lane, tier prefix)."""
+    lane: str
+    kind: str  # the layer kind it is about (a key of the cell's layer_kinds)
+    perf_lane: str | None
+    phase: str
+    workloads: tuple[str, ...]
+    dispatch: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class Slice:
     """A served subset of the model for observe mode: fewer layers, every kept layer unchanged.
 
@@ -75,6 +92,24 @@ class Profile:
     #: (``{layer}``: each of the draft's layer indices). Post-load feeds it one meta tensor per name, of the
     #: shape of the parameter it loads into, so vLLM's presence check passes; a real checkpoint must hold them.
     draft_weights: tuple[str, ...] = ()
+    #: the serving layouts audited for this model, by name (``--layouts`` picks among them)
+    layouts: dict = field(default_factory=dict)
+    #: lanes judged against claims, in order (see :class:`JudgedLane`)
+    judged: tuple[JudgedLane, ...] = ()
+    #: the perf database's lane names -> the harness lane each is about (its vocabulary; ``judged`` holds the
+    #: reverse direction)
+    perf_lanes: dict[str, str] = field(default_factory=dict)
+    #: perf-db lanes measured in one phase only: the workloads a claim about them can name
+    perf_lane_phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: layer kind -> how the ledger names it
+    kind_titles: dict[str, str] = field(default_factory=dict)
+    #: probe targets this model needs beyond the probes' built-in ones, as data sent through the plan (the
+    #: fields of ``probes.core.targets.Target``: id, kind, specs, and optionally args, phase, title, required,
+    #: construct)
+    targets: tuple[dict, ...] = ()
+
+    def judged_lane(self, lane: str) -> JudgedLane | None:
+        return next((j for j in self.judged if j.lane == lane), None)
 
     def config_text(self) -> str:
         return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
@@ -103,76 +138,3 @@ class Profile:
             tmp.write_text(text, encoding="utf-8")
             tmp.replace(path)
         return directory
-
-
-KIMI_K3 = Profile(
-    name="kimi-k3",
-    title="Kimi-K3",
-    architecture="KimiK3ForConditionalGeneration",
-    config_package_path="kimi-k3/config.json",
-    warm_imports=(
-        "vllm.config",
-        "vllm.engine.arg_utils",
-        "vllm.model_executor.model_loader",
-        "vllm.models.kimi_k3",
-    ),
-    layer_classes={
-        "KimiK3DeltaAttention": "kda",
-        "MultiHeadLatentAttention": "mla",
-        "KimiMoE": "moe",
-        "KimiMLP@mlp": "dense",
-        "KimiK3MultiTokenPredictorLayer": "mtp",
-    },
-    draft_weights=("model.layers.{layer}.enorm.weight",),
-    lanes=(
-        Lane("moe", "Routed experts", "moe", "all", (
-            Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls"), extra=("cls",)),
-            Source("construct", "moe.mega_moe_experts", ("cls",), label="MegaMoE"),
-        ), candidates_target="moe.candidate"),
-        Lane("kda.prefill", "KDA prefill", "kda", "prefill", (Source("select", "kda.prefill", ("result",)),)),
-        Lane("kda.decode", "KDA decode", "kda", "decode", (
-            Source("select", "kda.decode", ("result",)),
-            Source("select", "kda.decode_fused_check", ("result",), label="fused decode kernel supported:"),
-            Source("construct", "scope.kda", ("attrs.kda_decode_backend",)),
-        )),
-        Lane("kda.spec_verify", "KDA spec-verify", "kda", "spec-verify", (
-            Source("select", "kda.spec_decode", ("result",)),
-        ), exercised_if=("args.num_spec", "no speculative decoding in this layout (num_spec=0)")),
-        Lane("mla.decode", "MLA attention (decode)", "mla", "decode", (
-            Source("construct", "scope.mla", ("attrs.attn_backend", "attrs.impl")),
-        )),
-        Lane("mla.prefill", "MLA prefill", "mla", "prefill", (
-            Source("construct", "scope.mla", ("attrs.prefill_backend",)),
-        )),
-        Lane("dense", "Dense MLP linears (layer 0)", "dense", "all", (
-            Source("module", r"\.mlp\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
-        )),
-        Lane("shared", "Shared-expert linears", "moe", "all", (
-            Source("module", r"\.shared_experts\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
-        )),
-        Lane("moe.kernel", "MoE kernel built at load", "moe", "all", (Source("postload", "moe_kernel", ()),),
-             level="post-load"),
-        Lane("moe.activation", "Experts activation (SiTU check)", "moe", "all",
-             (Source("postload", "activation", ()),), level="post-load"),
-        Lane("moe.tail_fusion", "Latent-MoE tail fusion", "moe", "all", (Source("postload", "tail_fusion", ()),),
-             level="post-load"),
-        Lane("moe.deferred_finalize", "Deferred MoE finalize", "moe", "all",
-             (Source("postload", "deferred_finalize", ()),), level="post-load"),
-        Lane("decode.specialized", "Specialized decode (decode_backend)", "model", "decode",
-             (Source("postload", "specialized_decode", ()),), level="post-load"),
-    ),
-)
-
-_K3_LAYERS = "text_config.num_hidden_layers"
-_K3_KDA = "text_config.linear_attn_config.kda_layers"
-_K3_FULL = "text_config.linear_attn_config.full_attn_layers"
-KIMI_K3.slices.update({
-    "slice4": Slice("slice4", 4, ((_K3_LAYERS, 4), (_K3_KDA, [1, 2, 3]), (_K3_FULL, [4])),
-                    kept="layers 0-3: 0 (KDA, dense MLP), 1-2 (KDA, latent MoE), 3 (MLA, latent MoE)",
-                    cut="layers 4-92 (66 KDA, 23 MLA, 89 MoE layers of the same shapes as the kept ones)"),
-    "slice8": Slice("slice8", 8, ((_K3_LAYERS, 8), (_K3_KDA, [1, 2, 3, 5, 6, 7]), (_K3_FULL, [4, 8])),
-                    kept="layers 0-7: 0 (KDA, dense MLP), 1-2 and 4-6 (KDA, latent MoE), 3 and 7 (MLA, latent MoE)",
-                    cut="layers 8-92 (63 KDA, 22 MLA, 85 MoE layers of the same shapes as the kept ones)"),
-})
-
-PROFILES = {p.name: p for p in (KIMI_K3,)}

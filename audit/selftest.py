@@ -57,7 +57,7 @@ def run_selftest(pin_name: str = "v0.33.0", *, lock_path: str | Path = "images.l
     from audit.evidence import files as evidence
     from audit.pins import lock as lockmod
     from audit.report import routing
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
     from audit.runtimes.base import RunRequest, new_run_dir
     from audit.runtimes.local import LocalRuntime
 

@@ -1,4 +1,5 @@
-"""The systems and serving layouts an audit covers, as data.
+"""The systems an audit covers, and what a serving layout is, as data (each model's layouts are in its
+profile, ``audit/models/``).
 
 Device properties are what resolve mode presents to vLLM through the simulated platform. Only the
 capability decides most selections; the rest (name, memory, SM count) are listed in the ledger's
@@ -84,30 +85,6 @@ class Layout:
         if self.capabilities:
             job["capabilities"] = [list(c) for c in self.capabilities]
         return job
-
-
-MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
-SPECIALIZED_DECODE = '{"decode_backend": "latency_specialized"}'
-
-
-LAYOUTS: dict[str, Layout] = {l.name: l for l in (
-    Layout("tp8", "single-node TP8", ("--tensor-parallel-size", "8"), 8),
-    Layout("tp16", "two-node TP16", ("--tensor-parallel-size", "16"), 16),
-    Layout("dep8", "DEP8 MegaMoE (DP8 + EP8, --moe-backend deep_gemm_mega_moe)",
-           ("--data-parallel-size", "8", "--enable-expert-parallel", "--moe-backend", "deep_gemm_mega_moe"), 8),
-    Layout("tp8-mtp", "single-node TP8 + MTP speculative decoding",
-           ("--tensor-parallel-size", "8", "--speculative-config", MTP_SPEC), 8,
-           config_patch=(("text_config.num_nextn_predict_layers", 1),),
-           note="The published config has num_nextn_predict_layers = 0, with which vLLM cannot start MTP "
-                "(it divides by it). This layout serves a copy with one MTP layer, the only change."),
-    Layout("dp8-ep", "DP8 + EP8, default MoE backend (plain expert parallel)",
-           ("--data-parallel-size", "8", "--enable-expert-parallel"), 8),
-    Layout("tp8-specdec", "single-node TP8 + K3 specialized decode (--additional-config decode_backend)",
-           ("--tensor-parallel-size", "8", "--additional-config", SPECIALIZED_DECODE), 8,
-           capabilities=((10, 0), (10, 3)),
-           note="K3's latency-specialized decode is built after the weights load and runs only inside FULL "
-                "CUDA graphs; vLLM offers it on SM 10.x, so this layout is audited there only."),
-)}
 
 
 def cells_of(systems: list, layouts: list) -> list:

@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from audit.pins import lock  # noqa: E402
 from audit.core import run_audit  # noqa: E402
-from audit.profiles import KIMI_K3  # noqa: E402
+from audit.models.kimi_k3 import KIMI_K3  # noqa: E402
 from audit.runtimes import RunRequest  # noqa: E402
 from audit.runtimes.local import LocalRuntime  # noqa: E402
-from audit.systems import LAYOUTS, SYSTEMS, cells_of  # noqa: E402
+from audit.systems import SYSTEMS, cells_of  # noqa: E402
+from audit.models.kimi_k3 import LAYOUTS  # noqa: E402
 
 
 class PeakRSS(threading.Thread):

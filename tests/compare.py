@@ -19,7 +19,7 @@ def local_cells(probed_run) -> dict:
     """Routing cells of the session's local run (tests.conftest.probed_run), by (system, layout)."""
     from audit.evidence import files as evidence
     from audit.report import routing
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
 
     req, _ = probed_run
     built = routing.build_routing(evidence.read_dir(req.evidence_dir), KIMI_K3, pin={},

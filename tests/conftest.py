@@ -40,9 +40,11 @@ def vllm_env():
 
 
 def _run(vllm_env, tmp_path_factory, name, **kw):
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
     from audit.runtimes import RunRequest
-    from audit.systems import LAYOUTS, SYSTEMS
+    from audit.systems import SYSTEMS
+
+    from audit.models.kimi_k3 import LAYOUTS
 
     rt, pin, _ = vllm_env
     run_dir = tmp_path_factory.mktemp(name)

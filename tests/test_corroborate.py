@@ -35,7 +35,7 @@ def _cell(tmp_path, *, traces, probe_rows, kernel_map=MAP, profiled=True):
     """Evidence of one observed cell: an agent file (map + traces) and a rank-0 worker file (counts)."""
     from audit.evidence import files as evidence
     from audit.report import routing
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
 
     out = tmp_path / "evidence" / "b200_sxm--tp8"
     out.mkdir(parents=True, exist_ok=True)

@@ -11,10 +11,11 @@ import pytest
 
 from audit.evidence import files as evidence
 from audit.report import routing
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from audit.report.render import render_ledger
 from audit.runtimes import RunRequest
-from audit.systems import LAYOUTS, SYSTEMS
+from audit.systems import SYSTEMS
+from audit.models.kimi_k3 import LAYOUTS
 from tests.test_probes_vllm import cells_of, k3_layers
 
 pytestmark = pytest.mark.vllm

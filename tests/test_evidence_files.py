@@ -4,7 +4,7 @@ import json
 
 from audit.evidence import files as evidence
 from audit.report import routing
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from probes.core.recorder import Recorder
 
 

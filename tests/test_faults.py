@@ -391,22 +391,27 @@ def test_expectations_of_the_wrong_type_exit_2_with_file_and_line(tmp_path, fiel
 def test_expectations_about_another_model_are_refused(tmp_path):
     from audit.core import load_expectations
     from audit.report.expectations import ExpectationsError
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
 
     text = (ROOT / "expectations" / "kimi-k3.toml").read_text().replace('model = "kimi-k3"', 'model = "other"', 1)
     path = tmp_path / "claims.toml"
     path.write_text(text)
     (tmp_path / "kernel_source_backends.toml").write_text(
         (ROOT / "expectations" / "kernel_source_backends.toml").read_text())
-    with pytest.raises(ExpectationsError, match="claims are about model 'other', this audit is of 'kimi-k3'"):
+    # a model the harness has no profile for: refused where the file says so, naming the known models
+    with pytest.raises(ExpectationsError, match="claims are about model 'other', which this harness has no profile "
+                                                "for") as e:
         load_expectations(str(path), lock_path=ROOT / "images.lock", profile=KIMI_K3)
+    assert e.value.line == 5 and "known models: kimi-k3" in str(e.value)
 
 
 def test_a_lock_outside_the_project_never_silently_judges_nothing(tmp_path, monkeypatch):
     from audit.core import load_expectations, reproduce_command
     from audit.errors import UsageError
-    from audit.profiles import KIMI_K3
-    from audit.systems import LAYOUTS, SYSTEMS
+    from audit.models.kimi_k3 import KIMI_K3
+    from audit.systems import SYSTEMS
+
+    from audit.models.kimi_k3 import LAYOUTS
 
     lock = tmp_path / "x" / "images.lock"
     lock.parent.mkdir()

@@ -15,7 +15,7 @@ import pytest
 
 from audit.core import _write_run_json
 from audit.errors import ExitCode
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from tests.conftest import ROOT
 from tests.plant import sitecustomize
 
@@ -66,7 +66,9 @@ def cli(*args):
 def _run(vllm_env, tmp_path_factory, name, plants=()):
     """A run of CELLS with *plants*, its run.json written as the audit writes it: ready for `render`."""
     from audit.runtimes import RunRequest
-    from audit.systems import LAYOUTS, SYSTEMS
+    from audit.systems import SYSTEMS
+
+    from audit.models.kimi_k3 import LAYOUTS
 
     rt, pin, _ = vllm_env
     run_dir = tmp_path_factory.mktemp(name.replace(" ", "-"))

@@ -125,7 +125,8 @@ def test_probes_layers_flow_one_way_without_cycles():
 #: audit/'s layers, lowest first: a module imports only from its own layer or below (the house order
 #: cli -> core -> report output -> runtimes -> routing/evidence -> pins and the shared base)
 AUDIT_LAYERS = [
-    ("base", ("audit", "audit.errors", "audit.fsutil", "audit.tomlpos", "audit.systems", "audit.profiles")),
+    ("base", ("audit", "audit.errors", "audit.fsutil", "audit.tomlpos", "audit.systems", "audit.profiles",
+              "audit.models")),
     ("pins", ("audit.pins",)),
     ("evidence and routing", ("audit.evidence", "audit.report.routing", "audit.report.dispatch",
                               "audit.report.observed", "audit.report.corroborate", "audit.report.layers")),

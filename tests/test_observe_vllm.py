@@ -16,9 +16,10 @@ TRACE_DIR = "/tmp/serving-truth-observe-traces"  # only parsed here: the check w
 @pytest.fixture(scope="module")
 def dry_request(vllm_env, tmp_path_factory):
     """Resolve the sliced model for each lane with observe mode's arguments, then install its targets."""
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
     from audit.runtimes import RunRequest
-    from audit.systems import LAYOUTS, SYSTEMS
+    from audit.systems import SYSTEMS
+    from audit.models.kimi_k3 import LAYOUTS
     from probes.observe.workload import serve_argv
 
     rt, pin, _ = vllm_env
@@ -47,7 +48,7 @@ def dry_run(dry_request):
 def dry_run_routing(dry_request):
     from audit.evidence import files as evidence
     from audit.report import routing
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
 
     built = routing.build_routing(evidence.read_dir(dry_request.evidence_dir), KIMI_K3, pin={},
                                   expected=list(CELLS))
@@ -116,7 +117,7 @@ def test_vllm_serve_loads_the_probe_plugin(vllm_env, tmp_path):
     import json
     import subprocess
 
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
     from audit.runtimes.base import stage_probes
     from probes.observe.workload import serve_argv
 
@@ -175,7 +176,7 @@ def test_observe_agent_records_the_map_and_its_profiler_wiring_without_a_gpu(vll
 
     from audit.evidence import files as evidence
     from audit.report import routing
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
     from audit.report.render import render_ledger
     from audit.runtimes import RunRequest
     from audit.runtimes.base import observe_env, stage_probes, write_model_dirs, write_plan

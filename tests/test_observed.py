@@ -60,7 +60,7 @@ def test_ranks_merge_with_disagreement_and_graph_replays(tmp_path):
     from audit.evidence import files as evidence
     from audit.report import routing
     from audit.report.expectations import load
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
     from audit.report.render import render_ledger
     from audit.report.verdicts import attach
 

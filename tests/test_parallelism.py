@@ -3,7 +3,8 @@ default number of processes."""
 import os
 
 from audit.core import PROCESS_GIB, default_parallel
-from audit.systems import LAYOUTS, SYSTEMS, cells_of
+from audit.systems import SYSTEMS, cells_of
+from audit.models.kimi_k3 import LAYOUTS
 from probes.resolve.agent import split_groups
 
 CELLS = [{"system": s.as_job(), "layout": l.as_job()} for s, l in cells_of(list(SYSTEMS.values()),

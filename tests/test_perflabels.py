@@ -2,7 +2,8 @@
 the database's own vocabulary, checked on the routing of real audits."""
 import json
 
-from audit.report.expectations import PERF_LANES, load, load_label_map
+from audit.models.kimi_k3 import KIMI_K3
+from audit.report.expectations import load, load_label_map
 from audit.report.perflabels import build_labels, labels_json, moe_perf_lane
 from audit.report.verdicts import judge
 from tests.conftest import ROOT
@@ -18,7 +19,7 @@ def test_labels_use_the_perf_database_vocabulary_and_agree_with_the_verdicts():
     exp = load(ROOT / "expectations" / "kimi-k3.toml")
     r = routing("v0.33.0")
     doc = build_labels(r, exp.label_map)
-    assert doc["rows"] and set(r["lane"] for r in doc["rows"]) <= set(PERF_LANES) | {"unknown"}
+    assert doc["rows"] and set(r["lane"] for r in doc["rows"]) <= set(KIMI_K3.perf_lanes) | {"unknown"}
     # each judged verdict row with a derived label says the same label as labels.json for that cell/layers
     verdict_labels = {(v["system"], v["layout"], v["lane"], v["layers"]): v["label"] for v in judge(r, exp)
                       if v.get("label")}

@@ -7,7 +7,7 @@ from audit.report import routing
 from audit.report import verdicts
 from audit.evidence.files import EvidenceFile
 from audit.report.expectations import Claim, Expectations
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from audit.report.render import render_ledger
 
 TRT = "vllm.model_executor.layers.fused_moe.experts.trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsMonolithic"

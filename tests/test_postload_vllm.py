@@ -15,7 +15,7 @@ from audit.report import expectations
 from audit.pins import lock
 from audit.report import routing
 from audit.report import verdicts
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from audit.report.render import render_ledger
 from tests.conftest import ROOT
 from tests.plant import sitecustomize
@@ -52,7 +52,9 @@ def env030():
 
 def _run(env030, tmp_path_factory, name, cells, *, plant=None, **kw):
     from audit.runtimes import RunRequest
-    from audit.systems import LAYOUTS, SYSTEMS
+    from audit.systems import SYSTEMS
+
+    from audit.models.kimi_k3 import LAYOUTS
 
     rt, pin, _ = env030
     run_dir = tmp_path_factory.mktemp(name)

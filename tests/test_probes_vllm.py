@@ -7,7 +7,7 @@ import pytest
 
 from audit.evidence import files as evidence
 from audit.report import routing
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from audit.report.render import render_ledger
 from tests.conftest import ROOT, VLLM_CELLS
 

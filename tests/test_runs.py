@@ -27,7 +27,9 @@ def test_from_runs_takes_the_newest_run_of_every_cell_and_nothing_less(tmp_path)
     import json
 
     from audit.runtimes.base import newest_full_run
-    from audit.systems import LAYOUTS, SYSTEMS, cells_of
+    from audit.systems import SYSTEMS, cells_of
+
+    from audit.models.kimi_k3 import LAYOUTS
 
     every = [[s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values()))]
 
@@ -57,7 +59,9 @@ def test_prune_never_removes_the_newest_run_of_every_cell(tmp_path):
     import json
 
     from audit.runtimes.base import newest_full_run
-    from audit.systems import LAYOUTS, SYSTEMS, cells_of
+    from audit.systems import SYSTEMS, cells_of
+
+    from audit.models.kimi_k3 import LAYOUTS
 
     every = [[s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values()))]
     runs = tmp_path / "runs"

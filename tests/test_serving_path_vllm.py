@@ -11,9 +11,10 @@ from audit.report import expectations
 from audit.report import routing
 from audit.report import verdicts
 from audit.report.perflabels import build_labels
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from audit.runtimes import RunRequest
-from audit.systems import LAYOUTS, SYSTEMS
+from audit.systems import SYSTEMS
+from audit.models.kimi_k3 import LAYOUTS
 from tests.conftest import ROOT
 from tests.plant import sitecustomize
 

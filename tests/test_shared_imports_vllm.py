@@ -10,10 +10,12 @@ import json
 import pytest
 
 from audit.evidence import files as evidence
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from audit.report import routing
 from audit.runtimes import RunRequest
-from audit.systems import LAYOUTS, SYSTEMS
+from audit.systems import SYSTEMS
+
+from audit.models.kimi_k3 import LAYOUTS
 
 pytestmark = pytest.mark.vllm
 

@@ -242,10 +242,12 @@ def test_pyxis_command_lines_for_a_digest_and_a_squashfs(tmp_path):
 def test_sbatch_headers_request_gpus_only_for_observe_cells(tmp_path):
     from audit.pins import lock
     from audit.runtimes.cluster import load
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
     from audit.runtimes.base import RunRequest
     from audit.runtimes.slurm import SlurmRuntime
-    from audit.systems import LAYOUTS, SYSTEMS
+    from audit.systems import SYSTEMS
+
+    from audit.models.kimi_k3 import LAYOUTS
 
     prof = load(ROOT / "clusters" / "example.toml")
     rt = SlurmRuntime(prof)
@@ -280,10 +282,12 @@ def test_bad_cluster_profiles_fail_with_file_and_line(tmp_path, body, fragment):
 def test_observe_job_scripts_ask_for_gpus_and_run_the_observe_agent(tmp_path):
     from audit.pins import lock
     from audit.runtimes.cluster import load
-    from audit.profiles import KIMI_K3
+    from audit.models.kimi_k3 import KIMI_K3
     from audit.runtimes.base import RunRequest
     from audit.runtimes.slurm import SlurmRuntime
-    from audit.systems import LAYOUTS, SYSTEMS
+    from audit.systems import SYSTEMS
+
+    from audit.models.kimi_k3 import LAYOUTS
 
     path = tmp_path / "c.toml"
     path.write_text('schema = 1\nshared_dir = "/shared"\n[defaults]\ncontainer = "local"\n'

@@ -14,10 +14,11 @@ import pytest
 
 from audit.evidence import files as evidence
 from audit.report import routing
-from audit.profiles import KIMI_K3
+from audit.models.kimi_k3 import KIMI_K3
 from audit.report.render import render_ledger
 from audit.runtimes import RunRequest
-from audit.systems import LAYOUTS, SYSTEMS
+from audit.systems import SYSTEMS
+from audit.models.kimi_k3 import LAYOUTS
 from tests.conftest import ROOT
 from tests.plant import sitecustomize
 

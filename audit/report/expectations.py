@@ -10,7 +10,7 @@ File format (TOML; ``expectations/kimi-k3.toml`` is the shipped example)::
 
     [[claim]]
     id = "moe-w4a16-marlin"                            # unique
-    lane = "w4a16_mxfp4"                               # perf-db lane, see PERF_LANES
+    lane = "w4a16_mxfp4"                               # perf-db lane: the model profile's perf_lanes
     layouts = ["tp8", "tp16"]                          # layout names, or ["all"]
     systems = ["all"]                                  # system names, SM families (sm90, sm100, ...) or all
     kernel_source = "vllm_..._marlin_marlinexperts"    # optional: the label the perf db carries
@@ -44,27 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from audit.errors import InputFileError
-from audit.systems import LAYOUTS, SYSTEMS
+from audit.systems import SYSTEMS
 from audit.tomlpos import header_lines as _lines
 from audit.tomlpos import key_line as _key_line
 from audit.tomlpos import read_toml
 
 SCHEMA = 1
-#: perf-db lane -> (harness lane, layouts it is about when a claim says "all")
-PERF_LANES: dict[str, str] = {
-    "w4a16_mxfp4": "moe",
-    "w4a8_mxfp4_mxfp8": "moe",
-    "kda.context": "kda.prefill",
-    "kda.generation": "kda.decode",
-    "kda.verify": "kda.spec_verify",
-    "mla.decode": "mla.decode",
-    "mla.prefill": "mla.prefill",
-}
 _LABEL = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 _KEYS = {"id", "lane", "layouts", "systems", "kernel_source", "backend", "forbidden", "source", "at", "dispatch"}
 _AT = re.compile(r"^(decode|prefill|verify) ([1-9][0-9]*)$")
-#: perf-db lanes measured in one phase only: the workloads a claim about them can name
-_LANE_PHASES = {"kda.context": ("prefill",), "kda.generation": ("decode",), "kda.verify": ("verify",)}
 
 
 def sm_family(system) -> str:
@@ -124,7 +112,8 @@ def load_label_map(path: Path) -> dict[str, str]:
     return out
 
 
-def _tier_keys(raw: dict, cid: str, lane: str, err) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+def _tier_keys(raw: dict, cid: str, lane: str, err, lane_phases: dict) -> tuple[tuple[str, ...],
+                                                                              tuple[tuple[str, str], ...]]:
     """A claim's ``at`` workloads and ``dispatch`` expectations, checked."""
     from audit.report.dispatch import LANE_TITLES
 
@@ -132,7 +121,7 @@ def _tier_keys(raw: dict, cid: str, lane: str, err) -> tuple[tuple[str, ...], tu
     if not isinstance(at, list) or not at and "at" in raw or not all(isinstance(w, str) for w in at):
         raise err(f"claim {cid!r}: at must be a non-empty list of workloads, got {at!r}", "at",
                   hint='e.g. at = ["decode 1", "decode 64", "prefill 2048"]')
-    phases = _LANE_PHASES.get(lane)
+    phases = lane_phases.get(lane)
     for w in at:
         m = _AT.match(w)
         if not m:
@@ -166,6 +155,14 @@ def load(path: str | Path) -> Expectations:
     for key in ("model", "framework", "architecture"):
         if not isinstance(data.get(key), str) or not data.get(key):
             raise ExpectationsError(f"top-level {key!r} is required", path=sp, line=_key_line(text, 1, key))
+    from audit import models
+
+    profile = models.PROFILES.get(data["model"])
+    if profile is None:
+        raise ExpectationsError(f"claims are about model {data['model']!r}, which this harness has no profile for",
+                                path=sp, line=_key_line(text, 1, "model"),
+                                hint="known models: " + ", ".join(models.PROFILES))
+    perf_lanes, layout_names = profile.perf_lanes, list(profile.layouts)
     if not isinstance(data.get("claim", []), list):
         raise ExpectationsError("'claim' must be an array of tables ([[claim]])", path=sp,
                                 line=_key_line(text, 1, "claim"))
@@ -192,8 +189,9 @@ def load(path: str | Path) -> Expectations:
             raise err(f"duplicate claim id {cid!r} (first at line {seen[cid]})", "id")
         seen[cid] = line
         lane = raw.get("lane")
-        if lane not in PERF_LANES:
-            raise err(f"claim {cid!r}: unknown lane {lane!r}", "lane", hint="known lanes: " + ", ".join(PERF_LANES))
+        if lane not in perf_lanes:
+            raise err(f"claim {cid!r}: unknown lane {lane!r} for {profile.title}", "lane",
+                      hint="known lanes: " + ", ".join(perf_lanes))
         for key in ("id", "lane", "kernel_source", "backend", "source"):
             if key in raw and not isinstance(raw[key], str):
                 raise err(f"claim {raw.get('id', '?')!r}: {key} must be a string, got {type(raw[key]).__name__}",
@@ -210,10 +208,11 @@ def load(path: str | Path) -> Expectations:
                           hint='name at least one, or ["all"]')
         layouts = raw.get("layouts", ["all"])
         if layouts == ["all"]:
-            layouts = list(LAYOUTS)
+            layouts = list(layout_names)
         for name in layouts:
-            if name not in LAYOUTS:
-                raise err(f"claim {cid!r}: unknown layout {name!r}", "layouts", hint="known: " + ", ".join(LAYOUTS))
+            if name not in layout_names:
+                raise err(f"claim {cid!r}: unknown layout {name!r} for {profile.title}", "layouts",
+                          hint="known: " + ", ".join(layout_names))
         systems = []
         for name in raw.get("systems", ["all"]):
             if name == "all":
@@ -237,8 +236,8 @@ def load(path: str | Path) -> Expectations:
                 raise err(f"claim {cid!r}: malformed backend family {fam!r}", "backend")
         if ks and not backend and ks not in label_map:
             raise err(f"claim {cid!r}: label {ks!r} is not in the label map and no backend is given", "kernel_source")
-        at, expect_dispatch = _tier_keys(raw, cid, lane, err)
-        claims.append(Claim(id=cid, lane=lane, harness_lane=PERF_LANES[lane], layouts=tuple(layouts),
+        at, expect_dispatch = _tier_keys(raw, cid, lane, err, profile.perf_lane_phases)
+        claims.append(Claim(id=cid, lane=lane, harness_lane=perf_lanes[lane], layouts=tuple(layouts),
                             systems=tuple(dict.fromkeys(systems)), kernel_source=ks,
                             backend=backend or label_map.get(ks, ""), forbidden=tuple(raw.get("forbidden", [])),
                             source=raw.get("source", ""), line=line, at=at, dispatch=expect_dispatch))

@@ -15,31 +15,12 @@ from __future__ import annotations
 import json
 
 from audit.report.dispatch import serving_group, serving_path, specialized_group, tier_choice
-from audit.report.expectations import PERF_LANES, sm_family
+from audit.report.expectations import sm_family
 from audit.report.labels import derive
 from audit.report.routing import short
 from audit.systems import SYSTEMS
 
 LABELS_SCHEMA = 1
-#: harness lane -> (perf-db lane, phase); the MoE lane's perf lane depends on the activation precision
-HARNESS_LANES = {
-    "moe": (None, "prefill+decode"),
-    "kda.prefill": ("kda.context", "prefill"),
-    "kda.decode": ("kda.generation", "decode"),
-    "kda.spec_verify": ("kda.verify", "spec-verify"),
-    "mla.decode": ("mla.decode", "decode"),
-    "mla.prefill": ("mla.prefill", "prefill"),
-}
-#: dispatch lanes (audit.report.dispatch) whose per-call choices refine a harness lane, by tier prefix
-DISPATCH_FOR = {
-    "moe": (("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", ""), ("router", ""),
-            ("down_proj_overlap", "")),
-    "mla.decode": (("mla", "decode"),),
-    "mla.prefill": (("mla", "prefill"),),
-    "kda.prefill": (("kda_batch", "prefill"),),
-    "kda.decode": (("kda_batch", "decode"),),
-    "kda.spec_verify": (("kda_batch", "verify"),),
-}
 _UNKNOWN_PRECISION = ("unknown: the harness has no table entry for this backend's activation precision")
 
 
@@ -62,11 +43,11 @@ def moe_perf_lane(group: dict) -> str:
     return "unknown"
 
 
-def _tiers(cell: dict, lane: str, layers: list[int]) -> dict:
+def _tiers(cell: dict, judged, layers: list[int]) -> dict:
     """Per dispatch lane, the choice at each workload of the group overlapping *layers*."""
     dispatch = (cell.get("dispatch") or {}).get("lanes") or {}
     out = {}
-    for dlane, prefix in DISPATCH_FOR.get(lane, ()):
+    for dlane, prefix in judged.dispatch:
         for g in dispatch.get(dlane, []):
             if g.get("role", "target") != "target" or (g.get("layers") and not set(g["layers"]) & set(layers)):
                 continue
@@ -77,17 +58,12 @@ def _tiers(cell: dict, lane: str, layers: list[int]) -> dict:
     return out
 
 
-#: the workloads (by phase) a harness lane serves
-_PHASES_OF = {"moe": ("decode", "prefill", "verify"), "mla.decode": ("decode", "verify"), "mla.prefill": ("prefill",),
-              "kda.prefill": ("prefill",), "kda.decode": ("decode",), "kda.spec_verify": ("verify",)}
-
-
-def _by_tokens(cell: dict, lane: str, group: dict, label_map: dict[str, str]) -> list[dict]:
+def _by_tokens(cell: dict, judged, group: dict, label_map: dict[str, str]) -> list[dict]:
     """Per workload of the lane's phases: the label of the lane path that serves it (a short prefill chunk
     can take MLA's decode path) and vLLM's per-call choices there, or why it is unknown."""
-    out = []
+    out, lane = [], judged.lane
     for workload in (cell.get("dispatch") or {}).get("workloads", []):
-        if workload.split(" ")[0] not in _PHASES_OF.get(lane, ()):
+        if workload.split(" ")[0] not in judged.workloads:
             continue
         entry: dict = {"tokens": workload}
         serving = serving_group(cell, lane, group, workload)
@@ -109,7 +85,7 @@ def _by_tokens(cell: dict, lane: str, group: dict, label_map: dict[str, str]) ->
             if found is not None:
                 choices["specialized_decode"] = found[0]
         else:
-            for dlane, _prefix in DISPATCH_FOR.get(lane, ()):
+            for dlane, _prefix in judged.dispatch:
                 found = tier_choice(cell, dlane, group["layers"], workload)
                 if found is not None:
                     choices[dlane] = found[0]
@@ -133,7 +109,10 @@ def refusal(cell: dict) -> str | None:
 
 
 def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict:
-    """The labels file for one audit (see module doc)."""
+    """The labels file for one audit (see module doc), in its model's vocabulary (the profile's judged lanes)."""
+    from audit import models
+
+    profile = models.get(routing.get("model"))
     rows, skipped = [], []
     for cell in routing["cells"]:
         system, layout = cell["system"], cell["layout"]
@@ -145,7 +124,8 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
             skipped.append({"system": system, "layout": layout, "why": refused})
             continue
         sysobj = SYSTEMS.get(system)
-        for lane, (perf_lane, phase) in HARNESS_LANES.items():
+        for judged in profile.judged:
+            lane, perf_lane, phase = judged.lane, judged.perf_lane, judged.phase
             for g in cell.get("lanes", {}).get(lane, []):
                 if str(g.get("value", "")).startswith("not exercised"):
                     skipped.append({"system": system, "layout": layout, "lane": lane, "why": g["value"]})
@@ -157,15 +137,15 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
                        "tokens": "all", "layers": g["ranges"], "kernel_source": label, "backend": family,
                        "how": how if plane != "unknown" else _UNKNOWN_PRECISION,
                        "value": g["value"], "evidence": g.get("evidence", cell.get("evidence", "none"))}
-                tiers = _tiers(cell, lane, g["layers"])
+                tiers = _tiers(cell, judged, g["layers"])
                 if tiers:
                     row["dispatch"] = tiers
-                    row["by_tokens"] = _by_tokens(cell, lane, g, label_map or {})
+                    row["by_tokens"] = _by_tokens(cell, judged, g, label_map or {})
                 rows.append(row)
     rows.sort(key=lambda r: (r["lane"], r["system"], r["layout"], r["phase"], r["layers"]))
     return {"schema": LABELS_SCHEMA, "model": routing.get("model"), "architecture": routing.get("architecture"),
             "pin": {k: routing.get("pin", {}).get(k) for k in ("name", "vllm_version", "wheel_sha256")},
-            "vocabulary": {"lanes": sorted(set(PERF_LANES)),
+            "vocabulary": {"lanes": sorted(set(profile.perf_lanes)),
                            "note": "lane and kernel_source as the perf database's expectations write them; "
                                    "'unknown' where the harness cannot name one"},
             "rows": rows, "not_labelled": skipped}

@@ -5,6 +5,7 @@ The same routing always renders the same bytes (stable ordering, no clock).
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from audit.errors import RenderError
 from audit.report.fit import fit
 from audit.fsutil import replace_dir
 from audit.report.routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
-from audit.systems import LAYOUTS, SYSTEMS
+from audit.systems import SYSTEMS
 from audit.report.verdicts import VERDICTS, grouped
 
 
@@ -25,7 +26,9 @@ def _md(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ").strip()
 
 
-def _env() -> jinja2.Environment:
+def _env(layout_order: list[str] | None = None) -> jinja2.Environment:
+    """The templates' environment; ``layout_order`` orders layouts in collapsed cell lists (the model's own
+    layout order; None: the default model's)."""
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("audit.report", "templates"),
         undefined=jinja2.StrictUndefined,
@@ -37,11 +40,11 @@ def _env() -> jinja2.Environment:
     env.filters["md"] = _md
     env.filters["short"] = short
     env.filters["ranges"] = format_ranges
-    env.filters["cells"] = collapse_cells
+    env.filters["cells"] = functools.partial(collapse_cells, layout_order=layout_order)
     return env
 
 
-def collapse_cells(cells: list[str], audited: list[str] | None = None) -> str:
+def collapse_cells(cells: list[str], audited: list[str] | None = None, layout_order: list[str] | None = None) -> str:
     """``system/layout`` ids, shortened: grouped by layout; a layout on every audited system that has it reads
     "every audited system", a whole SM (all audited systems of one capability) reads "SM 10.0"; layouts with the same
     systems share one entry ("tp8, tp16: SM 10.0, h100_sxm")."""
@@ -57,7 +60,11 @@ def collapse_cells(cells: list[str], audited: list[str] | None = None) -> str:
         system, _, layout = c.partition("/")
         audited_by.setdefault(layout, set()).add(system)
     order = {name: i for i, name in enumerate(SYSTEMS)}
-    lay_order = {name: i for i, name in enumerate(LAYOUTS)}
+    if layout_order is None:
+        from audit import models
+
+        layout_order = list(models.get(None).layouts)
+    lay_order = {name: i for i, name in enumerate(layout_order)}
 
     def systems_text(layout: str, systems: set[str]) -> str:
         present = audited_by.get(layout, systems)
@@ -184,9 +191,12 @@ def glance(routing: dict, changes: dict | None) -> dict:
 
 
 def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
+    from audit import models
+
+    profile = models.get(routing.get("model"))
     cells = routing["cells"]
     systems = [s for s in SYSTEMS.values() if any(c["system"] == s.name for c in cells)]
-    known_layouts = [l for l in LAYOUTS.values() if any(c["layout"] == l.name for c in cells)]
+    known_layouts = [l for l in profile.layouts.values() if any(c["layout"] == l.name for c in cells)]
     lane_titles = routing.get("lane_titles", {})
     # the profile's order (kept as a list: routing.json sorts object keys); an older routing without it
     # falls back to its titles' order
@@ -308,8 +318,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "unjudged_claims": sum(1 for r in (routing.get("verdicts") or {}).get("rows", [])
                                if r["claim"] and r["verdict"] == "UNVERIFIED"),
         "lane_titles": lane_titles,
-        "kind_titles": {"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
-                        "mtp": "MTP draft (separate draft model)"},
+        "kind_titles": profile.kind_titles,
         # --- dispatch tiers (audit/report/dispatch.py, templates/dispatch.md.j2) ---
         "dispatch_tables": dispatch.ledger_tables(cells),
         "dispatch_errors": dispatch.stage_errors(cells),
@@ -320,7 +329,9 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
 
 def render_ledger(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None) -> str:
     try:
-        template = _env().get_template("ledger.md.j2")
+        from audit import models
+
+        template = _env(list(models.get(routing.get("model")).layouts)).get_template("ledger.md.j2")
         return fit(template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce),
                                    changes=changes, glance=glance(routing, changes)))
     except (jinja2.TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:

@@ -352,9 +352,9 @@ def _postload(f: EvidenceFile) -> dict | None:
             "specialized_decode": {"requested": spec.get("specialized_decode_requested"),
                                    "built": spec.get("specialized_decode"),
                                    "config": spec.get("specialized_decode_config"),
-                                   # the step's record without its duration: routing is a function of what
+                                   # the step's record without its duration or record number: routing is a function of what
                                    # vLLM decided, never of how long it took
-                                   "step": ({k: v for k, v in state_steps[0].items() if k != "seconds"}
+                                   "step": ({k: v for k, v in state_steps[0].items() if k not in ("seconds", "seq")}
                                             if state_steps else None)} if spec else None,
             # how each group of identical per-layer steps was run (probes/resolve/carry.py): a function of the
             # run's mode, not of what vLLM decided, so a comparison of two paths leaves it out

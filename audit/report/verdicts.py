@@ -33,10 +33,22 @@ from audit.report.routing import format_ranges, short
 VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "REFUSED", "RANK_DISAGREE", "NOT_EXERCISED", "UNVERIFIED")
 #: verdicts that fail the gate (exit 1); SILENT_FALLBACK is a false claim like MISMATCH
 FAILING = ("MISMATCH", "SILENT_FALLBACK", "REFUSED", "RANK_DISAGREE")
-#: harness lanes that perf databases label (others are not judged)
-JUDGED_LANES = ("moe", "kda.prefill", "kda.decode", "kda.spec_verify", "mla.decode", "mla.prefill")
-_KIND = {"moe": "moe", "kda.prefill": "kda", "kda.decode": "kda", "kda.spec_verify": "kda",
-         "mla.decode": "mla", "mla.prefill": "mla"}
+class Judged:
+    """The harness lanes perf databases label for a model (its profile's ``judged``), in order, with the layer
+    kind each is about and, per kind, the first lane (where a refusal no claim covers is written, once)."""
+
+    def __init__(self, profile):
+        self.lanes = tuple(j.lane for j in profile.judged)
+        self.kind = {j.lane: j.kind for j in profile.judged}
+        self.first_of_kind: dict[str, str] = {}
+        for j in profile.judged:
+            self.first_of_kind.setdefault(j.kind, j.lane)
+
+    @classmethod
+    def of(cls, routing: dict) -> "Judged":
+        from audit import models
+
+        return cls(models.get(routing.get("model")))
 
 
 def _candidate_family(t: dict) -> str:
@@ -46,18 +58,19 @@ def _candidate_family(t: dict) -> str:
 
 
 def judge(routing: dict, exp: Expectations) -> list[dict]:
+    v = Judged.of(routing)
     rows = []
     for cell in routing["cells"]:
         system, layout = cell["system"], cell["layout"]
         level = cell.get("evidence", "none")
         if cell.get("load_refused"):
-            rows += _load_refusals(cell, exp)
+            rows += _load_refusals(cell, exp, v)
             continue
-        for lane in JUDGED_LANES:
+        for lane in v.lanes:
             groups = cell["lanes"].get(lane, [])
             claims = [c for c in exp.claims if c.covers(system, layout, lane)]
             built = {l for g in groups for l in g["layers"]}
-            expected_layers = cell.get("layer_kinds", {}).get(_KIND[lane], [])
+            expected_layers = cell.get("layer_kinds", {}).get(v.kind[lane], [])
             missing = sorted(set(expected_layers) - built)
             base = {"system": system, "layout": layout, "lane": lane, "evidence": level}
             if cell["status"] == "INCOMPLETE":
@@ -75,7 +88,7 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                 stop = next((r.get("layer") for r in cell.get("raises", []) if r.get("layer") is not None), None)
                 raised = f"{failure.get('stage')} raised {short(failure.get('type', ''))}: {failure.get('message', '')}"
                 limit = failure.get("outcome") == "limit"
-                refusing = _refusing_kind(cell)
+                refusing = _refusing_kind(cell, v)
                 layers = format_ranges(missing) if missing else (f"from {stop}" if stop is not None else "all")
                 if not limit:  # a deployment vLLM refuses serves nothing: no layer of it is judged as serving
                     layers = format_ranges(expected_layers) or layers
@@ -83,7 +96,7 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                     if limit:
                         verdict, why = "UNVERIFIED", (f"not judged: the simulation could not finish construction, "
                                                       f"not a vLLM check ({failure.get('rule')}): {raised}")
-                    elif refusing in (None, _KIND[lane]):
+                    elif refusing in (None, v.kind[lane]):
                         verdict, why = "REFUSED", f"vLLM refused at construction: {raised}"
                     else:
                         verdict = "UNVERIFIED"
@@ -91,7 +104,7 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                                f"{refusing.upper()} layer {stop} (the REFUSED row): it serves nothing")
                     rows.append({**base, "claim": c.id, "layers": layers, "verdict": verdict,
                                  "expected": c.backend or c.kernel_source, "actual": "", "label": "", "why": why})
-                if not limit and refusing == _KIND[lane] and not claims and lane == _FIRST_OF_KIND[refusing]:
+                if not limit and refusing == v.kind[lane] and not claims and lane == v.first_of_kind[refusing]:
                     rows.append({**base, "claim": "", "layers": layers, "verdict": "REFUSED", "expected": "",
                                  "actual": "", "label": "", "why": f"vLLM refused at construction: {raised}"})
                 if not limit:
@@ -100,7 +113,7 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                 for c in claims:
                     rows.append({**base, "claim": c.id, "layers": format_ranges(expected_layers) or "",
                                  "verdict": "UNVERIFIED", "expected": c.backend or c.kernel_source, "actual": "",
-                                 "label": "", "why": _no_evidence_why(cell, lane)})
+                                 "label": "", "why": _no_evidence_why(cell, lane, v)})
             for g in groups:
                 label, family, how = derive(lane, g, exp.label_map)
                 row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"],
@@ -183,31 +196,27 @@ def _dispatch_expectations(c, group: dict, cell: dict, workload: str) -> dict | 
     return None
 
 
-#: the first judged lane of each kind: where a refusal no claim covers is written, once per cell
-_FIRST_OF_KIND = {kind: next(l for l in JUDGED_LANES if _KIND[l] == kind) for kind in set(_KIND.values())}
-
-
-def _refusing_kind(cell: dict) -> str | None:
+def _refusing_kind(cell: dict, v: Judged) -> str | None:
     """The kind of layer (moe, kda, mla) whose construction vLLM refused, from the probe target that saw the
     raise (``moe.mega_moe_experts`` -> moe); None when no probe saw where."""
     for r in cell.get("raises", []):
         kind = str(r.get("target", "")).split(".", 1)[0]
-        if kind in _FIRST_OF_KIND:
+        if kind in v.first_of_kind:
             return kind
     return None
 
 
-def _no_evidence_why(cell: dict, lane: str) -> str:
+def _no_evidence_why(cell: dict, lane: str, v: Judged) -> str:
     """Why a claimed lane has no evidence in a cell that finished."""
     drifted = [d["target"] for d in cell.get("drift", [])]
     if drifted:
         return f"not judged: no evidence for this lane; probe target(s) drifted: {', '.join(sorted(drifted))}"
-    if not cell.get("layer_kinds", {}).get(_KIND[lane]) and cell.get("layer_kinds"):
-        return f"not judged: this cell built no {_KIND[lane].upper()} layer"
+    if not cell.get("layer_kinds", {}).get(v.kind[lane]) and cell.get("layer_kinds"):
+        return f"not judged: this cell built no {v.kind[lane].upper()} layer"
     return "not judged: no evidence was recorded for this lane"
 
 
-def _load_refusals(cell: dict, exp: Expectations) -> list[dict]:
+def _load_refusals(cell: dict, exp: Expectations, v: Judged) -> list[dict]:
     """A cell vLLM refuses at load serves nothing. As at construction, the refusal is one event on the kind of
     layer vLLM refused (a claim on that kind is REFUSED; with no claim there, one REFUSED row without a claim),
     and the claims on other layers are not judged (UNVERIFIED), since nothing of the deployment serves. When the
@@ -216,16 +225,16 @@ def _load_refusals(cell: dict, exp: Expectations) -> list[dict]:
     where = r.get("module") or "the model"
     raised = f"{r.get('function')} raised {short(r.get('type', ''))}: {r.get('message', '')}"
     why = f"vLLM refused at load: {raised} (in {where}, during {r.get('step', '')})"
-    refusing = r.get("kind") if r.get("kind") in _FIRST_OF_KIND else None
+    refusing = r.get("kind") if r.get("kind") in v.first_of_kind else None
     kinds = cell.get("layer_kinds", {})
     base = {"system": cell["system"], "layout": cell["layout"], "evidence": f"{cell.get('evidence', 'none')} (post-load)",
             "actual": "", "label": ""}
     rows = []
-    for lane in JUDGED_LANES:
-        layers = format_ranges(kinds.get(_KIND[lane], [])) or ("" if r.get("layer") is None else str(r["layer"]))
+    for lane in v.lanes:
+        layers = format_ranges(kinds.get(v.kind[lane], [])) or ("" if r.get("layer") is None else str(r["layer"]))
         claims = [c for c in exp.claims if c.covers(cell["system"], cell["layout"], lane)]
         for c in claims:
-            if refusing in (None, _KIND[lane]):
+            if refusing in (None, v.kind[lane]):
                 verdict, reason = "REFUSED", why
             else:
                 verdict = "UNVERIFIED"
@@ -233,7 +242,7 @@ def _load_refusals(cell: dict, exp: Expectations) -> list[dict]:
                           f"{r.get('layer')} (the REFUSED row): it serves nothing")
             rows.append({**base, "lane": lane, "layers": layers, "claim": c.id, "verdict": verdict,
                          "expected": c.backend or c.kernel_source, "why": reason})
-        if refusing == _KIND[lane] and not claims and lane == _FIRST_OF_KIND[refusing]:
+        if refusing == v.kind[lane] and not claims and lane == v.first_of_kind[refusing]:
             rows.append({**base, "lane": lane, "layers": layers, "claim": "", "verdict": "REFUSED", "expected": "",
                          "why": why})
     if not any(row["verdict"] == "REFUSED" for row in rows):
@@ -321,8 +330,10 @@ def unjudgeable(routing: dict, exp: Expectations, rows: list[dict]) -> list[dict
     """Rows for the (system, layout) pairs a claim covers that this run cannot judge: a layout that does not
     exist on the system's SM, a system or layout this run did not audit. A claim is never dropped: each such
     pair is UNVERIFIED with the reason, one row per claim and reason."""
-    from audit.systems import LAYOUTS, SYSTEMS
+    from audit import models
+    from audit.systems import SYSTEMS
 
+    layouts = models.get(routing.get("model")).layouts
     cells = {(c["system"], c["layout"]) for c in routing["cells"]}
     judged = {(r["claim"], r["system"], r["layout"]) for r in rows}
     out = []
@@ -332,7 +343,7 @@ def unjudgeable(routing: dict, exp: Expectations, rows: list[dict]) -> list[dict
             for layout in c.layouts:
                 if (system, layout) in cells or (c.id, system, layout) in judged:
                     continue
-                s, l = SYSTEMS.get(system), LAYOUTS.get(layout)
+                s, l = SYSTEMS.get(system), layouts.get(layout)
                 if s is not None and l is not None and not l.applies_to(s):
                     why = f"the {layout} layout does not exist on SM {s.sm} ({l.scope})"
                 else:

@@ -80,11 +80,13 @@ class Runtime(Protocol):
         ...
 
 
-def new_run_dir(pin: Pin, *, root: Path | None = None) -> Path:
+def new_run_dir(pin: Pin, *, root: Path | None = None, prefix: str | None = None) -> Path:
+    """``<cache>/runs/<prefix>-<UTC time>-<pid>``; the prefix is the pin's name, or for a model other than the
+    default ``<model>--<pin>`` (:func:`audit.models.run_prefix`)."""
     root = (root or cache_root()) / "runs"
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = root / f"{pin.name}-{stamp}-{os.getpid()}"
+    path = root / f"{prefix or pin.name}-{stamp}-{os.getpid()}"
     path.mkdir()
     return path
 
@@ -93,22 +95,24 @@ def new_run_dir(pin: Pin, *, root: Path | None = None) -> Path:
 RECENT_S = 3600
 
 
-def runs_of(pin: Pin, root: Path | None = None) -> list[Path]:
-    """This pin's run directories, oldest first (never another pin's: "v0.33.0" must not match
-    "v0.33.0-image-...")."""
+def runs_of(pin: Pin, root: Path | None = None, prefix: str | None = None) -> list[Path]:
+    """This pin's run directories (of the model whose run prefix is *prefix*), oldest first (never another
+    pin's or model's: "v0.33.0" must not match "v0.33.0-image-..." nor "gpt-oss-120b--v0.33.0-...")."""
     import re
 
-    own = re.compile(re.escape(pin.name) + r"-\d{8}T\d{6}Z-\d+$")
-    return sorted(p for p in (root or cache_root()).joinpath("runs").glob(f"{pin.name}-*") if own.match(p.name))
+    prefix = prefix or pin.name
+    own = re.compile(re.escape(prefix) + r"-\d{8}T\d{6}Z-\d+$")
+    return sorted(p for p in (root or cache_root()).joinpath("runs").glob(f"{prefix}-*") if own.match(p.name))
 
 
-def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None) -> None:
+def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None, prefix: str | None = None,
+               layouts: dict | None = None) -> None:
     """Keep the newest *keep* run directories of this pin (:func:`runs_of`), and always its newest run of every
     cell (:func:`newest_full_run`: what ``make reports FROM_RUNS=1`` renders from), however many subset audits
     came after it."""
-    runs = runs_of(pin, root)
+    runs = runs_of(pin, root, prefix)
     recent = time.time() - RECENT_S
-    full = newest_full_run(pin, root)
+    full = newest_full_run(pin, root, prefix=prefix, layouts=layouts)
     for old in runs[:-keep]:
         if old == full:
             continue
@@ -302,6 +306,12 @@ def learn_shared_imports(cache_dir: Path, evidence_dir: Path) -> None:
         pass  # a pure speed-up
 
 
+def plan_targets(request: RunRequest) -> list[dict]:
+    """The probe targets the plan sends besides the probes' built-in ones: the model's own (its profile's
+    ``targets``), then any the request adds (tests plant drifted ones)."""
+    return [*(dict(t) for t in request.profile.targets), *request.extra_targets]
+
+
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str,
                learned: list[str] = (), shared: list[str] = (), ahead: list[str] = (), where: Callable[[Path | str], str] = str,
                harness_env: list[str] = (), redact_env: list[str] = (), name: str = "plan.json",
@@ -317,7 +327,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "out_dir": where(out_dir),
         "parallel": request.parallel,
         "probes": request.probes,
-        "extra_targets": list(request.extra_targets),
+        "extra_targets": plan_targets(request),
         "stop_after": request.stop_after,
         "serve_args": list(request.serve_args),
         "slice": request.slice,
@@ -391,13 +401,16 @@ def collect_missing(request: RunRequest, *, fallback_log: Path | None = None) ->
     return missing
 
 
-def newest_full_run(pin, root: Path | None = None) -> Path | None:
-    """The newest run directory of *pin* that covered every (system, layout) cell and left evidence for
-    each, unaborted; None when there is none."""
-    from audit.systems import LAYOUTS, SYSTEMS, cells_of
+def newest_full_run(pin, root: Path | None = None, *, prefix: str | None = None,
+                    layouts: dict | None = None) -> Path | None:
+    """The newest run directory of *pin* (of the model with this run *prefix*) that covered every (system,
+    layout) cell of that model's *layouts* and left evidence for each, unaborted; None when there is none."""
+    from audit import models
+    from audit.systems import SYSTEMS, cells_of
 
-    every = sorted([s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(LAYOUTS.values())))
-    for run in reversed(runs_of(pin, root)):
+    layouts = layouts if layouts is not None else models.get(None).layouts
+    every = sorted([s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(layouts.values())))
+    for run in reversed(runs_of(pin, root, prefix)):
         try:
             meta = json.loads((run / "run.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):

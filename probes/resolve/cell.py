@@ -139,13 +139,19 @@ def prepare_process(plan: dict, Stage) -> dict:
     return shared
 
 
+def _target(t: dict) -> Target:
+    """A probe target the plan sends (a model's own, or one a test plants), with every field Target has."""
+    return Target(t["id"], t["kind"], tuple(t["specs"]), args=tuple(t.get("args", ())), phase=t.get("phase", ""),
+                  title=t.get("title", ""), required=bool(t.get("required", True)),
+                  construct=bool(t.get("construct", False)))
+
+
 def _install_platform(plan: dict, rec):
     """Probes, stand-ins and the simulated platform: nothing here reads the SKU, so the shared parent can do it
     before any is set (each stand-in reads it when vLLM asks)."""
     simulate.simulate_torch()
     if plan.get("probes", True):
-        targets = TARGETS + tuple(Target(t["id"], t["kind"], tuple(t["specs"]), title=t.get("title", ""))
-                                  for t in plan.get("extra_targets", ()))
+        targets = TARGETS + tuple(_target(t) for t in plan.get("extra_targets", ()))
         probes = ProbeSet(rec, targets=targets, vllm_version=_vllm_version()).install()
         hooks = probes.hooks
     else:  # a bare run, to compare against: same simulation, no probes

@@ -1,0 +1,130 @@
+"""Kimi-K3: everything the host knows about this model, in one place.
+
+Its config (shipped as package data), the modules worth importing once per SM, its layer kinds, the lanes the
+ledger reports and where their answers come from, its serving layouts, its observe-mode slices, and its
+vocabulary: which harness lanes perf databases label, and the perf database's names for them (one map, read
+both ways). Shared code reads these through the registry (:mod:`audit.models`) and knows no model by name.
+"""
+from __future__ import annotations
+
+from audit.profiles import JudgedLane, Lane, Profile, Slice, Source
+from audit.systems import Layout
+
+MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
+SPECIALIZED_DECODE = '{"decode_backend": "latency_specialized"}'
+
+
+LAYOUTS: dict[str, Layout] = {l.name: l for l in (
+    Layout("tp8", "single-node TP8", ("--tensor-parallel-size", "8"), 8),
+    Layout("tp16", "two-node TP16", ("--tensor-parallel-size", "16"), 16),
+    Layout("dep8", "DEP8 MegaMoE (DP8 + EP8, --moe-backend deep_gemm_mega_moe)",
+           ("--data-parallel-size", "8", "--enable-expert-parallel", "--moe-backend", "deep_gemm_mega_moe"), 8),
+    Layout("tp8-mtp", "single-node TP8 + MTP speculative decoding",
+           ("--tensor-parallel-size", "8", "--speculative-config", MTP_SPEC), 8,
+           config_patch=(("text_config.num_nextn_predict_layers", 1),),
+           note="The published config has num_nextn_predict_layers = 0, with which vLLM cannot start MTP "
+                "(it divides by it). This layout serves a copy with one MTP layer, the only change."),
+    Layout("dp8-ep", "DP8 + EP8, default MoE backend (plain expert parallel)",
+           ("--data-parallel-size", "8", "--enable-expert-parallel"), 8),
+    Layout("tp8-specdec", "single-node TP8 + K3 specialized decode (--additional-config decode_backend)",
+           ("--tensor-parallel-size", "8", "--additional-config", SPECIALIZED_DECODE), 8,
+           capabilities=((10, 0), (10, 3)),
+           note="K3's latency-specialized decode is built after the weights load and runs only inside FULL "
+                "CUDA graphs; vLLM offers it on SM 10.x, so this layout is audited there only."),
+)}
+
+
+
+KIMI_K3 = Profile(
+    name="kimi-k3",
+    title="Kimi-K3",
+    architecture="KimiK3ForConditionalGeneration",
+    config_package_path="kimi-k3/config.json",
+    warm_imports=(
+        "vllm.config",
+        "vllm.engine.arg_utils",
+        "vllm.model_executor.model_loader",
+        "vllm.models.kimi_k3",
+    ),
+    layer_classes={
+        "KimiK3DeltaAttention": "kda",
+        "MultiHeadLatentAttention": "mla",
+        "KimiMoE": "moe",
+        "KimiMLP@mlp": "dense",
+        "KimiK3MultiTokenPredictorLayer": "mtp",
+    },
+    draft_weights=("model.layers.{layer}.enorm.weight",),
+    layouts=LAYOUTS,
+    judged=(
+        JudgedLane("moe", "moe", None, "prefill+decode", ("decode", "prefill", "verify"), (
+            ("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", ""), ("router", ""),
+            ("down_proj_overlap", ""))),
+        JudgedLane("kda.prefill", "kda", "kda.context", "prefill", ("prefill",), (("kda_batch", "prefill"),)),
+        JudgedLane("kda.decode", "kda", "kda.generation", "decode", ("decode",), (("kda_batch", "decode"),)),
+        JudgedLane("kda.spec_verify", "kda", "kda.verify", "spec-verify", ("verify",), (("kda_batch", "verify"),)),
+        JudgedLane("mla.decode", "mla", "mla.decode", "decode", ("decode", "verify"), (("mla", "decode"),)),
+        JudgedLane("mla.prefill", "mla", "mla.prefill", "prefill", ("prefill",), (("mla", "prefill"),)),
+    ),
+    perf_lanes={
+        "w4a16_mxfp4": "moe",
+        "w4a8_mxfp4_mxfp8": "moe",
+        "kda.context": "kda.prefill",
+        "kda.generation": "kda.decode",
+        "kda.verify": "kda.spec_verify",
+        "mla.decode": "mla.decode",
+        "mla.prefill": "mla.prefill",
+    },
+    perf_lane_phases={"kda.context": ("prefill",), "kda.generation": ("decode",), "kda.verify": ("verify",)},
+    kind_titles={"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
+                 "mtp": "MTP draft (separate draft model)"},
+    lanes=(
+        Lane("moe", "Routed experts", "moe", "all", (
+            Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls"), extra=("cls",)),
+            Source("construct", "moe.mega_moe_experts", ("cls",), label="MegaMoE"),
+        ), candidates_target="moe.candidate"),
+        Lane("kda.prefill", "KDA prefill", "kda", "prefill", (Source("select", "kda.prefill", ("result",)),)),
+        Lane("kda.decode", "KDA decode", "kda", "decode", (
+            Source("select", "kda.decode", ("result",)),
+            Source("select", "kda.decode_fused_check", ("result",), label="fused decode kernel supported:"),
+            Source("construct", "scope.kda", ("attrs.kda_decode_backend",)),
+        )),
+        Lane("kda.spec_verify", "KDA spec-verify", "kda", "spec-verify", (
+            Source("select", "kda.spec_decode", ("result",)),
+        ), exercised_if=("args.num_spec", "no speculative decoding in this layout (num_spec=0)")),
+        Lane("mla.decode", "MLA attention (decode)", "mla", "decode", (
+            Source("construct", "scope.mla", ("attrs.attn_backend", "attrs.impl")),
+        )),
+        Lane("mla.prefill", "MLA prefill", "mla", "prefill", (
+            Source("construct", "scope.mla", ("attrs.prefill_backend",)),
+        )),
+        Lane("dense", "Dense MLP linears (layer 0)", "dense", "all", (
+            Source("module", r"\.mlp\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
+        )),
+        Lane("shared", "Shared-expert linears", "moe", "all", (
+            Source("module", r"\.shared_experts\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
+        )),
+        Lane("moe.kernel", "MoE kernel built at load", "moe", "all", (Source("postload", "moe_kernel", ()),),
+             level="post-load"),
+        Lane("moe.activation", "Experts activation (SiTU check)", "moe", "all",
+             (Source("postload", "activation", ()),), level="post-load"),
+        Lane("moe.tail_fusion", "Latent-MoE tail fusion", "moe", "all", (Source("postload", "tail_fusion", ()),),
+             level="post-load"),
+        Lane("moe.deferred_finalize", "Deferred MoE finalize", "moe", "all",
+             (Source("postload", "deferred_finalize", ()),), level="post-load"),
+        Lane("decode.specialized", "Specialized decode (decode_backend)", "model", "decode",
+             (Source("postload", "specialized_decode", ()),), level="post-load"),
+    ),
+)
+
+_K3_LAYERS = "text_config.num_hidden_layers"
+_K3_KDA = "text_config.linear_attn_config.kda_layers"
+_K3_FULL = "text_config.linear_attn_config.full_attn_layers"
+KIMI_K3.slices.update({
+    "slice4": Slice("slice4", 4, ((_K3_LAYERS, 4), (_K3_KDA, [1, 2, 3]), (_K3_FULL, [4])),
+                    kept="layers 0-3: 0 (KDA, dense MLP), 1-2 (KDA, latent MoE), 3 (MLA, latent MoE)",
+                    cut="layers 4-92 (66 KDA, 23 MLA, 89 MoE layers of the same shapes as the kept ones)"),
+    "slice8": Slice("slice8", 8, ((_K3_LAYERS, 8), (_K3_KDA, [1, 2, 3, 5, 6, 7]), (_K3_FULL, [4, 8])),
+                    kept="layers 0-7: 0 (KDA, dense MLP), 1-2 and 4-6 (KDA, latent MoE), 3 and 7 (MLA, latent MoE)",
+                    cut="layers 8-92 (63 KDA, 22 MLA, 85 MoE layers of the same shapes as the kept ones)"),
+})
+

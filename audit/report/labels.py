@@ -41,6 +41,9 @@ ATTN_FAMILY = {
     "TritonMLABackend": "triton", "CutlassMLABackend": "cutlass", "TokenspeedMLABackend": "tokenspeed",
     "FlashAttnPrefillBackend": "flash_attn", "FlashInferPrefillBackend": "flashinfer",
     "TrtllmRaggedPrefillBackend": "flashinfer_trtllm_gen", "TokenspeedMLAPrefillBackend": "tokenspeed",
+    # vLLM's standard (non-MLA) attention backends
+    "FlashAttentionBackend": "flash_attn", "TritonAttentionBackend": "triton", "FlashInferBackend": "flashinfer",
+    "FlexAttentionBackend": "flex_attention", "TreeAttentionBackend": "tree_attn",
 }
 
 
@@ -70,7 +73,7 @@ def derive(lane: str, group: dict, label_map: dict[str, str]) -> tuple[str, str,
         label = KDA_LABEL.get((lane, fields[0]), "unknown")
         family = label_map.get(label) or OWN_FAMILIES.get(label, "unknown")
         return label, family, "label map" if label in label_map else "backend -> family table"
-    if lane.startswith("mla."):
+    if lane.startswith(("mla.", "attention.")):  # an attention lane's value is the backend class vLLM chose
         cls = short(fields[0]) if fields else ""
         return cls.lower() or "unknown", ATTN_FAMILY.get(cls, "unknown"), "attention class -> family table"
     return "unknown", "unknown", "lane has no vocabulary"

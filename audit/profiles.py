@@ -107,6 +107,10 @@ class Profile:
     #: fields of ``probes.core.targets.Target``: id, kind, specs, and optionally args, phase, title, required,
     #: construct)
     targets: tuple[dict, ...] = ()
+    #: what the ledger says about this model besides its lanes: ``glossary`` (term, meaning) rows of its key,
+    #: ``layer_numbers`` (how its layer indices read), ``candidates_of`` (which layers the attention backend
+    #: candidates are about), ``state_example`` (the model state vLLM builds after loading, if any)
+    ledger_notes: dict = field(default_factory=dict)
 
     def judged_lane(self, lane: str) -> JudgedLane | None:
         return next((j for j in self.judged if j.lane == lane), None)

@@ -77,6 +77,18 @@ KIMI_K3 = Profile(
     perf_lane_phases={"kda.context": ("prefill",), "kda.generation": ("decode",), "kda.verify": ("verify",)},
     kind_titles={"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
                  "mtp": "MTP draft (separate draft model)"},
+    ledger_notes={
+        "glossary": (
+            ("W4A16 / W4A8", "4-bit (MXFP4) expert weights with 16-bit activations / with 8-bit (MXFP8) activations"),
+            ("SiTU", "Kimi-K3's gated activation in its experts; a kernel that does not whitelist it cannot serve them"),
+            ("KDA / MLA", "K3's two attention kinds: Kimi Delta Attention (linear, recurrent state) and multi-head "
+                          "latent attention"),
+        ),
+        "layer_numbers": "Layer numbers are vLLM's 0-based module indices (`language_model.model.layers.N`); the model\n"
+                         "config's `kda_layers` / `full_attn_layers` lists count from 1.",
+        "candidates_of": "MLA layers",
+        "state_example": "K3's specialized decode",
+    },
     lanes=(
         Lane("moe", "Routed experts", "moe", "all", (
             Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls"), extra=("cls",)),

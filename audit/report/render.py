@@ -319,6 +319,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                                if r["claim"] and r["verdict"] == "UNVERIFIED"),
         "lane_titles": lane_titles,
         "kind_titles": profile.kind_titles,
+        "model_notes": {"glossary": (), "layer_numbers": "Layer numbers are vLLM's 0-based module indices.",
+                        "candidates_of": "attention layers", "state_example": "", **profile.ledger_notes},
         # --- dispatch tiers (audit/report/dispatch.py, templates/dispatch.md.j2) ---
         "dispatch_tables": dispatch.ledger_tables(cells),
         "dispatch_errors": dispatch.stage_errors(cells),
@@ -372,11 +374,11 @@ def _sm_families(systems) -> list[dict]:
 
 def _kda_values(lane_titles: dict) -> list[dict]:
     """What each KDA lane's value (vLLM's resolved backend string) enters, per lane: ``native`` is a different
-    kernel in KDA decode than in KDA spec-verify."""
+    kernel in KDA decode than in KDA spec-verify. Only lanes this ledger has (a model without KDA: none)."""
     from audit.report.labels import KDA_LABEL
 
     by_value: dict[str, list[str]] = {}
     for (lane, value), kernel in KDA_LABEL.items():
-        if isinstance(value, str):
+        if isinstance(value, str) and lane in lane_titles:
             by_value.setdefault(value, []).append(f"{lane_titles.get(lane, lane)}: `{kernel}`")
     return [{"value": v, "meaning": "; ".join(k)} for v, k in sorted(by_value.items())]

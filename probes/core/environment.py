@@ -93,6 +93,19 @@ def availability() -> dict:
             out[key] = bool(getattr(importlib.import_module(module), fn)())
         except Exception as exc:
             out[key] = f"unknown ({type(exc).__name__})"
+    # TRT-LLM attention needs NVIDIA's cubins: vLLM asks whether its artifactory answers (a network request,
+    # cached) unless the flashinfer-cubin package is installed. The answer is read only if vLLM asked: the
+    # probes never send a request of their own.
+    try:
+        fi = importlib.import_module("vllm.utils.flashinfer")
+        if hasattr(fi, "has_flashinfer_cubin"):
+            out["flashinfer_cubin"] = bool(fi.has_flashinfer_cubin())
+        reach = getattr(fi, "has_nvidia_artifactory", None)
+        if reach is not None:
+            info = getattr(reach, "cache_info", None)
+            out["nvidia_artifactory"] = bool(reach()) if info is not None and info().currsize else "not asked by vLLM"
+    except Exception as exc:
+        out["nvidia_artifactory"] = f"unknown ({type(exc).__name__})"
     try:
         import torch
 

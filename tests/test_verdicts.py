@@ -347,3 +347,29 @@ def test_a_refusal_at_load_is_one_event_on_the_layer_kind_vllm_refused():
             c["load_refused"]["kind"] = None
     rows = [v for v in judge(unknown, expectations.load(SHIPPED)) if (v["system"], v["layout"]) == ("h200_sxm", "dep8")]
     assert rows and all(v["verdict"] == "REFUSED" for v in rows)
+
+
+def test_a_moe_claim_at_another_activation_precision_is_a_mismatch(tmp_path):
+    """The MoE perf-db lane is the activation precision: a claim that B200 TP8 runs TRT-LLM-gen experts with
+    BF16 activations (w4a16_mxfp4) fails where vLLM 0.33.0 chose them with MXFP8 activations, although the
+    kernel family is the claimed one; the same family claimed at MXFP8 matches."""
+    path = write_claims(tmp_path, '''
+[[claim]]
+id = "trtllm-bf16"
+lane = "w4a16_mxfp4"
+layouts = ["tp8"]
+systems = ["b200_sxm"]
+backend = "flashinfer_trtllm_gen"
+
+[[claim]]
+id = "trtllm-mxfp8"
+lane = "w4a8_mxfp4_mxfp8"
+layouts = ["tp8"]
+systems = ["b200_sxm"]
+backend = "flashinfer_trtllm_gen"
+''', label_map=False)
+    rows = judge(routing(), expectations.load(path))
+    bf16 = [r for r in rows if r["claim"] == "trtllm-bf16"]
+    assert {r["verdict"] for r in bf16} == {"MISMATCH"}
+    assert "the claim's lane is w4a16_mxfp4" in bf16[0]["why"] and "lane w4a8_mxfp4_mxfp8" in bf16[0]["why"]
+    assert verdict_of(rows, "trtllm-mxfp8", "b200_sxm", "tp8", "moe") == "MATCH"

@@ -24,6 +24,10 @@ LABELS_SCHEMA = 1
 _UNKNOWN_PRECISION = ("unknown: the harness has no table entry for this backend's activation precision")
 
 
+#: the MXFP4 MoE perf-db lanes, named by activation precision
+MOE_PRECISION_LANES = {"w4a16_mxfp4": "BF16 activations (W4A16)", "w4a8_mxfp4_mxfp8": "MXFP8 activations (W4A8)"}
+
+
 def moe_perf_lane(group: dict) -> str:
     """``w4a16_mxfp4`` (BF16 activations) or ``w4a8_mxfp4_mxfp8`` (FP8 activations) for a MoE lane group,
     from the backend vLLM chose: the member's own suffix where it has one (``..._MXFP8``, ``..._BF16``),

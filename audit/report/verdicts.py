@@ -272,6 +272,21 @@ def _verb(group: dict, cell: dict) -> str:
     return "runs" if str(group.get("evidence", cell.get("evidence", ""))).startswith("observed") else "selects"
 
 
+def _moe_precision(c, lane: str, group: dict) -> str:
+    """Why a MoE claim's perf-db lane names another activation precision than the backend vLLM chose (the lane is
+    the precision: ``w4a16_mxfp4`` BF16 activations, ``w4a8_mxfp4_mxfp8`` FP8); '' when they agree or when the
+    harness cannot tell the chosen backend's precision."""
+    from audit.report.perflabels import MOE_PRECISION_LANES, moe_perf_lane
+
+    if lane != "moe" or c.lane not in MOE_PRECISION_LANES:
+        return ""
+    actual = moe_perf_lane(group)
+    if actual in MOE_PRECISION_LANES and actual != c.lane:
+        return (f"the claim's lane is {c.lane}, but vLLM {_verb(group, {})} {group['value']}: "
+                f"{MOE_PRECISION_LANES[actual]}, lane {actual}")
+    return ""
+
+
 def _verdict(c, lane, group, label, family, how, cell) -> dict:
     if str(group["value"]).startswith("not exercised"):
         return {"verdict": "NOT_EXERCISED", "why": group["value"]}
@@ -279,6 +294,9 @@ def _verdict(c, lane, group, label, family, how, cell) -> dict:
         return {"verdict": "UNVERIFIED", "why": f"the harness cannot name the backend family of {group['value']}"}
     if family in c.forbidden:
         return {"verdict": "MISMATCH", "why": f"{family} is forbidden by the claim ({label})"}
+    if (c.backend and family == c.backend or not c.backend and c.kernel_source == label) \
+            and _moe_precision(c, lane, group):  # the right kernel family at another activation precision
+        return {"verdict": "MISMATCH", "why": _moe_precision(c, lane, group)}
     if c.backend and family == c.backend:
         note = "" if not c.kernel_source or c.kernel_source == label else \
             f"same family; the perf-db label {c.kernel_source} differs from the derived {label}"

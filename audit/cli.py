@@ -315,15 +315,13 @@ def _escape(text: str) -> str:
 
 
 def _models(out) -> int:
-    from rich.table import Table
-
+    """One line per model the registry holds: name, architecture, layouts, judged lanes, where its reports go."""
     from audit import models
 
-    t = Table("model", "architecture", "layouts", "judged lanes", "reports")
     for name, p in models.PROFILES.items():
-        t.add_row(name + (" (default)" if name == models.DEFAULT else ""), p.architecture, ", ".join(p.layouts),
-                  ", ".join(j.lane for j in p.judged), f"{models.reports_root('reports', p)}/<pin>/")
-    out.print(t)
+        out.print(f"{name}{' (default)' if name == models.DEFAULT else ''}  {p.architecture}  layouts: "
+                  f"{', '.join(p.layouts)}  judged: {', '.join(j.lane for j in p.judged)}  reports: "
+                  f"{models.reports_root('reports', p)}/<pin>/", soft_wrap=True, markup=False, highlight=False)
     return ExitCode.OK
 
 

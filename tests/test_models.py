@@ -1,0 +1,103 @@
+"""The model registry (audit/models): each profile complete in itself, the default model's paths unchanged,
+another model's reports and runs kept apart, claims checked in their own model's vocabulary, and the gpt-oss
+ledger rendered from its committed routing. The real wheel's gpt-oss cells are in tests/test_models_vllm.py."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from audit import models
+from audit.errors import ExitCode, SelectionError
+from audit.models.gpt_oss import GPT_OSS_120B
+from audit.models.kimi_k3 import KIMI_K3
+from audit.report import expectations
+from audit.report.expectations import ExpectationsError
+from tests.conftest import ROOT
+from tests.goldtest import compare
+
+GPT_ROUTING = ROOT / "tests" / "data" / "routing-gpt-oss-120b-v0.33.0.json"
+
+
+def test_the_registry_names_every_model_and_refuses_an_unknown_one():
+    assert models.get(None) is KIMI_K3 and models.DEFAULT == "kimi-k3"
+    assert models.get("gpt-oss-120b") is GPT_OSS_120B
+    with pytest.raises(SelectionError) as e:
+        models.get("llama")
+    assert "unknown model 'llama'" in str(e.value) and e.value.known == ["kimi-k3", "gpt-oss-120b"]
+
+
+@pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
+def test_each_profile_is_complete_in_itself(profile):
+    config = json.loads(profile.config_text())
+    archs = config.get("architectures") or config.get("text_config", {}).get("architectures") or []
+    assert profile.architecture in archs or profile.name == "kimi-k3"  # K3's config names its text model
+    lanes = {l.id for l in profile.lanes}
+    assert {j.lane for j in profile.judged} <= lanes, "every judged lane is a lane of the profile"
+    assert set(profile.perf_lanes.values()) <= {j.lane for j in profile.judged}, "the vocabulary maps onto judged lanes"
+    assert set(profile.perf_lane_phases) <= set(profile.perf_lanes)
+    assert {j.kind for j in profile.judged} <= set(profile.kind_titles)
+    assert profile.layouts and all(l.name == n for n, l in profile.layouts.items())
+    for target in profile.targets:
+        assert {"id", "kind", "specs"} <= set(target) and target["specs"]
+
+
+def test_the_default_model_keeps_its_paths_and_another_model_gets_its_own(tmp_path):
+    from audit.runtimes.base import new_run_dir, runs_of
+
+    assert models.reports_root("reports", KIMI_K3) == models.reports_root("reports", KIMI_K3).__class__("reports")
+    assert str(models.reports_root("reports", GPT_OSS_120B)) == "reports/gpt-oss-120b"
+
+    class Pin:
+        name = "v0.33.0"
+
+    k3 = new_run_dir(Pin, root=tmp_path, prefix=models.run_prefix(KIMI_K3, "v0.33.0"))
+    gpt = new_run_dir(Pin, root=tmp_path, prefix=models.run_prefix(GPT_OSS_120B, "v0.33.0"))
+    assert k3.name.startswith("v0.33.0-") and gpt.name.startswith("gpt-oss-120b--v0.33.0-")
+    assert runs_of(Pin, tmp_path) == [k3]
+    assert runs_of(Pin, tmp_path, models.run_prefix(GPT_OSS_120B, "v0.33.0")) == [gpt]
+
+
+def test_claims_are_checked_in_their_own_models_vocabulary(tmp_path):
+    shipped = expectations.load(ROOT / "expectations" / "gpt-oss-120b.toml")
+    assert shipped.model == "gpt-oss-120b"
+    assert {c.harness_lane for c in shipped.claims} == {"moe", "attention.prefill", "attention.decode"}
+    head = 'schema = 1\nmodel = "gpt-oss-120b"\nframework = "vllm"\narchitecture = "GptOssForCausalLM"\n'
+    path = tmp_path / "claims.toml"
+    path.write_text(head + '[[claim]]\nid = "k3-lane"\nlane = "kda.context"\nbackend = "flashkda"\n')
+    with pytest.raises(ExpectationsError, match="unknown lane 'kda.context' for gpt-oss-120b") as e:
+        expectations.load(path)
+    assert "attention.context" in str(e.value)
+    path.write_text(head + '[[claim]]\nid = "k3-layout"\nlane = "attention.generation"\nlayouts = ["tp8-mtp"]\n'
+                           'backend = "flash_attn"\n')
+    with pytest.raises(ExpectationsError, match="unknown layout 'tp8-mtp' for gpt-oss-120b"):
+        expectations.load(path)
+
+
+def test_the_gpt_oss_ledger_renders_from_its_routing_and_fits():
+    from audit.report.fit import _cells
+    from audit.report.render import render_ledger
+
+    routing = json.loads(GPT_ROUTING.read_text(encoding="utf-8"))
+    text = render_ledger(routing, profile_title="gpt-oss-120b",
+                         reproduce="make audit PIN=v0.33.0 MODEL=gpt-oss-120b",
+                         changes={"unavailable": "v0.32.0"})
+    compare("ledger-gpt-oss-120b-v0.33.0.md", text)
+    # its own key, not K3's
+    assert "| sinks |" in text and "SiTU" not in text and "KDA value" not in text
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 400
+    assert max(len(c.strip()) for l in lines if l.startswith("|") and l.rstrip().endswith("|") for c in _cells(l)) <= 250
+    # the committed report is this routing, rendered by this code
+    committed = ROOT / "reports" / "gpt-oss-120b" / "v0.33.0"
+    assert (committed / "routing.json").read_text() == GPT_ROUTING.read_text()
+    assert (committed / "ledger.md").read_text(encoding="utf-8") == text
+
+
+def test_the_cli_lists_the_models_and_refuses_an_unknown_one_before_any_work():
+    run = subprocess.run([sys.executable, "-m", "audit.cli", "models"], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0 and "kimi-k3 (default)" in run.stdout and "gpt-oss-120b" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "audit.cli", "audit", "v0.33.0", "--model", "llama"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == ExitCode.USAGE and "unknown model 'llama'" in run.stderr
+    assert "known models: kimi-k3, gpt-oss-120b" in run.stderr

@@ -1,0 +1,71 @@
+"""gpt-oss-120b on the real vLLM wheel pinned in images.lock (v0.33.0), through the same audit K3 goes through:
+its own report beside K3's (which it never touches), construction and post-load to the end, and what vLLM 0.33.0
+chooses for it: MXFP4 experts per SM family and layout, attention with sinks per SM family, and the FlashInfer
+attention candidate vLLM turns down here for sinks (resolve mode runs offline: no TRT-LLM cubins)."""
+import json
+import shutil
+
+import pytest
+
+from audit.core import run_audit
+from audit.models.gpt_oss import GPT_OSS_120B
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def audit(vllm_env, tmp_path_factory):
+    reports = tmp_path_factory.mktemp("reports")
+    shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")  # K3's committed report, to stay untouched
+    before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
+    outcome = run_audit("v0.33.0", lock_path=ROOT / "images.lock", reports_dir=reports, profile=GPT_OSS_120B,
+                        systems="l40s,h100_sxm,b200_sxm", layouts="tp1,tp8,dp8-ep", baseline="none",
+                        cache=False, parallel=2)
+    routing = json.loads(outcome.routing_path.read_text())
+    return {"outcome": outcome, "reports": reports, "before": before,
+            "cells": {(c["system"], c["layout"]): c for c in routing["cells"]}, "routing": routing}
+
+
+def _value(cell, lane):
+    groups = cell["lanes"][lane]
+    assert len(groups) == 1, groups
+    return groups[0]["value"]
+
+
+def test_its_report_goes_beside_k3s_and_leaves_it_alone(audit):
+    assert audit["outcome"].report_dir == audit["reports"] / "gpt-oss-120b" / "v0.33.0"
+    assert audit["routing"]["model"] == "gpt-oss-120b" and audit["routing"]["architecture"] == "GptOssForCausalLM"
+    assert {p.name: p.read_bytes() for p in (audit["reports"] / "v0.33.0").iterdir()} == audit["before"]
+    assert "make audit PIN=v0.33.0 MODEL=gpt-oss-120b" in audit["outcome"].ledger.read_text()
+
+
+def test_every_cell_builds_and_post_loads_to_the_end(audit):
+    assert len(audit["cells"]) == 9
+    for key, cell in audit["cells"].items():
+        assert cell["status"] == "COMPLETE", key
+        post = cell["postload"]
+        assert post["ran"] and post["refused"] == 0 and post["limits"] == [], key
+        assert cell["layer_kinds"] == {"attention": list(range(36)), "moe": list(range(36))}, key
+
+
+def test_what_vllm_chooses_for_its_experts(audit):
+    cells = audit["cells"]
+    assert _value(cells[("l40s", "tp1")], "moe") == "MARLIN / MarlinExperts"
+    assert _value(cells[("h100_sxm", "tp8")], "moe") == "TRITON / OAITritonMxfp4ExpertsMonolithic"
+    assert _value(cells[("b200_sxm", "tp8")], "moe") == "FLASHINFER_TRTLLM_MXFP4_BF16 / TrtLlmMxfp4ExpertsMonolithic"
+    assert _value(cells[("b200_sxm", "dp8-ep")], "moe.kernel") == (
+        "TrtLlmMxfp4ExpertsModular with MoEPrepareAndFinalizeNaiveDPEPModular (all2all: AgRsAll2AllManager)")
+    for key, cell in cells.items():  # vLLM asked the kernel it built whether it takes gpt-oss's activation
+        assert _value(cell, "moe.activation").startswith("SWIGLUOAI ("), key
+
+
+def test_attention_with_sinks_and_the_candidate_vllm_turned_down(audit):
+    cells = audit["cells"]
+    assert _value(cells[("l40s", "tp8")], "attention.decode") == "TritonAttentionBackend"
+    assert _value(cells[("h100_sxm", "tp8")], "attention.prefill") == "FlashAttentionBackend"
+    b200 = cells[("b200_sxm", "tp8")]
+    assert _value(b200, "attention.decode") == "FlashAttentionBackend"
+    assert b200["availability"]["nvidia_artifactory"] is False  # offline: vLLM's TRT-LLM attention checks say no
+    rejected = json.dumps(b200["attention_candidates"])
+    assert "FLASHINFER" in rejected and "attention sinks not supported" in rejected

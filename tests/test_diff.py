@@ -93,3 +93,18 @@ def test_two_audits_of_one_pin_label_their_sides_distinctly():
     sub["cells"] = sub["cells"][:1]
     text = render_diff(diff_routings(r, sub))
     assert "only in the *from* audit (`v0.33.0`)" in text and "only in the *to* audit" not in text
+
+
+def test_an_availability_answer_only_one_audit_recorded_is_no_change():
+    """An audit made before the harness asked a question (here: whether vLLM reached NVIDIA's artifactory) is
+    not a change of how the model is served; the same answer differing between two audits is."""
+    old, new = load("v0.33.0"), load("v0.33.0")
+    for c in old["cells"]:
+        c["availability"].pop("nvidia_artifactory", None)
+    for c in new["cells"]:
+        c["availability"]["nvidia_artifactory"] = False
+    assert diff_routings(old, new)["empty"]
+    for c in old["cells"]:
+        c["availability"]["nvidia_artifactory"] = True
+    fields = {c["field"] for c in diff_routings(old, new)["changes"]}
+    assert fields == {"vLLM availability: nvidia_artifactory"}

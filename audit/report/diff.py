@@ -252,7 +252,10 @@ def _cell_facts(a: dict, b: dict):
             da, db = da.get("packages") or {}, db.get("packages") or {}
         if not da or not db:  # a cell without the record (INCOMPLETE) is stated by the construction row
             continue
-        for key in sorted(set(da) | set(db)):
+        # an availability answer one audit did not record (its harness did not ask yet) is no change; a package
+        # one environment lacks is
+        keys = set(da) & set(db) if group == "availability" else set(da) | set(db)
+        for key in sorted(keys):
             if da.get(key) != db.get(key):
                 yield f"{title}: {key}", _text(da.get(key)), _text(db.get(key))
 

@@ -193,13 +193,13 @@ def test_unchanged_files_are_not_read_again_and_an_edit_is_still_caught(fake_env
     an edit that keeps the size and puts the mtime back still moves the ctime, and is refused."""
     import os
 
-    from audit.runtimes import local
+    from audit.runtimes import environment
 
     rt, pin, env, site = fake_env
     rt.ensure_env(pin, NOP)
     reads = []
-    real = local.hashlib.file_digest
-    monkeypatch.setattr(local.hashlib, "file_digest", lambda fh, algo: reads.append(fh.name) or real(fh, algo))
+    real = environment.hashlib.file_digest
+    monkeypatch.setattr(environment.hashlib, "file_digest", lambda fh, algo: reads.append(fh.name) or real(fh, algo))
     again = LocalRuntime(root=rt.root)
     assert again.ensure_env(pin, NOP) == env and reads == []
     target = site / "vllm" / "engine.py"

@@ -1,0 +1,409 @@
+"""Pinned environments: a venv per pinned wheel, built once under the cache root, verified before every use.
+
+A venv holds exactly the pinned vLLM wheel (its bytes checked against images.lock) and the CUDA build of torch;
+it is keyed by the wheel's sha256 and the Python version, so two pins of the same wheel share one. Before each
+use, every file the wheel installed is checked against the sha256s in the wheel's own RECORD, startup hooks
+outside the installed distributions' RECORDs are refused, and the interpreter must be the venv's own. The local
+runtime runs the agent in such an environment (and the Slurm runtime ships one to its nodes); what an agent
+process sees of it (PATH, the CUDA toolkit the environment's wheels ship, caches) is decided here too.
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import glob
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+from audit.errors import DownloadHashMismatch, EnvironmentBuildError, EnvironmentModified, UnsafeLockPath, \
+    WheelHashMismatch
+from audit.fsutil import cache_root, load_memo, memo_hash, save_memo, sha256_file, write_atomic
+from audit.pins.fetch import download
+from audit.pins.lock import Pin, contained, unsafe_path_field
+from audit.pins.wheelcache import WheelCache
+from audit.runtimes import cudastub
+from audit.runtimes.base import Progress, RunRequest, agent_env, collect_missing, timed_out
+
+ENV_MARKER = ".serving-truth-env.json"
+#: run inside a freshly built env: what it holds (torch must be a CUDA build)
+ENV_PROBE = ("import json, platform, torch, importlib.metadata as m; print(json.dumps({'torch': torch.__version__, "
+             "'cuda': torch.version.cuda, 'vllm': m.version('vllm'), 'python': platform.python_version()}))")
+#: the only PATH entries the agent sees besides the venv: the OS, not the host's toolchains
+SYSTEM_PATH = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+def find_python(version: str) -> str:
+    """An interpreter for ``3.X``: on PATH, or under pyenv; errors name what was tried."""
+    tried = []
+    candidates = [shutil.which(f"python{version}")]
+    pyenv_root = os.environ.get("PYENV_ROOT", str(Path.home() / ".pyenv"))
+    candidates += sorted(glob.glob(f"{pyenv_root}/versions/{version}.*/bin/python{version}"), reverse=True)
+    candidates += [f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
+    for c in candidates:
+        if not c or not os.path.exists(c):
+            continue
+        tried.append(c)
+        try:
+            out = subprocess.run([c, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and out.stdout.strip() == version:
+            return c
+    raise EnvironmentBuildError(
+        f"no working Python {version} found (tried: {', '.join(tried) or 'nothing on PATH or under pyenv'})",
+        step="find python", hint=f"install Python {version} (e.g. `pyenv install {version}`) or put python{version} on PATH",
+    )
+
+
+class _AuditDeadline(Exception):
+    """The audit's --timeout ran out while a step of building the environment ran (raised as RunTimedOut)."""
+
+    def __init__(self, step: str, output: str):
+        self.step, self.output = step, output
+
+
+def _run(cmd: list[str], *, step: str, env: dict | None = None, timeout: float = 3600,
+         remaining: float | None = None) -> str:
+    """Run a build step; *remaining* is what is left of the audit's --timeout (the step is stopped there)."""
+    limit = timeout if remaining is None else min(timeout, remaining)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
+    except subprocess.TimeoutExpired as exc:
+        if remaining is not None and limit < timeout:
+            raise _AuditDeadline(step, str(exc.stdout or "")[-3000:]) from None
+        raise EnvironmentBuildError(f"timed out after {timeout:.0f}s: {' '.join(cmd)}", step=step,
+                                    log_tail=str(exc.stdout or "")[-3000:]) from None
+    except OSError as exc:
+        raise EnvironmentBuildError(f"cannot run {cmd[0]}: {exc}", step=step) from None
+    if out.returncode != 0:
+        tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
+        raise EnvironmentBuildError(f"failed (exit {out.returncode}): {' '.join(cmd)}", step=step, log_tail=tail)
+    return out.stdout
+
+
+class PinEnvironments:
+    """The environments under one cache root, built from pinned wheels and verified before use."""
+
+    def __init__(self, root: Path | None = None, *, with_cuda_toolkit: bool = True):
+        self.root = root or cache_root()
+        self.with_cuda_toolkit = with_cuda_toolkit
+        #: str(env) -> summary of its last :meth:`verify_env` in this process
+        self.verified: dict[str, dict] = {}
+        #: the verified wheels this cache holds
+        self.wheels = WheelCache(self.root)
+        #: the run being prepared (its deadline bounds building the environment); None outside a run
+        self._request: RunRequest | None = None
+
+    @property
+    def stat_memo(self) -> bool:
+        """Re-read only files whose stat changed since they were last hashed (False: hash every file, as
+        ``--no-cache`` asks); the wheel cache follows it."""
+        return self.wheels.stat_memo
+
+    @stat_memo.setter
+    def stat_memo(self, value: bool) -> None:
+        self.wheels.stat_memo = value
+
+    @staticmethod
+    def cuda_toolkit(env: Path) -> Path | None:
+        """The CUDA toolkit directory of the nvcc that the environment's NVIDIA wheels ship, if any."""
+        for nvcc in sorted(env.glob("lib/python*/site-packages/nvidia/*/bin/nvcc")):
+            if os.access(nvcc, os.X_OK):
+                return nvcc.parent.parent
+        return None
+
+    def toolkit_note(self, env: Path) -> str:
+        if not self.with_cuda_toolkit:
+            return "none (audited as a host without a CUDA toolkit: CUDA_HOME points at an empty directory)"
+        toolkit = self.cuda_toolkit(env)
+        if toolkit is None:
+            return "none: the environment's wheels ship no nvcc (CUDA_HOME points at an empty directory)"
+        rel = toolkit.relative_to(next(env.glob("lib/python*/site-packages")))
+        return (f"nvcc shipped in the environment ({rel}), on PATH and as CUDA_HOME, as on a serving host "
+                "with a CUDA toolkit; the host's own toolkit is never used")
+
+    def env_dir(self, pin: Pin) -> Path:
+        bad = unsafe_path_field(pin)
+        if bad:
+            raise UnsafeLockPath(pin=pin.name, field=bad[0], value=bad[1], root=str(self.root))
+        tag = "cp" + pin.python.replace(".", "")
+        envs = self.root / "envs"
+        return contained(envs / f"vllm-{pin.vllm_version}-{tag}-{pin.wheel_sha256[:12]}", envs, pin,
+                               "vllm_version", pin.vllm_version)
+
+    # -- environment ---------------------------------------------------------------------------
+    def wheel_path(self, pin: Pin, progress: Progress) -> Path:
+        found = self.wheels.find(pin)
+        if found:
+            return found
+        if pin.wheel_url:
+            progress("stage", text=f"downloading {pin.wheel_url}")
+            dest = self.wheels.locations(pin)[1]
+            try:
+                download(pin.wheel_url, dest, expected_sha256=pin.wheel_sha256, expected_source="images.lock")
+            except DownloadHashMismatch as exc:
+                raise WheelHashMismatch(wheel=pin.wheel_url, expected=pin.wheel_sha256, found=exc.found) from None
+            return dest
+        wheels = self.root / "wheels"
+        wheels.mkdir(parents=True, exist_ok=True)
+        path = self.wheels.locations(pin)[0]
+        progress("stage", text=f"downloading {pin.wheel}")
+        python = find_python(pin.python)
+        tmp = wheels / f".download-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _run([python, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                  f"vllm=={pin.vllm_version}", "-d", str(tmp)], step="download wheel")
+            got = tmp / pin.wheel
+            if not got.exists():
+                names = ", ".join(p.name for p in tmp.iterdir()) or "nothing"
+                raise EnvironmentBuildError(
+                    f"pip downloaded {names}, not the pinned {pin.wheel}", step="download wheel",
+                    hint="the pinned wheel is for another platform/Python; check images.lock")
+            found = sha256_file(got)
+            if found != pin.wheel_sha256:
+                raise WheelHashMismatch(wheel=pin.wheel, expected=pin.wheel_sha256, found=found)
+            os.replace(got, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return path
+
+    def ensure_env(self, pin: Pin, progress: Progress) -> Path:
+        """Build (once) the venv holding the pinned wheel; verify it carries a CUDA torch. Every call checks
+        the installed vLLM against the wheel's RECORD (:meth:`verify_env`) and refuses an edited one. A disk
+        error on the way is the environment's (exit 3), never mistaken for a report that could not be written."""
+        try:
+            return self._ensure_env(pin, progress)
+        except _AuditDeadline as exc:
+            request = self._request
+            raise timed_out(request, where=f"building the vLLM {pin.vllm_version} environment ({exc.step})",
+                            log_tail_text=exc.output, missing=collect_missing(request),
+                            runtime=f"local venv ({pin.name})") from None
+        except OSError as exc:
+            where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+            raise EnvironmentBuildError(f"{exc.strerror or exc}{where}", step="build or verify the environment",
+                                        hint="free disk space or fix the permissions of the cache "
+                                             "(SERVING_TRUTH_CACHE moves it), then audit again") from None
+
+    def _ensure_env(self, pin: Pin, progress: Progress) -> Path:
+        env = self.env_dir(pin)  # validated: a direct child of <cache>/envs, not a symbolic link
+        marker = env / ENV_MARKER
+        if marker.is_file():
+            try:
+                info = json.loads(marker.read_text())
+            except (OSError, ValueError):
+                info = {}
+            if info.get("wheel_sha256") == pin.wheel_sha256:
+                if self.verified.get(str(env), {}).get("sha256") != pin.wheel_sha256:  # once per runtime (audit)
+                    self.verify_env(env, pin, self.wheel_path(pin, progress), progress)
+                return env
+        wheel = self.wheel_path(pin, progress)
+        python = find_python(pin.python)
+        progress("stage", text=f"building the vLLM {pin.vllm_version} environment (once; several minutes)")
+        if env.exists():
+            shutil.rmtree(env)  # only ever <cache>/envs/<name>: env_dir refuses anything else
+        env.parent.mkdir(parents=True, exist_ok=True)
+        left = self._request.remaining if self._request is not None else (lambda: None)
+        _run([python, "-m", "venv", str(env)], step="create venv", remaining=left())
+        py = str(env / "bin" / "python")
+        _run([py, "-m", "pip", "install", "--no-input", str(wheel)], step="pip install vllm wheel",
+             timeout=5400, remaining=left())
+        probe = _run([py, "-c", ENV_PROBE], step="check torch", env=self._env(env, None), remaining=left())
+        info = json.loads(probe.strip().splitlines()[-1])
+        if not info.get("cuda"):
+            raise EnvironmentBuildError(
+                f"torch {info.get('torch')} in {env} is a CPU build; vLLM's compiled ops need the CUDA build",
+                step="check torch", hint="a local find-links wheel shadowed PyPI's; remove it from pip's config and rebuild")
+        if info.get("vllm") != pin.vllm_version:
+            raise EnvironmentBuildError(f"installed vLLM is {info.get('vllm')}, pinned {pin.vllm_version}",
+                                        step="check vllm")
+        self.verify_env(env, pin, wheel, progress)
+        marker.write_text(json.dumps({"wheel_sha256": pin.wheel_sha256, **info}, sort_keys=True))
+        return env
+
+    def verify_env(self, env: Path, pin: Pin, wheel: Path, progress: Progress) -> dict:
+        """Check the environment against the wheel (whose bytes :meth:`wheel_path` checked against the pin):
+        every file the wheel's RECORD lists is installed with that sha256; every startup hook in
+        site-packages (``*.pth``, ``sitecustomize``/``usercustomize``) is listed in some installed
+        distribution's RECORD; the interpreter is the venv's own. Raises :class:`EnvironmentModified`;
+        returns a summary, also kept in ``self.verified[env]`` for the run's provenance."""
+        progress("stage", text=f"verifying the installed vLLM against {wheel.name}'s RECORD")
+        site = self.site_packages(env)
+        memo_path = self.root / "runtime-cache" / env.name / "record-hashes.json"
+        memo = load_memo(memo_path) if self.stat_memo else None
+        checked, skipped, modified, missing = record_check(wheel, site, env, memo)
+        if memo is not None and not (modified or missing):
+            save_memo(memo_path, memo)
+        unexpected = _startup_hooks_outside_records(site)
+        if not (modified or missing or unexpected):  # only then run its interpreter (site.py reads the .pth files)
+            problem = _interpreter_problem(env, pin.python)
+            if problem:
+                modified.append(problem)
+        if modified or missing or unexpected:
+            raise EnvironmentModified(env=str(env), wheel=wheel.name, modified=modified, missing=missing,
+                                      unexpected=unexpected)
+        summary = {"files": checked, "skipped": skipped, "wheel": wheel.name, "sha256": pin.wheel_sha256,
+                   "text": f"verified before the audit: the {checked} files {pin.wheel} installs match the sha256s "
+                           "in its own RECORD" + (f" ({skipped} rewritten at install time not compared)" if skipped else "")
+                           + "; no startup hook outside the installed distributions' RECORDs"}
+        self.verified[str(env)] = summary
+        return summary
+
+    def site_packages(self, env: Path) -> Path:
+        found = sorted(env.glob("lib/python*/site-packages"))
+        if not found:
+            raise EnvironmentBuildError(f"no site-packages under {env}", step="inspect venv")
+        return found[0]
+
+    def ensure_stub(self, env: Path) -> Path:
+        if cudastub.real_driver_present():
+            raise EnvironmentBuildError(
+                "a real NVIDIA driver is present: resolve mode refuses to stand in for it",
+                step="stub libcuda", hint="on a GPU host, audit with --mode observe")
+        site = self.site_packages(env)
+        # the driver symbols the environment's libraries import: scanning every shared object takes
+        # seconds, so the answer is kept per environment, keyed by what changes when packages are added,
+        # removed or rebuilt (the marker written at build time and site-packages' own change time)
+        st = site.stat()
+        key = hashlib.sha256(((env / ENV_MARKER).read_bytes() if (env / ENV_MARKER).is_file() else b"")
+                             + f"{site}|{st.st_mtime_ns}|{st.st_ctime_ns}".encode()).hexdigest()
+        memo = self.root / "runtime-cache" / env.name / "cuda-symbols.json"
+        try:
+            saved = json.loads(memo.read_text(encoding="utf-8"))
+            symbols = saved["symbols"] if saved.get("key") == key else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            symbols = None
+        if symbols is None:
+            symbols = sorted(cudastub.needed_cuda_symbols([site]))
+            try:
+                write_atomic(memo, json.dumps({"key": key, "symbols": symbols}))
+            except OSError:
+                pass
+        return cudastub.build_stub_for(symbols, self.root / "stubs")
+
+    def _env(self, env: Path, stub: Path | None, pythonpath: Path | None = None,
+             run_dir: Path | None = None) -> dict:
+        """The agent's whole environment: explicit, minimal, reproducible."""
+        caches = self.root / "runtime-cache" / env.name
+        out = {
+            "PATH": os.pathsep.join([str(env / "bin"), *SYSTEM_PATH]),
+            "LANG": "C.UTF-8",
+            # vLLM's own caches hold derived state (model info, compile artefacts): per run
+            **agent_env(home=str(caches / "home"), vllm_cache=str((run_dir or caches) / "vllm-cache"),
+                        triton_cache=str(caches / "triton"), xdg_cache=str(caches / "xdg")),
+        }
+        # vLLM's "is FlashInfer usable" check looks for nvcc under CUDA_HOME, PATH or /usr/local/cuda
+        # (0.33) or on PATH (older releases): never let the host's toolkit decide. Either the nvcc the
+        # environment's own wheels ship (on PATH and as CUDA_HOME), or none.
+        toolkit = self.cuda_toolkit(env) if self.with_cuda_toolkit else None
+        out["CUDA_HOME"] = str(toolkit) if toolkit else str(self.root / "no-cuda-toolkit")
+        if toolkit:
+            out["PATH"] = os.pathsep.join([str(env / "bin"), str(toolkit / "bin"), *SYSTEM_PATH])
+        if stub is not None:
+            out["LD_LIBRARY_PATH"] = str(stub.parent)
+        if pythonpath is not None:
+            out["PYTHONPATH"] = str(pythonpath)
+        if run_dir is not None:  # temporary files live and die with the run, never in the host's /tmp
+            (run_dir / "tmp").mkdir(parents=True, exist_ok=True)
+            out["TMPDIR"] = str(run_dir / "tmp")
+        return out
+
+def _record_hash(path: Path) -> str:
+    """The RECORD-style hash of *path* (``sha256=`` and unpadded urlsafe base64)."""
+    with open(path, "rb") as fh:
+        digest = hashlib.file_digest(fh, "sha256").digest()
+    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def record_check(wheel: Path, site: Path, env: Path, memo: dict | None = None) -> tuple[int, int, list[str], list[str]]:
+    """Compare what *wheel* installs with its RECORD: (files checked, files skipped, modified, missing).
+
+    Files go to site-packages, ``<dist>.data/{purelib,platlib}/`` likewise and ``.data/data/`` to the
+    environment's root; ``.data/scripts`` and ``.data/headers`` are rewritten or relocated by the installer and
+    are skipped (counted). The RECORD read is the one inside the wheel, never the installed copy."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            record_name = next((n for n in zf.namelist() if re.fullmatch(r"[^/]+\.dist-info/RECORD", n)), None)
+            if record_name is None:
+                raise EnvironmentBuildError(f"{wheel.name} has no .dist-info/RECORD", step="verify environment")
+            rows = list(csv.reader(io.StringIO(zf.read(record_name).decode("utf-8"))))
+    except (zipfile.BadZipFile, OSError, UnicodeDecodeError) as exc:
+        raise EnvironmentBuildError(f"cannot read the RECORD of {wheel.name}: {exc}", step="verify environment") from None
+    checked = skipped = 0
+    modified: list[str] = []
+    missing: list[str] = []
+    for row in rows:
+        if len(row) < 2 or not row[1]:
+            continue  # RECORD itself, and signature files, carry no hash
+        rel, digest = row[0], row[1]
+        parts = rel.split("/")
+        if rel.startswith("/") or ".." in parts or "\\" in rel:
+            raise EnvironmentBuildError(f"{wheel.name}'s RECORD names {rel!r}, outside site-packages",
+                                        step="verify environment")
+        if not digest.startswith("sha256="):
+            raise EnvironmentBuildError(f"{wheel.name}'s RECORD hashes {rel} with {digest.split('=')[0]}, not sha256",
+                                        step="verify environment")
+        target = site / rel
+        if len(parts) > 2 and parts[0].endswith(".data"):
+            scheme = parts[1]
+            if scheme in ("purelib", "platlib"):
+                target = site.joinpath(*parts[2:])
+            elif scheme == "data":
+                target = env.joinpath(*parts[2:])
+            else:
+                skipped += 1
+                continue
+        if not target.is_file() or target.is_symlink():
+            missing.append(rel)
+            continue
+        checked += 1
+        if memo_hash(target, memo, _record_hash) != digest:
+            modified.append(rel)
+    return checked, skipped, modified, missing
+
+
+def _startup_hooks_outside_records(site: Path) -> list[str]:
+    """``*.pth`` files and site/user customize modules that no installed distribution's RECORD lists:
+    Python runs them at every start."""
+    recorded: set[str] = set()
+    for rec in site.glob("*.dist-info/RECORD"):
+        try:
+            recorded.update(row[0] for row in csv.reader(io.StringIO(rec.read_text(encoding="utf-8"))) if row)
+        except (OSError, UnicodeDecodeError):
+            continue
+    hooks = [p.name for p in site.iterdir() if p.suffix == ".pth"
+             or p.name in ("sitecustomize.py", "usercustomize.py", "sitecustomize", "usercustomize")]
+    return sorted(h for h in hooks if h not in recorded)
+
+
+def _interpreter_problem(env: Path, python: str) -> str:
+    """"" when bin/python is the venv's own interpreter for *python*, else what is wrong with it."""
+    cfg = env / "pyvenv.cfg"
+    exe = env / "bin" / "python"
+    try:
+        text = cfg.read_text(encoding="utf-8")
+    except OSError:
+        return "pyvenv.cfg (missing: not a venv)"
+    m = re.search(r"^version(?:_info)?\s*=\s*(\S+)", text, re.M)
+    if not m or not (m.group(1) + ".").startswith(python + "."):
+        return f"pyvenv.cfg (Python {m.group(1) if m else '?'}, the pin says {python})"
+    if not exe.exists() or not os.access(exe, os.X_OK):
+        return "bin/python (missing)"
+    try:
+        out = subprocess.run([str(exe), "-I", "-c", "import sys; print(sys.prefix); print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bin/python (does not run: {exc})"
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != env.resolve() or lines[1] != python:
+        return f"bin/python (reports prefix/version {' '.join(lines) or out.stderr.strip()[-200:]!r})"
+    return ""

@@ -88,6 +88,21 @@ KIMI_K3 = Profile(
                          "config's `kda_layers` / `full_attn_layers` lists count from 1.",
         "candidates_of": "MLA layers",
         "state_example": "K3's specialized decode",
+        "dispatch_titles": {
+            "serving_path": "Serving path (CUDA-graph mode; K3 specialized decode)",
+            "specialized_decode": "K3 specialized decode (steps it takes)",
+            "low_latency_gemm": "K3 low-latency BF16 GEMMs",
+        },
+        "dispatch_notes": {
+            "serving_path": ("vLLM's CUDA-graph dispatch gives the mode; where the layout has K3's specialized decode, "
+                             "its own `SpecializedDecode.plan` says whether it takes the step (its constructor ran up to "
+                             "its first device work, which fixes the batch sizes it prepares). A step it takes is served "
+                             "by its own kernels: the stock lanes' rows for that cell and batch say what the stock "
+                             "forward would run, not what serves it."),
+            "specialized_decode": ("The specialized decode itself is not built in the simulation (its CuTe DSL kernels "
+                                   "need a device; see the post-load stage): its MLA core per batch is vLLM's "
+                                   "`core_for`, everything else is marked `needs GPU`."),
+        },
     },
     lanes=(
         Lane("moe", "Routed experts", "moe", "all", (

@@ -145,7 +145,7 @@ def diff_routings(old: dict, new: dict) -> dict:
     dispatch_changes: dict[tuple, dict] = {}
     for cell in common:
         for what, before, after, layers in dispatch.diff_cells(old_cells[cell].get("dispatch"),
-                                                               new_cells[cell].get("dispatch")):
+                                                               new_cells[cell].get("dispatch"), new.get("model")):
             add(dispatch_changes, (what, before, after), cell, layers)
     only_old = sorted(set(old_cells) - set(new_cells))
     only_new = sorted(set(new_cells) - set(old_cells))

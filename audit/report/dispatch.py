@@ -10,31 +10,26 @@ from __future__ import annotations
 from audit.evidence.files import EvidenceFile
 from audit.report.layers import format_ranges
 
-#: lane id -> title, in the order the ledger shows them
+#: lane id -> title, in the order the ledger shows them (a model's profile may name a lane for itself:
+#: ``ledger_notes["dispatch_titles"]``, read by :func:`lane_titles`)
 LANE_TITLES = {
-    "serving_path": "Serving path (CUDA-graph mode; K3 specialized decode)",
-    "specialized_decode": "K3 specialized decode (steps it takes)",
+    "serving_path": "Serving path (CUDA-graph mode)",
+    "specialized_decode": "Specialized decode (steps it takes)",
     "latent_tail": "Latent MoE tail tier",
     "shared_overlap": "Shared experts stream overlap",
     "moe_experts": "Routed experts per-call variant",
     "router": "MoE router GEMM",
     "down_proj_overlap": "Routed down-projection stream overlap",
     "mla": "MLA attention path",
-    "low_latency_gemm": "K3 low-latency BF16 GEMMs",
+    "low_latency_gemm": "Low-latency BF16 GEMMs",
     "lm_head": "lm_head low-latency GEMM (at the step's logits rows)",
     "kda_projection_overlap": "KDA input-projection stream overlap",
     "kda_batch": "KDA kernel by batch type (decode, prefill alone or mixed, verify)",
 }
-#: what a reader must know to read a lane's table right (shown under its title)
+#: what a reader must know to read a lane's table right (shown under its title; a profile's
+#: ``ledger_notes["dispatch_notes"]`` may say it for its model, read by :func:`lane_notes`)
 LANE_NOTES = {
-    "serving_path": ("vLLM's CUDA-graph dispatch gives the mode; where the layout has K3's specialized decode, its "
-                     "own `SpecializedDecode.plan` says whether it takes the step (its constructor ran up to its "
-                     "first device work, which fixes the batch sizes it prepares). A step it takes is served by its "
-                     "own kernels: the stock lanes' rows for that cell and batch say what the stock forward would "
-                     "run, not what serves it."),
-    "specialized_decode": ("The specialized decode itself is not built in the simulation (its CuTe DSL kernels "
-                           "need a device; see the post-load stage): its MLA core per batch is vLLM's `core_for`, "
-                           "everything else is marked `needs GPU`."),
+    "serving_path": "vLLM's CUDA-graph dispatch gives each batch its mode: a FULL graph, a piecewise graph or eager.",
     "kda_batch": ("vLLM's KDA `_forward` ran on meta tensors up to the kernel it calls, for each kind of batch: "
                   "pure decode, a prefill chunk alone and with 8 decode requests beside it (mixed), verify."),
 }
@@ -52,6 +47,19 @@ STAND_INS = {
                   "gather_initial_states and the workspace return tensors of their output shapes; each KDA kernel "
                   "stops the call when reached (nothing runs)"),
 }
+
+
+def lane_titles(model: str | None) -> dict[str, str]:
+    """Every dispatch lane's title as *model*'s ledger names it (its profile's own titles over the shared ones)."""
+    from audit import models
+
+    return {**LANE_TITLES, **models.get(model).ledger_notes.get("dispatch_titles", {})}
+
+
+def lane_notes(model: str | None) -> dict[str, str]:
+    from audit import models
+
+    return {**LANE_NOTES, **models.get(model).ledger_notes.get("dispatch_notes", {})}
 
 
 def stand_ins(cells: list[dict]) -> dict[str, str]:
@@ -104,7 +112,7 @@ def workload_order(key: str) -> tuple:
     return (PHASE_ORDER.get(phase, 9), int(rest.split(" ")[0]) if rest.split(" ")[0].isdigit() else 0)
 
 
-def ledger_tables(cells: list[dict]) -> list[dict]:
+def ledger_tables(cells: list[dict], model: str | None = None) -> list[dict]:
     """One table per lane across cells: rows with the same group, layers and tiers are merged and
     list their cells; columns are every workload any cell resolved (``—`` where a cell has none)."""
     by_lane: dict[str, dict] = {}
@@ -124,12 +132,12 @@ def ledger_tables(cells: list[dict]) -> list[dict]:
                                                  "tiers": g["tiers"], "level": g["level"], "cells": []})
                 if name not in row["cells"]:
                     row["cells"].append(name)
-    out = []
+    out, titles, notes = [], lane_titles(model), lane_notes(model)
     for lane in sorted(by_lane, key=_lane_order):
         t = by_lane[lane]
         columns = sorted(t["columns"], key=workload_order)
         rows = sorted(t["rows"].values(), key=lambda r: (r["role"] != "target", r["group"], r["ranges"], r["cells"]))
-        out.append({"lane": lane, "title": LANE_TITLES.get(lane, lane), "note": LANE_NOTES.get(lane, ""),
+        out.append({"lane": lane, "title": titles.get(lane, lane), "note": notes.get(lane, ""),
                     "columns": columns,
                     "levels": sorted(t["levels"]), "sources": sorted(t["sources"]),
                     "rows": [{**r, "spans": spans(r["tiers"])} for r in rows]})
@@ -169,7 +177,7 @@ def stage_errors(cells: list[dict]) -> list[dict]:
     return out
 
 
-def diff_cells(a: dict | None, b: dict | None):
+def diff_cells(a: dict | None, b: dict | None, model: str | None = None):
     """(what, before, after, layers) for every choice that moved between two audits of one cell;
     workloads next to each other (in the cell's order) with the same move fold into one span. Nothing
     when either audit did not resolve dispatch tiers (an older report says nothing, not "—")."""
@@ -198,7 +206,7 @@ def diff_cells(a: dict | None, b: dict | None):
         folded.setdefault((lane, role, group, before, after, tuple(sorted(layers))), []).append(workload)
     for (lane, role, group, before, after, layers), workloads in sorted(folded.items(), key=str):
         span = _fold(sorted(workloads, key=lambda w: order.index(w) if w in order else len(order)), order)
-        what = f"{LANE_TITLES.get(lane, lane)} · `{group}`{' (draft)' if role != 'target' else ''} at {span}"
+        what = f"{lane_titles(model).get(lane, lane)} · `{group}`{' (draft)' if role != 'target' else ''} at {span}"
         yield what, before, after, [layer for layer in layers if layer >= 0]
 
 

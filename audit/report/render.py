@@ -322,7 +322,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "model_notes": {"glossary": (), "layer_numbers": "Layer numbers are vLLM's 0-based module indices.",
                         "candidates_of": "attention layers", "state_example": "", **profile.ledger_notes},
         # --- dispatch tiers (audit/report/dispatch.py, templates/dispatch.md.j2) ---
-        "dispatch_tables": dispatch.ledger_tables(cells),
+        "dispatch_tables": dispatch.ledger_tables(cells, routing.get("model")),
         "dispatch_errors": dispatch.stage_errors(cells),
         "dispatch_level": dispatch.LEVEL_TEXT,
         "dispatch_unsimulated": dispatch.unsimulated(cells),

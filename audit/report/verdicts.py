@@ -25,7 +25,7 @@ GPU makes leaves the claim UNVERIFIED, never guessed.
 """
 from __future__ import annotations
 
-from audit.report.dispatch import LANE_TITLES, serving_group, tier_choice, workload_of, workload_order
+from audit.report.dispatch import serving_group, tier_choice, workload_of, workload_order
 from audit.report.expectations import Expectations
 from audit.report.labels import derive
 from audit.report.routing import format_ranges, short
@@ -38,6 +38,9 @@ class Judged:
     kind each is about and, per kind, the first lane (where a refusal no claim covers is written, once)."""
 
     def __init__(self, profile):
+        from audit.report.dispatch import lane_titles
+
+        self.dispatch_titles = lane_titles(profile.name)
         self.lanes = tuple(j.lane for j in profile.judged)
         self.kind = {j.lane: j.kind for j in profile.judged}
         self.first_of_kind: dict[str, str] = {}
@@ -125,7 +128,7 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                     continue
                 for c in claims:
                     if c.at:
-                        rows += _tier_rows(c, lane, g, row, cell, exp)
+                        rows += _tier_rows(c, lane, g, row, cell, exp, v)
                         continue
                     rows.append({**row, "claim": c.id, "expected": c.backend or c.kernel_source,
                                  **_verdict(c, lane, g, label, family, how, cell)})
@@ -139,7 +142,7 @@ def _at_order(at: str) -> tuple:
     return (0, *workload_order(at)) if at else (-1,)
 
 
-def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectations) -> list[dict]:
+def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectations, v: Judged) -> list[dict]:
     """A claim about a batch size, judged at each of its workloads against the dispatch tiers."""
     out = []
     for at in c.at:
@@ -172,16 +175,16 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
         if note:
             judged["why"] = f"{note}; {judged['why']}"
         if judged["verdict"] == "MATCH":
-            judged.update(_dispatch_expectations(c, group, cell, workload) or {})
+            judged.update(_dispatch_expectations(c, group, cell, workload, v) or {})
         out.append(judged)
     return out
 
 
-def _dispatch_expectations(c, group: dict, cell: dict, workload: str) -> dict | None:
+def _dispatch_expectations(c, group: dict, cell: dict, workload: str, v: Judged) -> dict | None:
     """The claim's ``dispatch`` expectations at one workload: None when all hold."""
     for dlane, expected in c.dispatch:
         found = tier_choice(cell, dlane, group["layers"], workload)
-        title = LANE_TITLES.get(dlane, dlane)
+        title = v.dispatch_titles.get(dlane, dlane)
         if found is None:
             return {"verdict": "UNVERIFIED", "why": f"not judged: no {title} tier was resolved for these layers"}
         choice = found[0]
@@ -192,7 +195,7 @@ def _dispatch_expectations(c, group: dict, cell: dict, workload: str) -> dict | 
         if not choice.startswith(expected):
             return {"verdict": "MISMATCH", "why": f"{title} at {workload} is {choice}; the claim says {expected}"}
     if c.dispatch:
-        return {"why": "; ".join(f"{LANE_TITLES.get(d, d)}: {e}" for d, e in c.dispatch) + f" at {workload}"}
+        return {"why": "; ".join(f"{v.dispatch_titles.get(d, d)}: {e}" for d, e in c.dispatch) + f" at {workload}"}
     return None
 
 

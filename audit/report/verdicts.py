@@ -297,9 +297,10 @@ def _verdict(c, lane, group, label, family, how, cell) -> dict:
         return {"verdict": "UNVERIFIED", "why": f"the harness cannot name the backend family of {group['value']}"}
     if family in c.forbidden:
         return {"verdict": "MISMATCH", "why": f"{family} is forbidden by the claim ({label})"}
-    if (c.backend and family == c.backend or not c.backend and c.kernel_source == label) \
-            and _moe_precision(c, lane, group):  # the right kernel family at another activation precision
-        return {"verdict": "MISMATCH", "why": _moe_precision(c, lane, group)}
+    if c.backend and family == c.backend or not c.backend and c.kernel_source == label:
+        precision = _moe_precision(c, lane, group)  # the right kernel family at another activation precision
+        if precision:
+            return {"verdict": "MISMATCH", "why": precision}
     if c.backend and family == c.backend:
         note = "" if not c.kernel_source or c.kernel_source == label else \
             f"same family; the perf-db label {c.kernel_source} differs from the derived {label}"

@@ -239,15 +239,20 @@ def shared_imports_file(cache_dir: Path) -> Path:
 _NEVER_AHEAD = ("vllm", "probes", "__main__", "__mp_main__")
 
 
+def _shared_list(cache_dir: Path, key: str) -> list[str]:
+    """One list of the environment's shared-imports file (empty when the file or the list is unreadable)."""
+    try:
+        data = json.loads(shared_imports_file(cache_dir).read_text(encoding="utf-8"))
+        return [m for m in data[key] if isinstance(m, str)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def ahead_imports(cache_dir: Path) -> list[str]:
     """Top-level packages earlier runs saw imported only after the first module that reads the device: each SM
     process imports them before vLLM's own modules, so a later run can tell whether their imports read the
     device (a pure speed-up; a package that reads it is a reader from then on)."""
-    try:
-        data = json.loads(shared_imports_file(cache_dir).read_text(encoding="utf-8"))
-        return [m for m in data.get("ahead", ()) if isinstance(m, str)]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []
+    return _shared_list(cache_dir, "ahead")
 
 
 def shared_imports(cache_dir: Path) -> list[str]:
@@ -255,21 +260,14 @@ def shared_imports(cache_dir: Path) -> list[str]:
     import read the simulated device, in import order: the agent's parent imports them once, before any SKU is
     set, and every SM process forks with them. A pure speed-up: a module that reads the device there makes the
     agent start again without them."""
-    try:
-        data = json.loads(shared_imports_file(cache_dir).read_text(encoding="utf-8"))
-        return [m for m in data["shared"] if isinstance(m, str)]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+    return _shared_list(cache_dir, "shared")
 
 
 def learn_shared_imports(cache_dir: Path, evidence_dir: Path) -> None:
     """From this run's SM processes (each one's import order and the modules whose import read the device, and
     the modules the agent's parent was importing when it saw a read before a SKU was set): the modules every SM
     process started importing before its first reader. Readers accumulate over runs of the environment."""
-    try:
-        readers = set(json.loads(shared_imports_file(cache_dir).read_text(encoding="utf-8"))["readers"])
-    except (OSError, ValueError, KeyError, TypeError):
-        readers = set()
+    readers = set(_shared_list(cache_dir, "readers"))
     learn = evidence_dir / SHARED_LEARN_DIR
     orders = []
     for path in sorted(learn.glob("sm*.json")):

@@ -204,7 +204,8 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
     progress("stage", text="looking up cached evidence" if use else "computing evidence-cache keys")
     identity = rt.cache_identity(request.pin, progress)
     write_model_dirs(request)
-    plan = {"probes": request.probes, "extra_targets": plan_targets(request), "stop_after": request.stop_after,
+    plan = {"probes": request.probes, "extra_targets": plan_targets(request),
+            "model_probes": request.profile.probes, "stop_after": request.stop_after,
             "serve_args": list(request.serve_args), "slice": request.slice, "observe_install": request.observe_install,
             "postload_every_layer": request.postload_every_layer, "draft_weights": list(request.profile.draft_weights),
             # the evidence names its pin: two pins of the same wheel keep their own entries

@@ -103,10 +103,9 @@ class Profile:
     perf_lane_phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: layer kind -> how the ledger names it
     kind_titles: dict[str, str] = field(default_factory=dict)
-    #: probe targets this model needs beyond the probes' built-in ones, as data sent through the plan (the
-    #: fields of ``probes.core.targets.Target``: id, kind, specs, and optionally args, phase, title, required,
-    #: construct)
-    targets: tuple[dict, ...] = ()
+    #: the probe-side module of this model (``probes/models/<probes>/``), named in the plan: its probe targets,
+    #: post-load readings, dispatch lanes and observe-mode entries (the shared probes know no model by name)
+    probes: str = ""
     #: what the ledger says about this model besides its lanes: ``glossary`` (term, meaning) rows of its key,
     #: ``layer_numbers`` (how its layer indices read), ``candidates_of`` (which layers the attention backend
     #: candidates are about), ``state_example`` (the model state vLLM builds after loading, if any)

@@ -2,6 +2,7 @@
 another model's reports and runs kept apart, claims checked in their own model's vocabulary, and the gpt-oss
 ledger rendered from its committed routing. The real wheel's gpt-oss cells are in tests/test_models_vllm.py."""
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ from audit.models.gpt_oss import GPT_OSS_120B
 from audit.models.kimi_k3 import KIMI_K3
 from audit.report import expectations
 from audit.report.expectations import ExpectationsError
+
+ROOT = Path(__file__).resolve().parents[1]
 from tests.conftest import ROOT
 from tests.goldtest import compare
 
@@ -38,8 +41,8 @@ def test_each_profile_is_complete_in_itself(profile):
     assert set(profile.perf_lane_phases) <= set(profile.perf_lanes)
     assert {j.kind for j in profile.judged} <= set(profile.kind_titles)
     assert profile.layouts and all(l.name == n for n, l in profile.layouts.items())
-    for target in profile.targets:
-        assert {"id", "kind", "specs"} <= set(target) and target["specs"]
+    assert profile.probes and (ROOT / "probes" / "models" / profile.probes / "__init__.py").is_file(), \
+        "the profile names its probe-side module"
 
 
 def test_the_default_model_keeps_its_paths_and_another_model_gets_its_own(tmp_path):

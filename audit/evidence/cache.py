@@ -33,7 +33,7 @@ from audit.fsutil import sha256_file
 CACHE_SCHEMA = 2
 ENTRY = "entry.json"
 #: plan fields that change what a cell records (parallelism and warm-up lists only change speed)
-PLAN_FIELDS = ("probes", "extra_targets", "stop_after", "serve_args", "slice", "observe_install", "harness_env",
+PLAN_FIELDS = ("probes", "extra_targets", "model_probes", "stop_after", "serve_args", "slice", "observe_install", "harness_env",
                "redact_env", "postload_every_layer", "draft_weights", "pin")
 #: files of a cell's evidence directory worth keeping
 KEEP = ("evidence-", "agent.log", "imported-modules.json")

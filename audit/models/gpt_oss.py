@@ -5,8 +5,8 @@ both with learned attention sinks; 128 routed experts per layer (top 4) with MXF
 vLLM's MXFP4 MoE oracle (the same one K3's experts go through) and vLLM's own gpt-oss quant method; a SwiGLU
 with a clamp (vLLM's ``swigluoai`` activation). Its config is the published one, shipped as package data.
 
-The probe targets it needs beyond the built-in ones (vLLM's attention layer as a scope, so each backend choice
-is attributed to its layer; vLLM's gpt-oss MXFP4 quant method) travel through the plan.
+Its probe-side module is ``probes/models/gpt_oss`` (named in the plan): vLLM's attention layer as a scope, so each
+backend choice is attributed to its layer, and vLLM's gpt-oss MXFP4 quant method.
 """
 from __future__ import annotations
 
@@ -35,14 +35,7 @@ GPT_OSS_120B = Profile(
         "vllm.model_executor.models.gpt_oss",
     ),
     layer_classes={"Attention": "attention", "GptOssRoutedExperts": "moe"},
-    targets=(
-        {"id": "scope.attention", "kind": "scope", "args": ["prefix"], "construct": True, "title": "attention layer",
-         "specs": ["vllm.model_executor.layers.attention.attention:Attention.__init__",
-                   "vllm.attention.layer:Attention.__init__"]},
-        {"id": "moe.gpt_oss_quant_method", "kind": "construct", "title": "gpt-oss MXFP4 MoE quant method",
-         "required": False,
-         "specs": ["vllm.model_executor.layers.quantization.mxfp4:GptOssMxfp4MoEMethod.__init__"]},
-    ),
+    probes="gpt_oss",
     lanes=(
         Lane("moe", "Routed experts", "moe", "all", (
             Source("construct", "moe.gpt_oss_quant_method", _EXPERTS, extra=("cls",)),

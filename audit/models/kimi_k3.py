@@ -46,6 +46,7 @@ KIMI_K3 = Profile(
         "vllm.model_executor.model_loader",
         "vllm.models.kimi_k3",
     ),
+    probes="kimi_k3",
     layer_classes={
         "KimiK3DeltaAttention": "kda",
         "MultiHeadLatentAttention": "mla",

@@ -305,9 +305,9 @@ def learn_shared_imports(cache_dir: Path, evidence_dir: Path) -> None:
 
 
 def plan_targets(request: RunRequest) -> list[dict]:
-    """The probe targets the plan sends besides the probes' built-in ones: the model's own (its profile's
-    ``targets``), then any the request adds (tests plant drifted ones)."""
-    return [*(dict(t) for t in request.profile.targets), *request.extra_targets]
+    """Probe targets the plan sends besides the shared ones and the model's probe module's (tests plant drifted
+    ones here)."""
+    return [dict(t) for t in request.extra_targets]
 
 
 def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_dir: str,
@@ -326,6 +326,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "parallel": request.parallel,
         "probes": request.probes,
         "extra_targets": plan_targets(request),
+        "model_probes": request.profile.probes,
         "stop_after": request.stop_after,
         "serve_args": list(request.serve_args),
         "slice": request.slice,

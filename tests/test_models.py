@@ -2,7 +2,6 @@
 another model's reports and runs kept apart, claims checked in their own model's vocabulary, and the gpt-oss
 ledger rendered from its committed routing. The real wheel's gpt-oss cells are in tests/test_models_vllm.py."""
 import json
-from pathlib import Path
 import subprocess
 import sys
 
@@ -14,8 +13,6 @@ from audit.models.gpt_oss import GPT_OSS_120B
 from audit.models.kimi_k3 import KIMI_K3
 from audit.report import expectations
 from audit.report.expectations import ExpectationsError
-
-ROOT = Path(__file__).resolve().parents[1]
 from tests.conftest import ROOT
 from tests.goldtest import compare
 

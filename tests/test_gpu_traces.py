@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from probes.observe.kernel_names import KERNEL_NAMES, matches
+from probes import models as models_probes
+from probes.observe.kernel_names import all_names, matches
+
+KERNEL_NAMES = all_names(models_probes.load("kimi_k3"))
 from probes.observe.traces import read_trace, summarize
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu-traces"

@@ -8,14 +8,22 @@ import subprocess
 
 import pytest
 
-from probes.observe.kernel_names import KERNEL_NAMES, ORIGIN_KINDS
-from probes.observe.session import KERNELS
+from probes import models as models_probes
+from probes.observe.kernel_names import ORIGIN_KINDS, all_names
+from probes.observe.session import entries
+
+#: the map and the kernel paths of every model's observe run (the shared ones and each model's own)
+_MODELS = [models_probes.load(name) for name in ("kimi_k3", "gpt_oss")]
+KERNEL_NAMES = tuple(dict.fromkeys(e for m in _MODELS for e in all_names(m)))
+KERNELS = tuple(dict.fromkeys(k for m in _MODELS for k in entries(m)[0]))
 from tests.conftest import ROOT
 
 SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
+from probes import models
 from probes.observe.kernel_names import check_build
+models.use(models.load("kimi_k3"))
 print(json.dumps(check_build(roots=sys.path[1:], example_chars=None, examples=None)))
 """
 

@@ -2,6 +2,7 @@
 imports resolve and no probes module imports another in a cycle; audit/ never imports vLLM or torch; rich
 lives only in the CLI; evidence schema versions are checked on read."""
 import json
+import re
 import subprocess
 import sys
 
@@ -119,7 +120,46 @@ def test_probes_layers_flow_one_way_without_cycles():
             assert all(d == "probes" or d.startswith("probes.core") for d in deps), (mod, deps)
         if mod.startswith("probes.observe"):
             assert not any(d.startswith("probes.resolve") for d in deps), (mod, deps)
+        if mod.startswith(("probes.core", "probes.resolve", "probes.observe")):  # shared: no model package by name
+            assert not any(d.startswith("probes.models.") for d in deps), (mod, deps)
+        if mod.startswith("probes.models.") and not mod.endswith(".resolve"):  # a model's data: read by both modes
+            assert not any(d.startswith("probes.resolve") for d in deps), (mod, deps)
     _assert_acyclic(graph)
+
+
+#: string constants in the shared probes that name one model's code (vLLM's per-model packages and classes; vLLM's
+#: model registry is shared)
+_MODEL_NAME = re.compile(r"vllm\.models\.|model_executor\.models\.(?!registry\b)|Kimi|kimi_k3|GptOss|gpt_oss\b")
+
+
+def _code_strings(path) -> list[tuple[int, str]]:
+    """(line, text) of every string constant of a module that is not a docstring."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_the_shared_probes_name_no_model():
+    """What one model brings (its layer classes, kernels, stand-ins, lanes) lives in its probes package
+    (probes/models/<name>/), sent through the plan; the shared probes wrap vLLM's shared layers only."""
+    found = []
+    for part in ("core", "resolve", "observe"):
+        for path in sorted((ROOT / "probes" / part).rglob("*.py")):
+            found += [(str(path.relative_to(ROOT)), line, text) for line, text in _code_strings(path)
+                      if _MODEL_NAME.search(text)]
+    assert found == []
+
+
+def test_the_model_name_check_sees_a_named_class(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('"""Kimi-K3 in a docstring is an example."""\nX = "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention"\n')
+    assert [t for _, t in _code_strings(path) if _MODEL_NAME.search(t)] == [
+        "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention"]
 
 
 #: audit/'s layers, lowest first: a module imports only from its own layer or below (the house order

@@ -2,6 +2,7 @@
 another model's reports and runs kept apart, claims checked in their own model's vocabulary, and the gpt-oss
 ledger rendered from its committed routing. The real wheel's gpt-oss cells are in tests/test_models_vllm.py."""
 import json
+import os
 import subprocess
 import sys
 
@@ -101,3 +102,58 @@ def test_the_cli_lists_the_models_and_refuses_an_unknown_one_before_any_work():
                          capture_output=True, text=True, cwd=ROOT)
     assert run.returncode == ExitCode.USAGE and "unknown model 'llama'" in run.stderr
     assert "known models: kimi-k3, gpt-oss-120b" in run.stderr
+
+
+@pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
+def test_each_profile_names_a_probes_package_the_plan_carries(profile, tmp_path):
+    """The probe side of a model is its package under probes/models, named by the profile and sent in the plan;
+    what it adds to the shared targets is its own (a target with a shared id takes that target's place)."""
+    from probes import models as models_probes
+    from probes.core.targets import TARGETS, with_model
+
+    own = models_probes.load(profile.probes)
+    assert own.name == profile.probes and own.targets
+    merged = with_model(TARGETS, own.targets)
+    assert len({t.id for t in merged}) == len(merged), "one target per id"
+    assert [t.id for t in merged][:len(TARGETS)] == [t.id for t in TARGETS], "shared targets keep their places"
+    assert {t.id for t in own.targets} <= {t.id for t in merged}
+    # every kernel path a model observes has its entry in the kernel-name map, and no other model's
+    from probes.observe.kernel_names import all_names
+
+    assert {e.path for e in own.kernel_names} == {k.path for k in own.kernels}
+    assert {k.path for k in own.kernels} <= {e.path for e in all_names(own)}
+
+
+def test_the_plan_names_the_models_probes_and_a_wrong_name_is_refused(tmp_path):
+    from probes import models as models_probes
+
+    assert models_probes.load("").targets == () and models_probes.load("").lanes == ()
+    for bad in ("no_such_model", "../etc", "kimi-k3"):
+        with pytest.raises(models_probes.UnknownModel, match="probes/models"):
+            models_probes.load(bad)
+    k3 = models_probes.load("kimi_k3", resolve=True)  # its resolve side imports nothing but the standard library
+    assert [lane for lane, _ in k3.lanes][:1] == ["specialized_decode"] and k3.step_path.name == "specialized decode"
+    assert k3.hook("postload_steps") is not None and models_probes.load("gpt_oss", resolve=True).lanes == ()
+
+
+@pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
+def test_observe_mode_installs_the_served_models_own_probes(profile, tmp_path):
+    """The observe plugin in a vLLM process reads the model's probes package from the environment the runtimes
+    set (observe_env): its targets and kernel entries are installed beside the shared ones (no vLLM needed: the
+    wrappers wait for their modules' import)."""
+    from audit.runtimes.base import observe_env
+    from probes import models as models_probes
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SERVING_TRUTH")},
+           **observe_env(str(tmp_path), "b200_sxm--tp8", profile.probes), "PYTHONPATH": str(ROOT)}
+    script = ("import json, sys; from probes.observe import plugin; plugin.register(); s = plugin._state;"
+              "print(json.dumps({'targets': [t.id for t in s['probes'].targets],"
+              " 'kernels': [k.path for k in s['observe'].kernels]})); s['rec'].flush(); sys.stdout.flush()")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    own = models_probes.load(profile.probes)
+    assert {t.id for t in own.targets} <= set(got["targets"])
+    assert {k.path for k in own.kernels} <= set(got["kernels"])
+    header = json.loads(next(tmp_path.glob("evidence-*.jsonl")).read_text().splitlines()[0])
+    assert header["model_probes"] == profile.probes

@@ -79,7 +79,10 @@ def test_the_slice_keeps_every_layer_kind(dry_run_routing):
 
 
 def test_observe_targets_exist_in_the_wheel_and_wrap_the_chosen_kernels(dry_run):
-    from probes.observe.session import GRAPH_HOOKS, KERNELS, SCOPES
+    from probes import models as models_probes
+    from probes.observe.session import GRAPH_HOOKS, entries
+
+    KERNELS, SCOPES = entries(models_probes.load("kimi_k3"))
 
     for key in CELLS:
         (status,) = dry_run[key]["observe-status"]
@@ -129,8 +132,9 @@ def test_vllm_serve_loads_the_probe_plugin(vllm_env, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     model = KIMI_K3.write_model_dir(tmp_path / "model", KIMI_K3.slices["slice4"].patch)
-    run_env = {**rt._env(env, stub, stage, tmp_path), "SERVING_TRUTH_OUT": str(out), "SERVING_TRUTH_MODE": "observe",
-               "SERVING_TRUTH_CELL": "b200_sxm--tp8", "VLLM_PLUGINS": "serving_truth"}
+    from audit.runtimes.base import observe_env
+
+    run_env = {**rt._env(env, stub, stage, tmp_path), **observe_env(str(out), "b200_sxm--tp8", KIMI_K3.probes)}
     argv = serve_argv(str(model), ["--tensor-parallel-size", "1"])
     r = subprocess.run([str(env / "bin" / "vllm"), "serve", *argv, "--host", "127.0.0.1", "--port", "1"],
                        env=run_env, capture_output=True, text=True, timeout=600)
@@ -139,6 +143,7 @@ def test_vllm_serve_loads_the_probe_plugin(vllm_env, tmp_path):
     assert files, r.stderr[-3000:]
     header = json.loads(files[0].read_text().splitlines()[0])
     assert header["mode"] == "observe" and header["cell"] == {"system": "b200_sxm", "layout": "tp8"}
+    assert header["model_probes"] == "kimi_k3"  # the model's own targets and kernel entries are installed too
     events = [json.loads(line).get("event") for f in files for line in f.read_text().splitlines()[1:]]
     assert "loaded" in events
 

@@ -41,54 +41,29 @@ class Target:
 
 VLLM = "vllm."
 MOE = VLLM + "model_executor.layers.fused_moe."
-K3 = VLLM + "models.kimi_k3.nvidia."
 
+#: the targets every model gets: vLLM's shared MoE layers and selectors and its attention backend selection. A
+#: model's own (its layer scopes, its selectors) come from its probes package (probes/models); one with the id of
+#: a shared target takes that target's place (to add the places older releases implemented it).
 TARGETS: tuple[Target, ...] = (
     # --- scopes: which layer is being built (and what it chose) ------------------------------
-    Target("scope.decoder_layer", "scope", (K3 + "model:KimiDecoderLayer.__init__",), args=("prefix",),
-           title="decoder layer"),
-    Target("scope.kimi_moe", "scope", (K3 + "model:KimiMoE.__init__",), args=("prefix",), construct=True,
-           title="K3 MoE block"),
     Target("scope.routed_experts", "scope", (MOE + "routed_experts:RoutedExperts.__init__",),
            args=("layer_name",), construct=True, title="routed experts", required=False),
-    Target("scope.latent_runner", "scope", (K3 + "latent_moe_runner:LatentMoERunner.__init__",
-                                            MOE + "runner.latent_moe_runner:LatentMoERunner.__init__"),
-           args=("layer_name", "prefix"), construct=True, title="latent MoE runner", required=False),
-    Target("scope.kda", "scope", (K3 + "kda:KimiK3DeltaAttention.__init__",), args=("prefix",), construct=True,
-           title="KDA layer"),
-    Target("scope.mla", "scope", (K3 + "mla:MultiHeadLatentAttention.__init__",), args=("prefix",),
-           construct=True, title="MLA layer"),
-    Target("scope.mlp", "scope", (K3 + "model:KimiMLP.__init__",), args=("prefix",), construct=True,
-           title="dense / shared-expert MLP", required=False),
-    Target("scope.mtp_layer", "scope", (K3 + "mtp:KimiK3MultiTokenPredictorLayer.__init__",), args=("prefix",),
-           title="MTP draft layer", required=False),
     # --- routed experts ------------------------------------------------------------------------
     Target("moe.quant_method", "construct",
            (VLLM + "model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__",),
            title="MoE quant method"),
     Target("moe.oracle.deepseek_v4", "select",
-           (MOE + "oracle.mxfp4:select_deepseek_v4_mxfp4_moe_backend",), title="MXFP4 MoE oracle (DSv4/K3)"),
+           (MOE + "oracle.mxfp4:select_deepseek_v4_mxfp4_moe_backend",), title="MXFP4 MoE oracle (DeepSeek-V4 style)"),
     Target("moe.oracle.mxfp4", "select", (MOE + "oracle.mxfp4:select_mxfp4_moe_backend",),
            title="MXFP4 MoE oracle (gpt-oss style)", required=False),
     Target("moe.candidates", "candidates", (MOE + "oracle.mxfp4:backend_to_kernel_cls",),
            args=("backend",), title="MoE backend candidates (auto)"),
     Target("moe.requested", "candidates", (MOE + "oracle.mxfp4:_requested_kernel_cls@0.33<=v",),
            args=("backend",), title="MoE backend candidates (--moe-backend)", required=False),
-    Target("moe.mega_moe_experts", "construct",
-           (MOE + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.__init__@0.33<=v",
-            K3 + "model:KimiK3MegaMoEExperts.__init__@v<0.33"),
+    Target("moe.mega_moe_experts", "construct", (MOE + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.__init__@0.33<=v",),
            title="DeepGEMM MegaMoE experts"),
-    # --- KDA -------------------------------------------------------------------------------------
-    Target("kda.prefill", "select", (K3 + "kda:resolve_kda_prefill_backend",), phase="prefill",
-           args=("backend", "num_heads"), title="KDA prefill backend"),
-    Target("kda.decode", "select", (K3 + "kda:resolve_kda_decode_backend@0.30<=v",), phase="decode",
-           args=("backend", "num_heads"), title="KDA decode backend"),
-    # before 0.30 the decode path is a yes/no check: the fused conv+KDA+norm decode kernel or not
-    Target("kda.decode_fused_check", "select", (K3 + "kda:is_fused_kda_decode_supported@v<0.30",),
-           phase="decode", args=("num_heads", "num_spec"), title="fused KDA decode supported (pre-0.30)"),
-    Target("kda.spec_decode", "select", (K3 + "kda:resolve_kda_spec_decode_backend@0.32<=v",),
-           phase="spec-verify", args=("backend", "num_heads", "num_spec"), title="KDA spec-decode backend"),
-    # --- MLA ---------------------------------------------------------------------------------------
+    # --- attention -------------------------------------------------------------------------------
     Target("mla.attn_backend", "select", (VLLM + "platforms.cuda:CudaPlatformBase.get_attn_backend_cls",),
            args=("selected_backend",), phase="decode", title="attention backend"),
     Target("mla.attn_candidates", "select", (VLLM + "platforms.cuda:CudaPlatformBase.get_valid_backends",),
@@ -96,6 +71,36 @@ TARGETS: tuple[Target, ...] = (
     Target("mla.prefill", "select", (VLLM + "v1.attention.backends.mla.prefill.selector:get_mla_prefill_backend",),
            phase="prefill", title="MLA prefill backend"),
 )
+
+
+def with_model(targets: tuple[Target, ...], model: tuple[Target, ...]) -> tuple[Target, ...]:
+    """*targets* with a model's own: one with a shared target's id takes its place, the others follow."""
+    own = {t.id: t for t in model}
+    return tuple(own.pop(t.id, t) for t in targets) + tuple(own.values())
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Observe mode: one kernel entry of a lane, counted each time it runs."""
+    lane: str
+    path: str
+    spec: str
+    #: attribute of the bound object naming its layer (for entries that know it), else the scope's
+    layer_attr: str = ""
+    #: the value resolve mode reports for this choice (a backend string, an attention backend class),
+    #: so observed paths get the same perf-database labels
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Observe mode: a per-layer function that calls kernel entries; it sets the current layer while it runs."""
+    spec: str
+    layer_attr: str
+    #: "metadata": derive the step's phase from attn_metadata[self.prefix] (its request counts)
+    phase_from: str = ""
+    #: the function is decorated with vLLM's eager_break_during_capture: wrap inside the decorator
+    eager_break: bool = False
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SERVING_TRUTH_CELL"] = f"{cell['system']['name']}--{cell['layout']['name']}"
     os.environ.setdefault("VLLM_PLUGINS", "serving_truth")
     from probes.observe import plugin
+
+    os.environ.setdefault(plugin.ENV_MODEL, plan.get("model_probes", ""))
     from probes.observe import workload
 
     plugin.register()
@@ -72,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def record_kernel_map(rec) -> None:
     """The kernel-name map this run reads traces with, and what of it this build contains."""
+    from probes import models as models_probes
     from probes.observe.kernel_names import check_build
-    from probes.observe.session import KERNELS
+    from probes.observe.session import entries
 
-    lane_of = {k.path: k.lane for k in KERNELS}
+    lane_of = {k.path: k.lane for k in entries(models_probes.current())[0]}
     try:
         entries = check_build()
     except Exception as exc:  # corroboration is optional: never fatal

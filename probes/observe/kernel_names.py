@@ -36,7 +36,7 @@ _SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".hpp", ".cuh.in", ".inc", ".py", ".jin
 
 @dataclass(frozen=True)
 class KernelName:
-    #: a ``Kernel.path`` of :data:`probes.observe.session.KERNELS`
+    #: a ``Kernel.path`` of :data:`probes.observe.session.KERNELS` (or of a model's own ``KERNELS``)
     path: str
     pattern: str
     origin: str
@@ -57,8 +57,6 @@ class KernelName:
         return self.origin.split(":", 1)[1] if ":" in self.origin else ""
 
 
-KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
-FI_KDA = "flashinfer/kda_kernels"
 MOE_C = "library:vllm/_moe_C*.so"
 VLLM_C = "library:vllm/_C*.so"
 DG_IMPLS = "jit-source:vllm/third_party/deep_gemm/include/deep_gemm/impls"
@@ -73,39 +71,9 @@ def _others(group, me):
     return tuple(p for p in group if p != me)
 
 
-#: vLLM 0.33.0, researched in docs/notes/kernel-names-0.33.md; every path of KERNELS has entries
+#: vLLM 0.33.0, researched in docs/notes/kernel-names-0.33.md; every path of KERNELS has entries (a model's own
+#: kernel paths have theirs in its probes package, ``KERNEL_NAMES``)
 KERNEL_NAMES: tuple[KernelName, ...] = (
-    # -- KDA prefill
-    KernelName("flashkda", r"_flash_kda_fwd_(?:prepare|recurrence)", "library:vllm/_flashkda_C*.so"),
-    KernelName("flashinfer", r"ChunkKdaFwdK[12]_object_at_", "jit-source:" + FI_KDA,
-               look_for=r"class ChunkKdaFwdK[12]\b", note="CuTe DSL, small batch x heads"),
-    KernelName("flashinfer", r"^kernel_cutlass_(?:kernel|kernel_prep|kernel_chain_dv2)_(?!vllm|flashinfer|tokenspeed|b12x)"
-               r"(?!.*_object_at_)|^kernel_cutlass_packed_metadata_kernel",
-               "jit-source:" + FI_KDA, look_for=r"def (?:kernel|kernel_prep|kernel_chain_dv2|packed_metadata_kernel)\(",
-               note="CuTe DSL BT=16 engine: free functions (a method kernel's name carries `<module><Class>_object_at_`); "
-                    "FlashInfer's free GEMM function `kernel` would match too"),
-    KernelName("flashinfer", r"kernel_flashkda_|kernel_cake_kda_|kernel_flashinfer_recurrent_kda_",
-               "jit-source:flashinfer/data/csrc/kda"),
-    KernelName("flashinfer", r"kernel_cutlass_recurrent_kda_decode_kernel|kernel_cutlass__grouped_kda_kernel",
-               "jit-source:" + FI_KDA, look_for=r"def (?:recurrent_kda_decode_kernel|_grouped_kda_kernel)\(",
-               note="one-token prefill rows"),
-    KernelName("triton chunk_kda", r"^(?:kda_gate_chunk_cumsum_vector_kernel|chunk_kda_fwd_kernel_(?:intra_sub_chunk|"
-               r"intra_token_parallel|inter_solve_fused)|recompute_w_u_fwd_kernel|chunk_gla_fwd_kernel_o)$",
-               "triton:" + KDA),
-    KernelName("triton chunk_kda", r"^chunk_gated_delta_rule_fwd_kernel_h_blockdim64$",
-               "triton:vllm.third_party.flash_linear_attention.ops.chunk_delta_h"),
-    # -- KDA decode
-    KernelName("fused_kda_decode (native)", r"kda_decode_fusion_many_heads_kernel", VLLM_C),
-    KernelName("flashinfer fused decode", r"kernel_cutlass__fused_kda_decode_kernel", "jit-source:" + FI_KDA,
-               look_for=r"def _fused_kda_decode_kernel\("),
-    KernelName("triton packed decode", r"^fused_recurrent_kda_packed_decode_kernel$", "triton:" + KDA),
-    # -- KDA speculative verify
-    KernelName("flashinfer packed fused decode", r"kernel_cutlass__kda_kernel_", "jit-source:" + FI_KDA,
-               look_for=r"def _kda_kernel\("),
-    KernelName("triton fused_recurrent_kda", r"^fused_recurrent_kda_fwd_kernel$", "triton:" + KDA),
-    KernelName("RecoverSSM verify", r"^_kda_recoverssm_verify_kernel$", "triton:vllm.models.kimi_k3.nvidia.ops.recoverssm"),
-    KernelName("RecoverSSM verify", r"KdaTcVerify", "jit-source:vllm/models/kimi_k3/nvidia/recoverssm/cutedsl",
-               look_for=r"class KdaTcVerify2?\b"),
     # -- MLA decode
     KernelName("FlashMLA", r"flash_fwd_splitkv_mla_(?:combine_)?kernel|flash_fwd_mla_combine_kernel|get_mla_metadata_kernel",
                "library:vllm/_flashmla*.so"),
@@ -275,10 +243,18 @@ class _Build:
         return ("in build" if hits else "not in build"), [h[:limit] for h in hits[:count]]
 
 
+def all_names(model=None) -> tuple[KernelName, ...]:
+    """The shared map and *model*'s entries (a ``probes.models.ModelProbes``; None: this process's model)."""
+    from probes import models as models_probes
+
+    own = models_probes.current() if model is None else model
+    return tuple(own.kernel_names) + KERNEL_NAMES
+
+
 def check_build(entries=None, roots=None, *, example_chars: int | None = 200, examples: int | None = 3) -> list[dict]:
     """Each entry of the map with what the installed build holds for it (see :meth:`_Build.find`): up to
     *examples* matching names (None: all), each cut to *example_chars* (None: whole)."""
-    entries = KERNEL_NAMES if entries is None else entries
+    entries = all_names() if entries is None else entries
     build = _Build(sys.path if roots is None else roots)
     out = []
     for e in entries:
@@ -291,4 +267,4 @@ def check_build(entries=None, roots=None, *, example_chars: int | None = 200, ex
     return out
 
 
-__all__ = ["KERNEL_NAMES", "ORIGIN_KINDS", "KernelName", "check_build", "matches"]
+__all__ = ["KERNEL_NAMES", "ORIGIN_KINDS", "KernelName", "all_names", "check_build", "matches"]

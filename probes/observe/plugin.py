@@ -19,6 +19,8 @@ from probes.core.recorder import Recorder
 
 ENV_OUT = "SERVING_TRUTH_OUT"
 ENV_MODE = "SERVING_TRUTH_MODE"
+#: the served model's probes package (probes/models/<name>): its targets, observe entries and scopes
+ENV_MODEL = "SERVING_TRUTH_MODEL_PROBES"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "serving_truth"
 DIST_NAME = "serving_truth_probes"
@@ -71,13 +73,16 @@ def register() -> None:
         return
     _state["pid"] = os.getpid()
     try:
-        meta = {"mode": os.environ.get(ENV_MODE, "observe"), "argv": [os.path.basename(a) for a in sys.argv[:6]]}
+        meta = {"mode": os.environ.get(ENV_MODE, "observe"), "argv": [os.path.basename(a) for a in sys.argv[:6]],
+                "model_probes": os.environ.get(ENV_MODEL, "")}
         system, _, layout = os.environ.get("SERVING_TRUTH_CELL", "").partition("--")
         if system and layout:
             meta["cell"] = {"system": system, "layout": layout}
         rec = Recorder(out, role=_role(), meta=meta)
         _state["rec"] = rec
+        from probes import models as models_probes
         from probes.core.install import ProbeSet
+        from probes.core.targets import TARGETS, with_model
 
         try:
             from importlib.metadata import version
@@ -85,13 +90,15 @@ def register() -> None:
             vllm_version = version("vllm")
         except Exception:
             vllm_version = ""
-        _state["probes"] = ProbeSet(rec, vllm_version=vllm_version).install()
+        own = models_probes.use(models_probes.load(os.environ.get(ENV_MODEL, "")))
+        _state["probes"] = ProbeSet(rec, targets=with_model(TARGETS, own.targets), vllm_version=vllm_version).install()
         if os.environ.get(ENV_MODE) == "observe":  # count kernel entries, graphs, phases
             import atexit
 
-            from probes.observe.session import ObserveSession
+            from probes.observe.session import ObserveSession, entries
 
-            session = ObserveSession(rec).install()
+            kernels, scopes = entries(own)
+            session = ObserveSession(rec, kernels=kernels, scopes=scopes).install()
             _state["observe"] = session
             session.start_timer(float(os.environ.get("SERVING_TRUTH_FLUSH_S", "30")))
             atexit.register(session.flush)

@@ -3,14 +3,14 @@ and which run inside captured CUDA graphs.
 
 What is wrapped (targets as data, researched for vLLM 0.33 in docs/notes/observe-0.33.md):
 
-* **kernel entries** (:data:`KERNELS`): one wrapper per implementation of a lane, e.g. the KDA decode
-  kernels ``vllm._custom_ops.fused_kda_decode`` / FlashInfer / Triton, each MLA impl's
-  ``forward_mqa``, each MoE experts class's ``apply``. A wrapper only counts (probes.observe.counting).
-* **layer scopes** (:data:`SCOPES`): the per-layer functions that call them (KDA ``_forward``, MLA
-  ``_attention``, ``MoERunner._forward_impl``) set the current layer; the KDA scope also sets the
-  step's phase from its attention metadata (prefills / plain decodes / speculative decodes). K3's KDA
-  and MLA scopes are *eager breaks* of vLLM's breakable CUDA graphs: the undecorated function runs
-  again at every replay, so the scope is installed *inside* the decorator and fires on replays too.
+* **kernel entries** (:data:`KERNELS`, and a model's own from its probes package): one wrapper per
+  implementation of a lane, e.g. each MLA impl's ``forward_mqa``, each MoE experts class's ``apply``, a
+  model's own attention kernels. A wrapper only counts (probes.observe.counting).
+* **layer scopes** (:data:`SCOPES`, and a model's own): the per-layer functions that call them
+  (``MoERunner._forward_impl``, a model's attention ``_forward``) set the current layer; a scope with
+  ``phase_from="metadata"`` also sets the step's phase from its attention metadata (prefills / plain
+  decodes / speculative decodes). A scope that is an *eager break* of vLLM's breakable CUDA graphs runs
+  again at every replay, so it is installed *inside* the decorator and fires on replays too.
 * **graphs**: ``torch.cuda.CUDAGraph.capture_begin/capture_end`` mark calls as captured (membership
   of that graph, not executions), ``replay`` counts replays per graph; ``BreakableCUDAGraphCapture.
   add_eager`` runs its eager segment for real during capture, so calls there are executions; the V2
@@ -25,57 +25,16 @@ import functools
 import os
 import sys
 import threading
-from dataclasses import dataclass
 
+from probes.core.targets import Kernel, Scope
 from probes.observe.counting import Counters
 from probes.core.patching import SENTINEL, PostImportHooks, rebind, resolve
 
-K3 = "vllm.models.kimi_k3.nvidia."
 MLA_BK = "vllm.v1.attention.backends.mla."
 EXPERTS = "vllm.model_executor.layers.fused_moe."
 
 
-@dataclass(frozen=True)
-class Kernel:
-    lane: str
-    path: str
-    spec: str
-    #: attribute of the bound object naming its layer (for entries that know it), else the scope's
-    layer_attr: str = ""
-    #: the value resolve mode reports for this choice (KDA backend string, attention backend class),
-    #: so observed paths get the same perf-database labels
-    backend: str = ""
-
-
-@dataclass(frozen=True)
-class Scope:
-    spec: str
-    layer_attr: str
-    #: "kda": derive the step's phase from attn_metadata[self.prefix]
-    phase_from: str = ""
-    #: the function is decorated with vLLM's eager_break_during_capture: wrap inside the decorator
-    eager_break: bool = False
-
-
 KERNELS: tuple[Kernel, ...] = (
-    # KDA prefill
-    Kernel("kda.prefill", "flashkda", K3 + "kda:_flashkda_prefill", backend="flashkda"),
-    Kernel("kda.prefill", "flashinfer", K3 + "kda:_flashinfer_kda_prefill", backend="flashinfer"),
-    Kernel("kda.prefill", "triton chunk_kda", K3 + "ops.third_party.kda:chunk_kda_with_fused_gate",
-           backend="triton"),
-    # KDA decode
-    Kernel("kda.decode", "fused_kda_decode (native)", "vllm._custom_ops:fused_kda_decode", backend="native"),
-    Kernel("kda.decode", "flashinfer fused decode", K3 + "kda:flashinfer_fused_kda_decode",
-           backend="flashinfer"),
-    Kernel("kda.decode", "triton packed decode", K3 + "ops.third_party.kda:fused_recurrent_kda_packed_decode",
-           backend="triton"),
-    # KDA speculative verify
-    Kernel("kda.spec_verify", "flashinfer packed fused decode", K3 + "kda:flashinfer_packed_fused_kda_decode",
-           backend="flashinfer"),
-    Kernel("kda.spec_verify", "triton fused_recurrent_kda", K3 + "ops.third_party.kda:fused_recurrent_kda",
-           backend="native"),
-    Kernel("kda.spec_verify", "RecoverSSM verify", K3 + "kda:KimiK3DeltaAttention._recoverssm_verify",
-           layer_attr="layer_idx"),
     # MLA decode (and verify): the impl's forward_mqa
     *(Kernel("mla.decode", name, MLA_BK + spec, backend=backend) for name, spec, backend in (
         ("FlashMLA", "flashmla:FlashMLAImpl.forward_mqa", "FlashMLABackend"),
@@ -118,10 +77,16 @@ KERNELS: tuple[Kernel, ...] = (
 )
 
 SCOPES: tuple[Scope, ...] = (
-    Scope(K3 + "kda:KimiK3DeltaAttention._forward", "layer_idx", phase_from="kda", eager_break=True),
-    Scope(K3 + "mla:MultiHeadLatentAttention._attention", "layer_name", eager_break=True),
     Scope(EXPERTS + "runner.moe_runner:MoERunner._forward_impl", "layer_id"),
 )
+
+
+def entries(model=None) -> tuple[tuple[Kernel, ...], tuple[Scope, ...]]:
+    """The kernel entries and scopes observe mode wraps: *model*'s, then the shared ones
+    (a ``probes.models.ModelProbes``; None: the shared ones only)."""
+    if model is None:
+        return KERNELS, SCOPES
+    return tuple(model.kernels) + KERNELS, tuple(model.scopes) + SCOPES
 
 GRAPH_HOOKS = (
     "torch.cuda.graphs:CUDAGraph.capture_begin",
@@ -145,8 +110,8 @@ def layer_index(value) -> int | None:
     return None
 
 
-def kda_phase(metadata) -> str | None:
-    """The step's phase from KDA attention metadata (prefill wins in a mixed batch)."""
+def batch_phase(metadata) -> str | None:
+    """The step's phase from a layer's attention metadata (prefill wins in a mixed batch)."""
     if metadata is None:
         return None
     if getattr(metadata, "num_prefills", 0):
@@ -232,8 +197,8 @@ class ObserveSession:
                 try:
                     me = args[0]
                     counters.set_layer(layer_index(getattr(me, attr, None)))
-                    if s.phase_from == "kda":
-                        phase = self._kda_phase(me)
+                    if s.phase_from == "metadata":
+                        phase = self.metadata_phase(me)
                         if phase:
                             counters.set_phase(phase)
                 except Exception:
@@ -252,7 +217,7 @@ class ObserveSession:
         self._patch(s.spec, mod, make)
 
     @staticmethod
-    def _kda_phase(layer) -> str | None:
+    def metadata_phase(layer) -> str | None:
         from vllm.forward_context import get_forward_context, is_forward_context_available
 
         if not is_forward_context_available():
@@ -262,7 +227,7 @@ class ObserveSession:
             md = md[0] if md else None
         if isinstance(md, dict):
             md = md.get(getattr(layer, "prefix", ""))
-        return kda_phase(md)
+        return batch_phase(md)
 
     def _wrap_graph(self, mod, spec: str) -> None:
         c = self.counters
@@ -380,4 +345,4 @@ def _rank() -> dict:
     return out
 
 
-__all__ = ["GRAPH_HOOKS", "KERNELS", "SCOPES", "Kernel", "ObserveSession", "Scope", "kda_phase", "layer_index"]
+__all__ = ["GRAPH_HOOKS", "KERNELS", "SCOPES", "Kernel", "ObserveSession", "Scope", "batch_phase", "entries", "layer_index"]

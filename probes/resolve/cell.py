@@ -16,7 +16,8 @@ import time
 from probes.resolve import simulate, standins
 from probes.core.install import ProbeSet
 from probes.core.patching import PostImportHooks
-from probes.core.targets import TARGETS, Target
+from probes import models as models_probes
+from probes.core.targets import TARGETS, Target, with_model
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -150,16 +151,18 @@ def _install_platform(plan: dict, rec):
     """Probes, stand-ins and the simulated platform: nothing here reads the SKU, so the shared parent can do it
     before any is set (each stand-in reads it when vLLM asks)."""
     simulate.simulate_torch()
+    # the model's readings and dispatch lanes run in a bare run too (they patch nothing); its targets only when probed
+    own = models_probes.use(models_probes.load(plan.get("model_probes", ""), resolve=True))
     if plan.get("probes", True):
-        targets = TARGETS + tuple(_target(t) for t in plan.get("extra_targets", ()))
+        targets = with_model(TARGETS, own.targets) + tuple(_target(t) for t in plan.get("extra_targets", ()))
         probes = ProbeSet(rec, targets=targets, vllm_version=_vllm_version()).install()
         hooks = probes.hooks
     else:  # a bare run, to compare against: same simulation, no probes
         probes, hooks = None, PostImportHooks()
-    simulate.install_stand_ins(hooks)
+    simulate.install_stand_ins(hooks, own.stand_ins)
     simulate.install_in_process_registry(hooks)
     simulate.install_node_topology(hooks)
-    standins.install(hooks)
+    standins.install(hooks, own)
     from probes.resolve import memo
 
     memo.install(hooks, None if plan.get("postload_every_layer") else plan.get("memo_dir"), standins.humming_facts)
@@ -318,7 +321,9 @@ def _run_stages(plan, cell, rec, Stage) -> None:
         except Exception as exc:  # a check, not a stage: recorded, never fatal to the cell
             rec.emit("observe-status", targets={}, error=f"{type(exc).__name__}: {exc}")
         else:
-            check_phase_attribution(rec, session, model, vllm_config)
+            check_phase = models_probes.current().hook("check_phase")
+            if check_phase is not None:  # the model's own layers' metadata, read the way the scope reads it
+                check_phase(rec, session, model, vllm_config)
         if getattr(getattr(vllm_config, "profiler_config", None), "profiler", None):
             check_profiler(rec, serve_argv(plan, cell), vllm_config, prefix=f"check-{cell['system']['name']}")
 
@@ -378,45 +383,17 @@ def check_profiler(rec, argv: list[str], vllm_config, *, prefix: str) -> None:
     rec.emit("observe-profiler-check", **out)
 
 
-def check_phase_attribution(rec, session, model, vllm_config) -> None:
-    """Observe mode's phase attribution against vLLM's real KDA metadata class and forward context:
-    for a built KDA layer, what phase the scope reads for a prefill, decode, spec-verify and mixed batch."""
-    import dataclasses
-
-    out: dict = {}
-    try:
-        from vllm.config import set_current_vllm_config
-        from vllm.forward_context import set_forward_context
-        from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
-        from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata
-
-        layer = next(m for m in model.modules() if isinstance(m, KimiK3DeltaAttention))
-        cases = {"prefill": (2, 0, 0), "decode": (0, 4, 0), "spec-verify": (0, 0, 4), "mixed": (1, 3, 0)}
-        for name, (p, d, s) in cases.items():
-            # the counts a batch of this kind has; every other required field is left empty
-            kw = {f.name: None for f in dataclasses.fields(KimiK3KDAMetadata)
-                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-            kw.update(num_prefills=p, num_prefill_tokens=p * 64, num_decodes=d, num_decode_tokens=d,
-                      num_spec_decodes=s, num_spec_decode_tokens=s * 4, num_actual_tokens=p * 64 + d + s * 4)
-            md = KimiK3KDAMetadata(**kw)
-            with set_current_vllm_config(vllm_config), set_forward_context({layer.prefix: md}, vllm_config):
-                out[name] = session._kda_phase(layer)
-        out["layer"] = layer.prefix
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
-    rec.emit("observe-phase-check", **out)
-
-
 def check_observe_targets(rec) -> None:
     """Install observe mode's counting wrappers, scopes and graph hooks into this process (which has
     built the model), importing every module they name, and record what each target became:
     ``patched``, ``missing: ...`` (drift), or the import error of its module."""
 
-    from probes.observe.session import GRAPH_HOOKS, KERNELS, SCOPES, ObserveSession
+    from probes.observe.session import GRAPH_HOOKS, ObserveSession, entries
 
-    session = ObserveSession(rec).install()
+    kernels, scopes = entries(models_probes.current())
+    session = ObserveSession(rec, kernels=kernels, scopes=scopes).install()
     imports = {}
-    for spec in [k.spec for k in KERNELS] + [s.spec for s in SCOPES] + list(GRAPH_HOOKS):
+    for spec in [k.spec for k in kernels] + [s.spec for s in scopes] + list(GRAPH_HOOKS):
         module = spec.split(":", 1)[0]
         if module in imports:
             continue

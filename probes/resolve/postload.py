@@ -10,8 +10,9 @@ then ``model_executor.model_loader.utils:process_weights_after_loading``, which 
    ``HpcModule``'s ``process_weights_after_loading(model)`` after them);
 3. the model's own ``process_weights_after_loading()`` (K3 before 0.33: MegaMoE weight finalization).
 
-Then the worker builds its model state; for K3 with ``decode_backend=latency_specialized`` that
-builds the specialized decode (``KimiK3ModelState.__init__`` -> ``build_specialized_decode``).
+Then the worker builds its model state: a model's probes package adds those steps (``postload_steps``; K3 with
+``decode_backend=latency_specialized`` builds its specialized decode there), and the readings of what its own
+modules left behind (``runner_facts``, ``model_facts``).
 
 vLLM stops at the first exception. Here each step runs on its own, so one step that cannot be
 simulated does not hide the decisions of the others; every step's outcome is recorded:
@@ -35,6 +36,7 @@ import re
 import time
 import traceback
 
+from probes import models as models_probes
 from probes.resolve import simulate
 from probes.core.recorder import describe
 from probes.core.stages import stop_rule
@@ -76,7 +78,7 @@ def classify(exc: BaseException, *, fed_no_weights: bool = False) -> dict:
         out["raised_where"] = f"{_rel(inner_frame.f_code.co_filename)}:{inner_line}"
     for f, _ in reversed(frames):  # the innermost layer module on the way (the MoE experts of layer N)
         owner = f.f_locals.get("self")
-        prefix = _try(lambda: getattr(owner, "prefix", None) or getattr(owner, "layer_name", None), default="")
+        prefix = attempt(lambda: getattr(owner, "prefix", None) or getattr(owner, "layer_name", None), default="")
         if isinstance(prefix, str) and _LAYER_RE.search(prefix):
             out["in_module"] = prefix
             out["in_layer"] = _layer(prefix)
@@ -228,10 +230,9 @@ def run(model, vllm_config, rec, *, role: str = "target", model_config=None, eve
     if missing:
         rec.emit("postload-drift", role=role, loader=LOADER, missing=missing)
     lm = _language_model(model)
-    if getattr(lm, "specialized_decode_config", None) is not None and hasattr(lm, "build_specialized_decode"):
-        # what KimiK3ModelState.__init__ does once the weights are loaded
-        todo.append(("model-state", "", lm, lm.build_specialized_decode,
-                     f"{type(lm).__module__}:{type(lm).__qualname__}.build_specialized_decode"))
+    own_steps = models_probes.current().hook("postload_steps")
+    if own_steps is not None:  # what the model's worker does once the weights are loaded (K3: its model state)
+        todo.extend(own_steps(lm))
     try:
         moe_base = getattr(importlib.import_module(MOE_METHOD_MODULE), "FusedMoEMethodBase", None)
     except ImportError:
@@ -264,7 +265,7 @@ def run(model, vllm_config, rec, *, role: str = "target", model_config=None, eve
 
 # -- what post-load decided ------------------------------------------------------------------------
 
-def _try(fn, default=None):
+def attempt(fn, default=None):
     try:
         return fn()
     except Exception as exc:
@@ -317,12 +318,12 @@ def _moe_config_facts(cfg) -> dict:
     if requested is None and isinstance(getattr(cfg, "defer_moe_finalize", None), bool):
         requested = cfg.defer_moe_finalize  # before 0.33 a field, since then a method
     prop = getattr(type(cfg), "use_deferred_moe_finalize", None)
-    effective = _try(lambda: bool(cfg.use_deferred_moe_finalize)) if prop is not None else None
+    effective = attempt(lambda: bool(cfg.use_deferred_moe_finalize)) if prop is not None else None
     out = {"defer_requested": requested, "defer_effective": effective,
            "defer_max_tokens": getattr(cfg, "defer_moe_finalize_max_num_tokens", None),
            "activation": describe(getattr(cfg, "activation", None))}
     if requested and effective is False and isinstance(prop, property):  # the check in vLLM's condition that decided
-        out["defer_fails"] = _try(lambda: failing_condition(prop.fget, cfg))
+        out["defer_fails"] = attempt(lambda: failing_condition(prop.fget, cfg))
     return out
 
 
@@ -339,10 +340,13 @@ def _all2all_manager():
 
 def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
     """Read per layer what the post-load path left behind: the MoE kernel objects (with the all2all manager
-    their prepare/finalize dispatches through under expert parallelism), the latent tail fusion (whose fused
-    path vLLM re-evaluates once the MoE kernel exists), deferred finalize, the activation each experts kernel
-    is given, and the specialized decode."""
+    their prepare/finalize dispatches through under expert parallelism), deferred finalize, the activation each
+    experts kernel is given; and what the model's probes package reads of its own modules (K3: the latent tail
+    fusion, whose fused path vLLM re-evaluates once the MoE kernel exists, and the specialized decode)."""
     manager = _all2all_manager()
+    own = models_probes.current()
+    own_runner_facts = own.hook("runner_facts")
+    experts_modules = ("DeepGemmMegaMoEExperts",) + own.experts_modules
     for name, module in model.named_modules():
         layer = _layer(name)
         if layer is None:
@@ -350,16 +354,8 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
         facts: dict = {}
         if hasattr(module, "routed_experts") and hasattr(module, "moe_config"):  # an MoE runner
             facts["runner"] = _cls(module)
-            if hasattr(module, "enable_k3_latent_moe_tail_fusion"):
-                facts["tail_fusion_enabled"] = bool(module.enable_k3_latent_moe_tail_fusion)
-                if callable(getattr(module, "_use_fused_path", None)):
-                    facts["fused_path"] = _try(lambda: bool(module._use_fused_path()))
-                    if facts["fused_path"] is False:  # the check in vLLM's condition that decided
-                        facts["fused_path_fails"] = _try(lambda: failing_condition(module._use_fused_path, module))
-                op = getattr(module, "_k3_latent_moe_tail_op", None)
-                contract = getattr(op, "contract", None)
-                facts["tail_op"] = _cls(op)
-                facts["tail_max_tokens"] = getattr(contract, "max_num_tokens", None) if contract is not None else None
+            if own_runner_facts is not None:  # what the model's own runner left behind (K3: its latent tail fusion)
+                facts.update(own_runner_facts(module))
             facts.update(_moe_config_facts(module.moe_config))
             experts = module.routed_experts
             qm = getattr(experts, "quant_method", None)
@@ -374,7 +370,7 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
                 if manager is not None:
                     facts["all2all_manager"] = _cls(manager)
                 if callable(getattr(kernel, "output_is_reduced", None)):
-                    facts["output_is_reduced"] = _try(lambda: bool(kernel.output_is_reduced()))
+                    facts["output_is_reduced"] = attempt(lambda: bool(kernel.output_is_reduced()))
             act = getattr(experts, "activation", None)
             facts["layer_activation"] = describe(act)
             kernel_cls = type(getattr(kernel, "fused_experts", None)) if kernel is not None else \
@@ -383,9 +379,9 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
             if act is not None and callable(check):
                 # the harness's own question, asked of the unwrapped function: not recorded as vLLM's
                 plain = _unwrap(check)
-                facts["kernel_supports_activation"] = _try(lambda: bool(plain(act)))
+                facts["kernel_supports_activation"] = attempt(lambda: bool(plain(act)))
             rec.emit("postload-module", role=role, name=name, layer=layer, what="moe-runner", facts=facts)
-        elif type(module).__name__ in ("KimiK3MegaMoEExperts", "DeepGemmMegaMoEExperts"):
+        elif type(module).__name__ in experts_modules:
             act = getattr(module, "activation", None)
             facts["experts"] = _cls(module)
             facts["activation"] = getattr(act, "name", act) if act is not None else None
@@ -398,10 +394,7 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
     pc = getattr(vllm_config, "parallel_config", None)
     rec.emit("postload-comm", role=role, all2all_backend=getattr(pc, "all2all_backend", None),
              all2all_manager=_cls(manager))
-    lm = _language_model(model)
-    if hasattr(lm, "specialized_decode_config"):
-        cfg = lm.specialized_decode_config
-        rec.emit("postload-model", role=role, specialized_decode_requested=cfg is not None,
-                 specialized_decode_config=describe(vars(cfg)) if cfg is not None and hasattr(cfg, "__dict__") else
-                 (describe(cfg) if cfg is not None else None),
-                 specialized_decode=_cls(getattr(lm, "specialized_decode", None)))
+    own_model_facts = own.hook("model_facts")
+    facts = own_model_facts(_language_model(model)) if own_model_facts is not None else None
+    if facts is not None:
+        rec.emit("postload-model", role=role, **facts)

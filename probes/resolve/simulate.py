@@ -317,12 +317,9 @@ def stand_in_cuda_streams() -> None:
 
 #: Objects that, on a GPU, allocate device memory or compile kernels when constructed. Each is
 #: replaced by a stand-in that records its constructor arguments; vLLM's checks before and around
-#: them still run. Applied when the defining module is imported.
-STAND_INS: tuple[str, ...] = (
-    "vllm.models.kimi_k3.nvidia.ops.cute_dsl.latent_moe_tail:CollectiveKernel",
-    "vllm.models.kimi_k3.nvidia.ops.cute_dsl.latent_moe_tail:AdaptiveUpProjectionKernel",
-    "vllm.models.kimi_k3.nvidia.ops.cute_dsl.latent_moe_tail:LamportCopyKernel",
-)
+#: them still run. Applied when the defining module is imported. None of vLLM's shared layers needs one
+#: today; a model's probes package lists its own (``STAND_INS``).
+STAND_INS: tuple[str, ...] = ()
 
 #: constructor calls the stand-ins received: (qualname, kwargs names)
 STAND_IN_CALLS: list[dict] = []
@@ -341,9 +338,10 @@ def _make_stand_in(qualname: str, original: type) -> type:
                                          "__serving_truth_stand_in__": qualname})
 
 
-def install_stand_ins(hooks) -> None:
-    """Register post-import hooks that swap each STAND_INS class for a recording stand-in."""
-    for spec in STAND_INS:
+def install_stand_ins(hooks, model: tuple[str, ...] = ()) -> None:
+    """Register post-import hooks that swap each STAND_INS class (and each of the model's) for a recording
+    stand-in."""
+    for spec in STAND_INS + tuple(model):
         module, _, name = spec.partition(":")
 
         def swap(mod, name=name, spec=spec):

@@ -58,9 +58,8 @@ class Poison:
 #: under meta construction they get "meta". The argument is passed as rank 0's device (cuda:0) so the
 #: code behind it runs as on a GPU: its own checks, and the device queries the simulated SKU answers.
 #: (module, qualname, argument, why)
+#: (a model's probes package lists its own calls the same way: ``META_DEVICE_ARGS``)
 META_DEVICE_ARGS: tuple[tuple[str, str, str, str], ...] = (
-    ("vllm.models.kimi_k3.nvidia.ops.latent_moe_tail", "KimiK3LatentMoETailOp.initialize", "device",
-     "the latent-MoE tail op is initialised for the device rank 0's weights sit on"),
     ("flashinfer.utils", "get_compute_capability", "device",
      "FlashInfer's capability query for the device a weight lives on (it picks the arch of its kernels, "
      "e.g. block_scale_interleave at MXFP4 weight conversion): the simulated SKU answers"),
@@ -69,8 +68,8 @@ META_DEVICE_ARGS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-def install_meta_device_args(hooks) -> None:
-    for module, qualname, arg, why in META_DEVICE_ARGS:
+def install_meta_device_args(hooks, model: tuple = ()) -> None:
+    for module, qualname, arg, why in tuple(model) + META_DEVICE_ARGS:
 
         def patch(mod, qualname=qualname, arg=arg):
             import inspect
@@ -511,9 +510,10 @@ def no_nccl() -> None:
         "not opened (no peers behind the fake process group): vLLM's own NCCL-unavailable state")
 
 
-def install(hooks) -> None:
-    """Every stand-in above, as post-import hooks (resolve mode's SM process, before vLLM is imported)."""
-    install_meta_device_args(hooks)
+def install(hooks, model=None) -> None:
+    """Every stand-in above, and those of *model*'s probes package (a ``probes.models.ModelProbes``), as
+    post-import hooks (resolve mode's SM process, before vLLM is imported)."""
+    install_meta_device_args(hooks, model.meta_device_args if model is not None else ())
     install_cuda_device_context(hooks)
     install_humming(hooks)
     install_inert_jit(hooks)

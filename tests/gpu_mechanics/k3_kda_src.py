@@ -69,7 +69,7 @@ SHIMS = {
         "    return t.pin_memory().to(device=device, dtype=dtype or t.dtype, non_blocking=True)\n"),
     "vllm/utils/__init__.py": "",
 }
-#: the Kernel.path of probes.observe.session.KERNELS each copied entry is counted as, with its module:function
+#: the Kernel.path of probes/models/kimi_k3's KERNELS each copied entry is counted as, with its module:function
 ENTRIES = {
     "triton chunk_kda": "vllm.models.kimi_k3.nvidia.ops.third_party.kda:chunk_kda_with_fused_gate",
     "triton packed decode": "vllm.models.kimi_k3.nvidia.ops.third_party.kda:fused_recurrent_kda_packed_decode",

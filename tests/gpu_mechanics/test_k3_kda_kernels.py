@@ -26,12 +26,13 @@ def kda(gpu, k3_kda_src):
     import sys
 
     from probes.observe.kernel_names import _Build
-    from probes.observe.session import KERNELS, ObserveSession
+    from probes import models as models_probes
+    from probes.observe.session import ObserveSession
     from probes.core.recorder import Recorder
 
     import k3_kda_src as src
 
-    entries = tuple(k for k in KERNELS if k.path in src.ENTRIES)
+    entries = tuple(k for k in models_probes.load("kimi_k3").kernels if k.path in src.ENTRIES)
     assert {k.path: k.spec for k in entries} == src.ENTRIES  # the copied entries are the probes' targets
     cls = gpu.cuda.graphs.CUDAGraph
     saved = {n: vars(cls)[n] for n in ("capture_begin", "capture_end", "replay")}
@@ -55,7 +56,10 @@ def _calls(session, path) -> int:
 
 
 def _mapped(kernels):
-    from probes.observe.kernel_names import KERNEL_NAMES, matches
+    from probes import models as models_probes
+    from probes.observe.kernel_names import all_names, matches
+
+    KERNEL_NAMES = all_names(models_probes.load("kimi_k3"))
 
     return {name: sorted({e.path for e in matches(KERNEL_NAMES, name)}) for name in kernels}
 

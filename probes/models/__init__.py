@@ -1,0 +1,118 @@
+"""What a model brings to the probes: one package per model (``probes/models/<name>/``), named by the host's
+profile (``Profile.probes``) and sent in the plan (``"model_probes"``).
+
+The shared probes (``probes/core``, ``probes/resolve``, ``probes/observe``) know no model by name: they wrap
+vLLM's shared layers and selectors, run vLLM's post-load steps and its shared per-call dispatch functions. What
+only one model has comes from its package, in two parts:
+
+``probes/models/<name>/__init__.py`` (data; standard library only, read by both modes)
+    ``TARGETS``   what resolve and observe wrap besides the shared targets (the model's layer scopes and
+                  selectors), as :class:`probes.core.targets.Target`;
+    ``KERNELS``, ``SCOPES``  observe mode's kernel entries and layer scopes besides the shared ones;
+    ``KERNEL_NAMES``  the GPU kernels each of its kernel paths launches (read with profiler traces);
+    ``STAND_INS``, ``META_DEVICE_ARGS``  resolve mode's stand-ins for the model's own classes and calls (the
+                  formats of :data:`probes.resolve.simulate.STAND_INS` and :data:`probes.resolve.standins.META_DEVICE_ARGS`);
+    ``DEVICE_EXPERTS``  experts classes of the model whose per-call variant the device picks (class name ->
+                  why), and ``EXPERTS_MODULES`` those that are modules of their own (no MoE runner around them).
+
+``probes/models/<name>/resolve.py`` (resolve mode only; imports vLLM inside its functions), any of:
+    ``LANES``                 (lane id, function) dispatch lanes run after the shared ones
+                              (the contract of :mod:`probes.resolve.dispatch`);
+    ``STEP_PATH``             a :class:`StepPath`: a path of the model's own that serves some steps instead of
+                              the stock forward (the serving-path lane asks it per step);
+    ``postload_steps(lm)``    steps the worker runs once the weights are loaded, after vLLM's loader steps;
+    ``runner_facts(runner)``  what the model's MoE runners left behind at post-load, merged into each runner's facts;
+    ``model_facts(lm)``       the model-level reading after post-load (a ``postload-model`` record), or None;
+    ``check_phase(rec, session, model, vllm_config)``  observe mode's phase attribution checked on the built model.
+
+:func:`load` reads both parts; a model without a package (an empty name) gets no additions.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class StepPath:
+    """A path of the model's own that serves some steps in place of the stock forward.
+
+    ``build(model, vllm_config)`` returns vLLM's planner for it (None where the layout does not ask for the path);
+    ``takes(planner, cg_mode, padded_tokens, workload)`` is vLLM's own answer for one step; ``describe(planner)``
+    says what the planner was built with (for the lane's source)."""
+    name: str
+    build: Callable
+    takes: Callable
+    describe: Callable
+
+
+@dataclass(frozen=True)
+class ModelProbes:
+    name: str = ""
+    targets: tuple = ()
+    kernels: tuple = ()
+    scopes: tuple = ()
+    kernel_names: tuple = ()
+    stand_ins: tuple = ()
+    meta_device_args: tuple = ()
+    device_experts: dict = field(default_factory=dict)
+    experts_modules: tuple = ()
+    #: the resolve-side module (None in observe mode, or when the model has none)
+    resolve: object = None
+
+    @property
+    def lanes(self) -> tuple:
+        return tuple(getattr(self.resolve, "LANES", ()))
+
+    @property
+    def step_path(self) -> StepPath | None:
+        return getattr(self.resolve, "STEP_PATH", None)
+
+    def hook(self, name: str):
+        """The resolve module's function *name*, or None."""
+        return getattr(self.resolve, name, None)
+
+
+class UnknownModel(ValueError):
+    pass
+
+
+def load(name: str, *, resolve: bool = False) -> ModelProbes:
+    """The probes package of model *name* (``""``: none). ``resolve`` also imports its resolve-side module."""
+    if not name:
+        return ModelProbes()
+    if not name.isidentifier():
+        raise UnknownModel(f"model probes {name!r}: not a package name under probes/models")
+    try:
+        data = importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        raise UnknownModel(f"model probes {name!r}: no package probes/models/{name} ({exc})") from None
+    side = None
+    if resolve:
+        try:
+            side = importlib.import_module(f"{__name__}.{name}.resolve")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}.resolve":
+                raise
+    return ModelProbes(name=name, targets=tuple(getattr(data, "TARGETS", ())),
+                       kernels=tuple(getattr(data, "KERNELS", ())), scopes=tuple(getattr(data, "SCOPES", ())),
+                       kernel_names=tuple(getattr(data, "KERNEL_NAMES", ())),
+                       stand_ins=tuple(getattr(data, "STAND_INS", ())),
+                       meta_device_args=tuple(getattr(data, "META_DEVICE_ARGS", ())),
+                       device_experts=dict(getattr(data, "DEVICE_EXPERTS", {})),
+                       experts_modules=tuple(getattr(data, "EXPERTS_MODULES", ())), resolve=side)
+
+
+_CURRENT: list[ModelProbes] = [ModelProbes()]
+
+
+def use(probes: ModelProbes) -> ModelProbes:
+    """Make *probes* this process's model probes (a process audits one model)."""
+    _CURRENT[0] = probes
+    return probes
+
+
+def current() -> ModelProbes:
+    """This process's model probes (none until :func:`use`)."""
+    return _CURRENT[0]

@@ -1,0 +1,540 @@
+"""Kimi-K3's resolve-side probes: what its post-load leaves behind (the latent-MoE tail fusion, the specialized
+decode it builds once the weights are loaded) and its per-call dispatch lanes (the latent MoE tail tier, the
+specialized decode, the routed down-projection overlap, the low-latency GEMM plans, the KDA projection overlap and
+the KDA kernel by batch type), plus observe mode's phase attribution checked against its KDA metadata.
+
+Loaded by the resolve agent when the plan names ``kimi_k3`` (:func:`probes.models.load`); the lanes follow
+:mod:`probes.resolve.dispatch`'s contract and run after its shared ones. Imported only inside the pinned
+environment; vLLM is imported inside the functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+
+from probes.core.recorder import describe
+from probes.models import StepPath
+from probes.resolve.dispatch import SERVING_PATHS, Stop, Workload, capture, err, meta, optional, runners
+from probes.resolve.postload import attempt, failing_condition
+
+
+# --- post-load ----------------------------------------------------------------------------------------------------
+
+def postload_steps(lm) -> list[tuple]:
+    """What ``KimiK3ModelState.__init__`` does once the weights are loaded: build the specialized decode (where the
+    layout asks for it), as a post-load step of its own."""
+    if getattr(lm, "specialized_decode_config", None) is not None and hasattr(lm, "build_specialized_decode"):
+        return [("model-state", "", lm, lm.build_specialized_decode,
+                 f"{type(lm).__module__}:{type(lm).__qualname__}.build_specialized_decode")]
+    return []
+
+
+def runner_facts(module) -> dict:
+    """The latent MoE tail fusion of a runner: whether it is enabled, whether the fused path is taken (vLLM
+    re-evaluates it once the MoE kernel exists) and, when not, the check in vLLM's condition that decided."""
+    facts: dict = {}
+    if not hasattr(module, "enable_k3_latent_moe_tail_fusion"):
+        return facts
+    facts["tail_fusion_enabled"] = bool(module.enable_k3_latent_moe_tail_fusion)
+    if callable(getattr(module, "_use_fused_path", None)):
+        facts["fused_path"] = attempt(lambda: bool(module._use_fused_path()))
+        if facts["fused_path"] is False:
+            facts["fused_path_fails"] = attempt(lambda: failing_condition(module._use_fused_path, module))
+    op = getattr(module, "_k3_latent_moe_tail_op", None)
+    contract = getattr(op, "contract", None)
+    facts["tail_op"] = None if op is None else describe(type(op))
+    facts["tail_max_tokens"] = getattr(contract, "max_num_tokens", None) if contract is not None else None
+    return facts
+
+
+def model_facts(lm) -> dict | None:
+    """The specialized decode: whether the layout asked for it, its config, and what was built."""
+    if not hasattr(lm, "specialized_decode_config"):
+        return None
+    cfg = lm.specialized_decode_config
+    built = getattr(lm, "specialized_decode", None)
+    return {"specialized_decode_requested": cfg is not None,
+            "specialized_decode_config": describe(vars(cfg)) if cfg is not None and hasattr(cfg, "__dict__") else
+            (describe(cfg) if cfg is not None else None),
+            "specialized_decode": None if built is None else describe(type(built))}
+
+
+# --- observe mode's phase attribution ------------------------------------------------------------------------------
+
+def check_phase(rec, session, model, vllm_config) -> None:
+    """Observe mode's phase attribution against vLLM's real KDA metadata class and forward context:
+    for a built KDA layer, what phase the scope reads for a prefill, decode, spec-verify and mixed batch."""
+    out: dict = {}
+    try:
+        from vllm.config import set_current_vllm_config
+        from vllm.forward_context import set_forward_context
+        from vllm.models.kimi_k3.nvidia.kda import KimiK3DeltaAttention
+        from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata
+
+        layer = next(m for m in model.modules() if isinstance(m, KimiK3DeltaAttention))
+        cases = {"prefill": (2, 0, 0), "decode": (0, 4, 0), "spec-verify": (0, 0, 4), "mixed": (1, 3, 0)}
+        for name, (p, d, s) in cases.items():
+            # the counts a batch of this kind has; every other required field is left empty
+            kw = {f.name: None for f in dataclasses.fields(KimiK3KDAMetadata)
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+            kw.update(num_prefills=p, num_prefill_tokens=p * 64, num_decodes=d, num_decode_tokens=d,
+                      num_spec_decodes=s, num_spec_decode_tokens=s * 4, num_actual_tokens=p * 64 + d + s * 4)
+            md = KimiK3KDAMetadata(**kw)
+            with set_current_vllm_config(vllm_config), set_forward_context({layer.prefix: md}, vllm_config):
+                out[name] = session.metadata_phase(layer)
+        out["layer"] = layer.prefix
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    rec.emit("observe-phase-check", **out)
+
+
+# --- dispatch lanes ------------------------------------------------------------------------------------------------
+
+def lane_latent_tail(models, vllm_config, works):
+    """K3's latent MoE tail: LatentMoERunner._use_fused_path, moe_config.should_defer_moe_finalize
+    and LatentMoERunner._select_tail_tier, called per token count."""
+    runner_cls = optional("vllm.models.kimi_k3.nvidia.latent_moe_runner:LatentMoERunner") or \
+        optional("vllm.model_executor.layers.fused_moe.runner.latent_moe_runner:LatentMoERunner")
+    if runner_cls is None:
+        return
+    for role, model in models:
+        for name, runner in runners(model):
+            if not isinstance(runner, runner_cls):
+                continue
+            tiers = []
+            fused = runner._use_fused_path() if hasattr(runner, "_use_fused_path") else None
+            select = getattr(runner, "_select_tail_tier", None)
+            transform = getattr(runner, "routed_output_transform", None)
+            for w in works:
+                if fused is None or select is None:
+                    choice = "not resolved: this LatentMoERunner has no tail-tier selector"
+                elif not fused:
+                    choice = "native runner path (no fused tail: _use_fused_path() is False)"
+                else:
+                    try:
+                        choice = _tail_choice(runner, select, transform, w.tokens)
+                    except Exception as exc:
+                        choice = f"not resolved: {err(exc)}"
+                tiers.append(choice)
+            yield role, name, tiers, f"{runner_cls.__module__}:{runner_cls.__qualname__}._select_tail_tier"
+
+
+def _tail_choice(runner, select, transform, tokens: int) -> str:
+    # _fused_forward first asks whether this call may leave the top-k reduction to the tail (then it
+    # runs tier 0 directly); deferral is only ever requested without hidden-dim padding, the other
+    # condition of that branch. Otherwise the tier selector decides from the output's row count.
+    hidden, latent = transform.up_proj.weight.shape[0], transform.up_proj.weight.shape[1]
+    defer = getattr(runner.moe_config, "should_defer_moe_finalize", None)
+    if defer is not None and defer(tokens):
+        return "TAIL_FUSION (deferred top-k finalize)"
+    tier = select(meta(tokens, latent), meta(tokens, hidden))
+    return getattr(tier, "name", str(tier))
+
+
+def _config_text(config) -> str:
+    """A SkinnyGemmConfig without its row count (the M it is for): ``block_size=224 outputs_per_block=3 ...``."""
+    if not dataclasses.is_dataclass(config):
+        return str(config)
+    return " ".join(f"{f.name}={getattr(config, f.name)}" for f in dataclasses.fields(config)
+                    if f.name != "num_rows" and getattr(config, f.name) is not None)
+
+
+def _gemm_availability() -> tuple[bool, bool]:
+    """Whether the CuTe skinny GEMM and the dsv3 fused-A op the low-latency plans name are usable here."""
+    import torch
+
+    skinny = optional("vllm.model_executor.kernels.linear.cute_dsl.skinny_gemm:shape_dynamic_skinny_gemm")
+    try:
+        skinny_ok = bool(skinny.is_available()) if skinny is not None else False
+    except Exception:
+        skinny_ok = False
+    return skinny_ok, hasattr(torch.ops._C, "dsv3_fused_a_gemm")
+
+
+def _plan_choice(qm, m: int, skinny_ok: bool, dsv3_ok: bool) -> str:
+    """What a K3 low-latency method's per-M plan runs for an M-row call (its table entry, or the base GEMM)."""
+    plan = getattr(qm, "_plan", {}) or {}
+    gemm = getattr(getattr(qm, "_gemm_impl", None), "__name__", "base GEMM")
+    fallback = f"base linear ({gemm})"
+    entry = plan.get(m)
+    if entry is None:
+        return fallback
+    if entry[0] == "cute":
+        return f"CuTe skinny GEMM ({_config_text(entry[1])})" if skinny_ok else \
+            f"{fallback}: the plan's CuTe skinny GEMM is not available here"
+    return str(entry[0]) if dsv3_ok else f"{fallback}: the plan's {entry[0]} op is not compiled in"
+
+
+def lane_low_latency_gemm(models, vllm_config, works):
+    """K3's shape-selected decode GEMMs: the per-M plan KimiK3LowLatencyLinearMethod consults on each call
+    (built by vLLM from its measured table for this SM), then the runtime gates it checks on the host."""
+    cls = optional("vllm.models.kimi_k3.nvidia.low_latency_gemm:KimiK3LowLatencyLinearMethod")
+    if cls is None:
+        return
+    skinny_ok, dsv3_ok = _gemm_availability()
+    for role, model in models:
+        for name, module in model.named_modules():
+            qm = getattr(module, "quant_method", None)
+            if type(qm) is not cls:
+                continue
+            tiers = [_plan_choice(qm, w.tokens, skinny_ok, dsv3_ok) for w in works]
+            yield role, name, tiers, f"{cls.__module__}:{cls.__qualname__}._plan"
+
+
+def _specialized(model, vllm_config):
+    """K3's specialized decode, as far as vLLM's own constructor goes before it builds anything (its prepared
+    batch sizes, query widths, MLA core policy): None where the layout does not ask for it."""
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    config = getattr(lm, "specialized_decode_config", None)
+    if config is None:
+        return None
+    mod = importlib.import_module("vllm.models.kimi_k3.nvidia.specialized_decode.runtime.decode")
+    planner = mod.SpecializedDecode.__new__(mod.SpecializedDecode)
+    # the constructor up to its first device work (building the CuTe providers): its batch plan and layers
+    with capture(mod.SpecializedDecode, "build_providers"):
+        try:
+            mod.SpecializedDecode.__init__(planner, lm.model, config)
+        except Stop:
+            pass
+    return planner
+
+
+def _plan_takes(planner, cg: str, padded: int, w: Workload) -> bool:
+    """vLLM's own answer (``SpecializedDecode.plan``) to whether the specialized decode takes a step: the step
+    replayed as vLLM dispatched it (``cg``: a graph captured at ``padded`` tokens, or eager), each layer given
+    the metadata of that batch (a padded FULL graph holds whole decode or verify requests). Stand-ins make the
+    objects plan reads exist: the forward context, a stream that is capturing exactly when the step replays a
+    graph, and per layer the batch's request counts."""
+    import torch
+
+    mod = importlib.import_module(type(planner).__module__)
+    kda = importlib.import_module("vllm.models.kimi_k3.nvidia.kda")
+    verify = w.phase == "verify"
+    q = w.per_request if verify else 1
+    batch = Workload(w.phase, padded, max(1, padded // q), q) if w.phase != "prefill" else w
+    metadata = {}
+    for layer in planner.layers:
+        attention = layer.self_attn
+        name = mod.layer_name(attention)
+        if isinstance(attention, kda.KimiK3DeltaAttention):
+            metadata[name] = _kda_metadata(kda.KimiK3KDAMetadata, batch)
+        else:  # MLA: the request counts its metadata carries (no speculative fields)
+            reqs = batch.requests if batch.phase != "prefill" else 0
+            metadata[name] = types.SimpleNamespace(
+                num_prefills=1 if batch.phase == "prefill" else 0, num_decodes=reqs,
+                num_decode_tokens=batch.tokens if batch.phase != "prefill" else 0)
+    modes = importlib.import_module("vllm.config").CUDAGraphMode
+    context = types.SimpleNamespace(attn_metadata=metadata, cudagraph_runtime_mode=getattr(modes, cg),
+                                    slot_mapping=None)
+    swaps = [(mod, "get_forward_context", lambda: context), (mod, "is_forward_context_available", lambda: True),
+             (torch.cuda, "is_current_stream_capturing", lambda: cg != "NONE")]
+    saved = [(m, n, getattr(m, n)) for m, n, _ in swaps]
+    try:
+        for m, n, fn in swaps:
+            setattr(m, n, fn)
+        return planner.plan(meta(padded, dtype=torch.int64), None) is not None
+    finally:
+        for m, n, fn in saved:
+            setattr(m, n, fn)
+
+
+def _describe(planner) -> str:
+    return "SpecializedDecode.batches " + ",".join(map(str, planner.batches))
+
+
+#: K3's specialized decode serves the steps its planner takes (the shared serving-path lane asks it per step)
+STEP_PATH = StepPath("specialized decode", _specialized, _plan_takes, _describe)
+
+
+def lane_specialized_decode(models, vllm_config, works):
+    """What the specialized decode runs for a step it takes, at the depth the simulation reaches: its MLA core
+    per batch (vLLM's core_for), its input projection policy (projection_policies); its CuTe experts, KDA kernel
+    and o-projection are built and sized on the device (not simulated)."""
+    for role, model in models:
+        if role != "target":
+            continue
+        try:
+            planner = _specialized(model, vllm_config)
+        except Exception:
+            planner = None
+        if planner is None:
+            continue
+        core_for = optional("vllm.models.kimi_k3.nvidia.specialized_decode.cutedsl.mla.prepared:core_for")
+        tiers = []
+        for i, w in enumerate(works):
+            path = SERVING_PATHS.get((role, i))
+            if path is None or not path[2]:
+                tiers.append("not taken: the stock path serves this step")
+                continue
+            batch = path[1]
+            try:
+                core = core_for(batch // planner.q if planner.q > 1 else batch, planner.mla_core, planner.q) \
+                    if core_for is not None and getattr(planner, "dcp", 1) <= 1 else "tokenspeed (DCP)"
+            except Exception as exc:
+                core = f"not resolved ({err(exc)})"
+            tiers.append(f"specialized decode at batch {batch}: MLA core {core}; experts, KDA and projections: "
+                         "CuTe DSL kernels compiled and sized for the device (needs GPU)")
+        yield role, "", tiers, "vllm.models.kimi_k3.nvidia.specialized_decode.runtime.decode:SpecializedDecode"
+
+
+def _logits_rows(w: Workload) -> int:
+    """Rows the lm_head computes for a step: one per request for a decode step, the last token of a prefill
+    chunk, every verified token (vLLM's runner gathers hidden states at its logits indices)."""
+    return {"decode": w.requests, "prefill": 1, "verify": w.tokens}.get(w.phase, w.tokens)
+
+
+def lane_lm_head(models, vllm_config, works):
+    """The lm_head's low-latency GEMM plan (K3's per-M table, KimiK3LowLatencyEmbeddingMethod), at the number of
+    logits rows of each step."""
+    cls = optional("vllm.models.kimi_k3.nvidia.low_latency_gemm:KimiK3LowLatencyEmbeddingMethod")
+    if cls is None:
+        return
+    skinny_ok, dsv3_ok = _gemm_availability()
+    for role, model in models:
+        for name, module in model.named_modules():
+            qm = getattr(module, "quant_method", None)
+            if type(qm) is not cls:
+                continue
+            tiers = []
+            for w in works:
+                m = _logits_rows(w)
+                tiers.append(f"M={m}: {_plan_choice(qm, m, skinny_ok, dsv3_ok)}")
+            yield role, name, tiers, f"{cls.__module__}:{cls.__qualname__}._plan"
+
+
+def lane_down_proj_overlap(models, vllm_config, works):
+    """K3's routed-expert down projection beside the router: KimiMoE._maybe_overlap_router_and_down_proj hands
+    maybe_execute_in_parallel an auxiliary stream or None by the step's token count; inside a breakable (PIECEWISE)
+    capture maybe_execute_in_parallel runs both on one stream."""
+    moe_cls = optional("vllm.models.kimi_k3.nvidia.model:KimiMoE")
+    if moe_cls is None or not hasattr(moe_cls, "_maybe_overlap_router_and_down_proj"):
+        return
+    mod = importlib.import_module(moe_cls.__module__)
+    for role, model in models:
+        for name, moe in model.named_modules():
+            if not isinstance(moe, moe_cls) or getattr(moe, "routed_expert_down_proj", None) is None:
+                continue
+            hidden = moe.gate.weight.shape[1] if hasattr(moe, "gate") else None
+            tiers = []
+            for i, w in enumerate(works):
+                with capture(mod, "maybe_execute_in_parallel") as seen:
+                    try:
+                        moe._maybe_overlap_router_and_down_proj(meta(w.tokens, hidden))
+                    except Stop:
+                        pass
+                    except Exception as exc:
+                        tiers.append(f"not resolved: {err(exc)}")
+                        continue
+                args = list(seen.get("args", ())) + list(seen.get("kwargs", {}).values())
+                if len(args) < 5:
+                    tiers.append("not resolved: maybe_execute_in_parallel was not reached")
+                    continue
+                stream = args[4]
+                path = SERVING_PATHS.get(("target", i))
+                if stream is None:
+                    tiers.append("sequential (no auxiliary stream at this token count)")
+                elif path is not None and path[0] == "PIECEWISE":
+                    tiers.append("sequential (inside a breakable capture maybe_execute_in_parallel uses one stream)")
+                else:
+                    tiers.append("overlapped on the auxiliary stream")
+            yield role, name, tiers, f"{moe_cls.__module__}:{moe_cls.__qualname__}._maybe_overlap_router_and_down_proj"
+
+
+def lane_kda_projection_overlap(models, vllm_config, works):
+    """K3 KDA's input projections split over two streams for small steps: enabled at construction only for CUDA
+    weights at TP8, and the token bound is widened by FlashInfer autotuning at kernel warmup; it applies only
+    while a CUDA graph is being captured. All of that happens on the device: stated, not guessed."""
+    kda_cls = optional("vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention")
+    if kda_cls is None:
+        return
+    for role, model in models:
+        for name, layer in model.named_modules():
+            if not isinstance(layer, kda_cls) or not hasattr(layer, "_projection_overlap_max_tokens"):
+                continue
+            tiers = []
+            for i, w in enumerate(works):
+                path = SERVING_PATHS.get(("target", i))
+                if path is not None and path[0] == "NONE":
+                    tiers.append("not overlapped (an eager step: the overlap applies only while a graph is captured)")
+                else:
+                    tiers.append("needs GPU: the bound is set for CUDA weights at construction and widened by "
+                                 "FlashInfer's autotuning at kernel warmup (autotune_kda_qkvg)")
+            yield role, name, tiers, f"{kda_cls.__module__}:{kda_cls.__qualname__}.forward (_projection_overlap_max_tokens)"
+
+
+#: the KDA kernels ``_forward`` ends in, by the name it calls them (stopping there: nothing ran)
+_KDA_CORES = {
+    "flashinfer_packed_fused_kda_decode": "FlashInfer packed fused KDA decode (convolution fused)",
+    "flashinfer_fused_kda_decode": "FlashInfer fused KDA decode (convolution fused)",
+    "fused_kda_decode": "vLLM's fused_kda_decode CUDA op (convolution fused)",
+    "fused_recurrent_kda": "FLA Triton fused_recurrent_kda (after causal_conv1d_update)",
+    "fused_recurrent_kda_packed_decode": "FLA Triton fused_recurrent_kda_packed_decode (after causal_conv1d_update)",
+    "chunk_kda_with_fused_gate": "FLA Triton chunk_kda_with_fused_gate (after causal_conv1d_fn)",
+    "_flashkda_prefill": "FlashKDA prefill (after causal_conv1d_fn)",
+    "_flashinfer_kda_prefill": "FlashInfer recurrent KDA prefill (after causal_conv1d_fn)",
+    "_recoverssm_verify": "RecoverSSM verify",
+}
+#: decode requests riding along with a prefill chunk in the mixed batch
+MIXED_DECODES = 8
+
+
+def _kda_metadata(cls, w: Workload, decodes: int = 0):
+    """The metadata of a batch as vLLM's KDA builder describes it to the layer: how many prefill, decode and
+    verify requests and tokens, and index tensors (meta) of their shapes. It only says what the batch *is*;
+    which kernel serves it is decided by the layer's own ``_forward``."""
+    import torch
+
+    verify = w.phase == "verify"
+    prefills = 1 if w.phase == "prefill" else 0
+    plain = w.requests if w.phase == "decode" else decodes
+    spec = w.requests if verify else 0
+    non_spec_reqs = prefills + plain
+    i32 = torch.int32
+    md = cls(num_prefills=prefills, num_prefill_tokens=w.tokens if prefills else 0, num_decodes=plain,
+             num_decode_tokens=plain, num_spec_decodes=spec, num_spec_decode_tokens=w.tokens if verify else 0,
+             num_actual_tokens=(w.tokens if w.phase != "decode" else 0) + plain)
+    if non_spec_reqs:
+        md.non_spec_state_indices_tensor = meta(non_spec_reqs, dtype=i32)
+        md.non_spec_query_start_loc = meta(non_spec_reqs + 1, dtype=i32)
+        md.has_initial_state = meta(non_spec_reqs, dtype=torch.bool)
+    if spec:
+        md.spec_state_indices_tensor = meta(spec, w.per_request, dtype=i32)
+        md.spec_query_start_loc = meta(spec + 1, dtype=i32)
+        md.num_accepted_tokens = meta(spec, dtype=i32)
+    return md
+
+
+class _KdaProbe:
+    """Runs one KDA layer's own ``_forward`` for batches described by their metadata (meta tensors) and names
+    the KDA kernel each reaches. Stand-ins only make shapes exist: the forward context holds the batch's
+    metadata; the layer's conv and recurrent state are meta tensors of its own state shapes; the short
+    convolutions, the initial-state gather and the workspace return tensors of their output shapes; each KDA
+    kernel stops the call when reached. Everything swapped is put back on exit."""
+
+    def __init__(self, mod):
+        import torch
+
+        self.torch, self.mod, self.reached, self.context = torch, mod, [], None
+        cores = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.third_party.kda")
+        ops = getattr(mod, "ops", None)
+
+        def stop(name):
+            def grab(*args, **kwargs):
+                self.reached.append(name)
+                raise Stop
+            return grab
+
+        def empty(x):  # an op's output of the input's shape (torch.empty_like's Python meta path is slow)
+            return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+        def conv_update(x, *args, out=None, **kwargs):
+            return out if out is not None else empty(x)
+
+        class _Workspace:
+            def get_simultaneous(self, *specs):
+                return [torch.empty(tuple(shape), dtype=dt, device="meta") for shape, dt in specs]
+
+        self.stop = stop
+        self.swaps = [(mod, "get_forward_context", lambda: self.context), (mod, "causal_conv1d_update", conv_update),
+                      (mod, "causal_conv1d_fn", lambda x, *a, **k: empty(x)),
+                      (mod, "gather_initial_states",
+                       lambda state, indices, *a, **k: state.new_empty((indices.shape[0], *state.shape[1:]))),
+                      (mod, "current_workspace_manager", lambda: _Workspace())]
+        self.swaps += [(m, name, stop(name)) for m in (mod, cores) for name in _KDA_CORES if hasattr(m, name)]
+        if ops is not None and hasattr(ops, "fused_kda_decode"):
+            self.swaps.append((ops, "fused_kda_decode", stop("fused_kda_decode")))
+
+    def __enter__(self):
+        self.saved = [(m, name, getattr(m, name)) for m, name, _ in self.swaps if hasattr(m, name)]
+        for m, name, fn in self.swaps:
+            setattr(m, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for m, name, fn in self.saved:
+            setattr(m, name, fn)
+
+    def kernel(self, layer, md, states: list) -> str:
+        """``states``: the layer's conv and recurrent state (meta), with a slot for every request of the batch."""
+        torch = self.torch
+        T = md.num_actual_tokens
+        heads, dim, proj = layer.local_num_heads, layer.head_dim, layer.local_projection_size
+        bf16 = torch.bfloat16
+        self.reached.clear()
+        self.context = types.SimpleNamespace(attn_metadata={layer.prefix: md})
+        own = layer.__dict__  # plain attributes, set past nn.Module's __setattr__
+        had_cache, cache = "kv_cache" in own, own.get("kv_cache")
+        try:
+            own["kv_cache"] = states
+            own["_recoverssm_verify"] = self.stop("_recoverssm_verify")
+            layer._forward(mixed_qkv=meta(T, 3 * proj, dtype=bf16), g1=meta(1, T, heads, dim, dtype=bf16),
+                           g2=meta(T, heads, dim, dtype=bf16), beta=meta(1, T, heads, dtype=bf16),
+                           core_attn_out=meta(1, T, heads, dim, dtype=bf16))
+        except Stop:
+            pass
+        finally:
+            if had_cache:
+                own["kv_cache"] = cache
+            else:
+                own.pop("kv_cache", None)
+            own.pop("_recoverssm_verify", None)
+        if not self.reached:
+            return "no KDA kernel reached (the forward returned without one)"
+        name = self.reached[0]
+        text = _KDA_CORES[name]
+        if name == "_recoverssm_verify":
+            text += " (CuTe)" if getattr(layer, "recoverssm_verify", None) is not None else " (Triton)"
+        return text
+
+
+def lane_kda_batch(models, vllm_config, works):
+    """Which KDA kernel a batch reaches, by batch type: a pure decode batch, a prefill chunk alone and with
+    MIXED_DECODES decode requests beside it (a mixed batch), and a verify batch. vLLM's KDA layer chooses in
+    its ``_forward`` from the batch's request counts and the backends it resolved at construction; this runs
+    that ``_forward`` (meta tensors) up to the kernel it calls. Like every stock lane, it says what the stock
+    forward runs; a step K3's specialized decode takes is served by its own KDA (``serving_path``)."""
+    mod = optional("vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention")
+    if mod is None:
+        return
+    kda = importlib.import_module(mod.__module__)
+    md_cls = getattr(kda, "KimiK3KDAMetadata", None)
+    with _KdaProbe(kda) as probe:
+        for role, model in models:
+            for name, layer in model.named_modules():
+                if not isinstance(layer, mod):
+                    continue
+                if md_cls is None:  # the batch's metadata class moved: the lane says so on every KDA layer
+                    yield (role, name, [f"not resolved: {mod.__module__} has no KimiK3KDAMetadata"] * len(works),
+                           f"{mod.__module__}:{mod.__qualname__}")
+                    continue
+                tiers = []
+                try:
+                    slots = 2 + max(w.requests for w in works) + MIXED_DECODES
+                    states = [meta(slots, *shape, dtype=dt)
+                              for shape, dt in zip(layer.get_state_shape(), layer.get_state_dtype())]
+                except Exception as exc:
+                    yield role, name, [f"not resolved: {err(exc)}"] * len(works), f"{mod.__module__}:{mod.__qualname__}"
+                    continue
+                for w in works:
+                    try:
+                        text = probe.kernel(layer, _kda_metadata(md_cls, w), states)
+                        if w.phase == "prefill":
+                            mixed = probe.kernel(layer, _kda_metadata(md_cls, w, decodes=MIXED_DECODES), states)
+                            text = (f"{text} (alone or with {MIXED_DECODES} decode requests in the batch)"
+                                    if mixed == text else f"alone: {text}; with {MIXED_DECODES} decode requests: {mixed}")
+                    except Exception as exc:
+                        text = f"not resolved: {err(exc)}"
+                    tiers.append(text)
+                yield role, name, tiers, f"{mod.__module__}:{mod.__qualname__}._forward"
+
+
+LANES = (
+    ("specialized_decode", lane_specialized_decode),
+    ("latent_tail", lane_latent_tail),
+    ("down_proj_overlap", lane_down_proj_overlap),
+    ("low_latency_gemm", lane_low_latency_gemm),
+    ("lm_head", lane_lm_head),
+    ("kda_projection_overlap", lane_kda_projection_overlap),
+    ("kda_batch", lane_kda_batch),
+)

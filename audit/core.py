@@ -597,9 +597,3 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
     for before, after in zip(chosen, chosen[1:]):
         write_diff(models.reports_root(reports_dir, profile), before.name, after.name)
     return outcomes
-
-
-def clean_cache(keep_envs: bool = True) -> None:
-    from audit.fsutil import cache_root
-
-    shutil.rmtree(cache_root() / "runs", ignore_errors=True)

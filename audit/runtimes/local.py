@@ -12,7 +12,6 @@ import os
 import subprocess
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 from probes.core.lifecycle import WATCHDOG_ENV
 

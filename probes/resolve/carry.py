@@ -470,8 +470,6 @@ class Template:
 
     def carry(self, walk: Walk) -> list[tuple]:
         """Apply the delta to the layer ``walk`` described (its state before the step); returns the undo record."""
-        import torch
-
         corr = {id(a): b for a, b in zip(self.pre.objs, walk.objs)}
         storages = {}
         for (kind, *snap), b in zip(self.before, walk.objs):

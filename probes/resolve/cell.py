@@ -240,8 +240,6 @@ def _memo_stats() -> dict:
 
 
 def _run_stages(plan, cell, rec, Stage) -> None:
-    import torch
-
     with Stage(rec, "config"):
         from vllm.usage.usage_lib import UsageContext
 
@@ -418,8 +416,6 @@ def _draft_config(vllm_config, spec):
 def _construct_draft(vllm_config, spec, *, create_with, simulate):
     """Build the speculative draft model the way vLLM's drafter loader does (draft overrides, the
     draft's model config, the "eagle_head" model tag), stopping before weights are loaded."""
-    import torch
-
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 

@@ -376,7 +376,7 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
         if psum_layout is not None:
             raise NotImplementedError("DeepGEMM's PSUM scale layout is not simulated")
         groups = sf.size(0) if sf.dim() == 3 else 1
-        sf_k, packed = sf.size(-1), _ceil_div(sf.size(-1), 4)
+        packed = _ceil_div(sf.size(-1), 4)
         aligned = _align(mn, 4)  # TMA alignment: 16 bytes of int32
         out = torch.empty_strided((groups, mn, packed), (packed * aligned, 1, aligned), dtype=torch.int32,
                                   device="meta")

@@ -17,7 +17,7 @@ from audit import models
 from audit.profiles import Profile
 from audit.fsutil import DirLock, cache_root, replace_dir, report_dir_for, write_atomic
 from audit.report.render import report_files
-from audit.runtimes import RunRequest, RunResult, get_runtime, refresh_missing
+from audit.runtimes import RunRequest, RunResult, RuntimeOptions, get_runtime, refresh_missing
 from audit.runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs, newest_full_run
 from audit.systems import SYSTEMS, cells_of, select
 
@@ -122,8 +122,8 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
     load_expectations(expectations, lock_path=lock_path, profile=profile)  # bad expectations fail early too
     sys_sel = select("system", systems, SYSTEMS)
     lay_sel = select("layout", layouts, profile.layouts)
-    rt = get_runtime(runtime, cuda_toolkit=cuda_toolkit, lock_dir=Path(lock_path).resolve().parent,
-                     pass_env=list(pass_env), cluster=cluster, wait=wait)
+    rt = get_runtime(runtime, RuntimeOptions(cuda_toolkit=cuda_toolkit, lock_dir=Path(lock_path).resolve().parent,
+                                             pass_env=tuple(pass_env), cluster=cluster, wait=wait))
     if not cache and hasattr(rt, "stat_memo"):
         rt.stat_memo = False  # --no-cache: the environment check re-reads every file it hashes too
     rt.check(pin)

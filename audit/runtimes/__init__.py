@@ -5,33 +5,60 @@ Every runtime takes a :class:`~audit.runtimes.base.RunRequest` and returns a
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from audit.runtimes.base import RunRequest, RunResult, Runtime
 
 
-RUNTIMES = ("local", "docker", "slurm")
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What a runtime is built with (each runtime reads the options that apply to it)."""
+    #: local and slurm: put the environment's CUDA toolkit on PATH and CUDA_HOME, as on a serving host
+    cuda_toolkit: bool = True
+    #: docker and slurm: the directory of images.lock (test images and the cluster profile are found from it)
+    lock_dir: Path | None = None
+    #: docker: host environment variables passed into the container
+    pass_env: tuple[str, ...] = ()
+    #: slurm: the cluster profile (default: the one beside images.lock)
+    cluster: str | None = None
+    #: slurm: wait for the jobs (False: submit and return; ``make audit`` collects them later)
+    wait: bool = True
 
 
-def get_runtime(name: str, *, cuda_toolkit: bool = True, lock_dir: Path | None = None,
-                pass_env: list[str] = (), cluster: str | None = None, wait: bool = True) -> Runtime:
+def _local(o: RuntimeOptions) -> Runtime:
+    from audit.runtimes.local import LocalRuntime
+
+    return LocalRuntime(with_cuda_toolkit=o.cuda_toolkit)
+
+
+def _docker(o: RuntimeOptions) -> Runtime:
+    from audit.runtimes.docker import DockerRuntime
+
+    return DockerRuntime(lock_dir=o.lock_dir, pass_env=list(o.pass_env))
+
+
+def _slurm(o: RuntimeOptions) -> Runtime:
+    from audit.runtimes.cluster import default_profile_path, load
+    from audit.runtimes.slurm import SlurmRuntime
+
+    profile = load(o.cluster or default_profile_path(o.lock_dir or Path.cwd()))
+    return SlurmRuntime(profile, wait=o.wait, with_cuda_toolkit=o.cuda_toolkit)
+
+
+#: the runtimes by name, each built from :class:`RuntimeOptions`: the one list of them (``--runtime`` picks one; a new
+#: runtime is a subclass of :class:`~audit.runtimes.base.Runtime` and a line here)
+RUNTIMES: dict[str, Callable[[RuntimeOptions], Runtime]] = {"local": _local, "docker": _docker, "slurm": _slurm}
+
+
+def get_runtime(name: str, options: RuntimeOptions = RuntimeOptions()) -> Runtime:
+    """The runtime *name*, built with *options*; an unknown name is bad input naming the known ones."""
     from audit.errors import SelectionError
 
-    if name == "local":
-        from audit.runtimes.local import LocalRuntime
-
-        return LocalRuntime(with_cuda_toolkit=cuda_toolkit)
-    if name == "docker":
-        from audit.runtimes.docker import DockerRuntime
-
-        return DockerRuntime(lock_dir=lock_dir, pass_env=list(pass_env))
-    if name == "slurm":
-        from audit.runtimes.cluster import default_profile_path, load
-        from audit.runtimes.slurm import SlurmRuntime
-
-        profile = load(cluster or default_profile_path(lock_dir or Path.cwd()))
-        return SlurmRuntime(profile, wait=wait, with_cuda_toolkit=cuda_toolkit)
-    raise SelectionError("runtime", name, known=list(RUNTIMES))
+    if name not in RUNTIMES:
+        raise SelectionError("runtime", name, known=list(RUNTIMES))
+    return RUNTIMES[name](options)
 
 
 def refresh_missing(run_dir: Path, run_info: dict) -> dict | None:
@@ -45,4 +72,4 @@ def refresh_missing(run_dir: Path, run_info: dict) -> dict | None:
     return None
 
 
-__all__ = ["RunRequest", "RunResult", "Runtime", "get_runtime", "refresh_missing"]
+__all__ = ["RUNTIMES", "RunRequest", "RunResult", "Runtime", "RuntimeOptions", "get_runtime", "refresh_missing"]

@@ -374,7 +374,7 @@ def _audit(args, out, err) -> int:
     from audit.systems import SYSTEMS, cells_of, select
 
     from audit.pins.lock import load
-    from audit.runtimes import get_runtime
+    from audit.runtimes import RuntimeOptions, get_runtime
 
     if args.parallel is not None:
         _positive(args.parallel, "parallel")
@@ -393,8 +393,8 @@ def _audit(args, out, err) -> int:
         raise UsageError("--cluster and --no-wait only apply to --runtime slurm")
     from pathlib import Path
 
-    get_runtime(args.runtime, pass_env=pass_env, cluster=args.cluster, lock_dir=Path(args.lock).resolve().parent
-                ).check(load(args.lock).get(args.pin))  # bad input fails before any work
+    options = RuntimeOptions(pass_env=tuple(pass_env), cluster=args.cluster, lock_dir=Path(args.lock).resolve().parent)
+    get_runtime(args.runtime, options).check(load(args.lock).get(args.pin))  # bad input fails before any work
     n = len(cells_of(select("system", args.systems, SYSTEMS), select("layout", args.layouts, profile.layouts)))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=False) as bar:

@@ -77,6 +77,51 @@ class Slice:
 
 
 @dataclass(frozen=True)
+class DispatchLanes:
+    """What a model's ledger says about its per-call dispatch lanes (``audit/report/dispatch.py``; its probe side
+    resolves them) beyond the shared ones (``dispatch.LANE_TITLES``, lanes the shared probes resolve for any model).
+
+    ``order`` lists the dispatch lanes its ledger shows, shared ones included, in the order shown (lanes it does not
+    list follow: the shared ones in their order, then its own in ``titles``' order); ``titles`` names its own lanes
+    and renames shared ones for it; ``notes`` is what a reader must know to read a lane's table (shown under its
+    title); ``stand_ins`` are the stand-ins its probe side runs a lane's vLLM function with, lane -> (what, how),
+    listed under "What was simulated" wherever the lane has rows."""
+    order: tuple[str, ...] = ()
+    titles: dict[str, str] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    stand_ins: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepPath:
+    """A path of the model's own that serves the steps it takes in place of the stock lanes (probe side: its probes
+    package's ``STEP_PATH``). The shared ``serving_path`` dispatch lane's choice for a step it takes ends with
+    ``: <name>``; such a step is served by its own kernels, so verdicts and labels.json follow it, not the lane.
+
+    ``lane`` is its dispatch lane (what it runs per step); ``parts`` maps a construction lane to its own component
+    that serves that lane's work; its kernels are labelled ``vllm_<family>_<part>``, of backend family ``family``;
+    ``owner`` is how the ledger and labels.json name it in a sentence."""
+    name: str
+    lane: str
+    owner: str
+    family: str
+    parts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackendLabels:
+    """The kernels a lane's value enters, for lanes whose value is vLLM's resolved backend *string* (no class the
+    harness could name a family from).
+
+    ``kernels``: lane -> {value -> the ``kernel_source`` label of the kernel it enters} (a bool value: an older pin's
+    yes/no answer); ``families``: labels a perf database has no entry for -> the backend family of their kernels;
+    ``term``: how the ledger's key names such a value (one row per string value: its kernel in each lane)."""
+    term: str
+    kernels: dict[str, dict]
+    families: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     title: str
@@ -110,6 +155,12 @@ class Profile:
     #: ``layer_numbers`` (how its layer indices read), ``candidates_of`` (which layers the attention backend
     #: candidates are about), ``state_example`` (the model state vLLM builds after loading, if any)
     ledger_notes: dict = field(default_factory=dict)
+    #: its per-call dispatch lanes as the ledger shows them (see :class:`DispatchLanes`)
+    dispatch: DispatchLanes = field(default_factory=DispatchLanes)
+    #: a path of its own that serves some steps in place of the stock lanes, if any (see :class:`StepPath`)
+    step_path: StepPath | None = None
+    #: kernel labels for lanes whose value is a backend string, if any (see :class:`BackendLabels`)
+    backend_labels: BackendLabels | None = None
 
     def judged_lane(self, lane: str) -> JudgedLane | None:
         return next((j for j in self.judged if j.lane == lane), None)

@@ -7,7 +7,7 @@ both ways). Shared code reads these through the registry (:mod:`audit.models`) a
 """
 from __future__ import annotations
 
-from audit.profiles import JudgedLane, Lane, Profile, Slice, Source
+from audit.profiles import BackendLabels, DispatchLanes, JudgedLane, Lane, Profile, Slice, Source, StepPath
 from audit.systems import Layout
 
 MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
@@ -89,12 +89,21 @@ KIMI_K3 = Profile(
                          "config's `kda_layers` / `full_attn_layers` lists count from 1.",
         "candidates_of": "MLA layers",
         "state_example": "K3's specialized decode",
-        "dispatch_titles": {
+    },
+    dispatch=DispatchLanes(
+        order=("serving_path", "specialized_decode", "latent_tail", "shared_overlap", "moe_experts", "router",
+               "down_proj_overlap", "mla", "low_latency_gemm", "lm_head", "kda_projection_overlap", "kda_batch"),
+        titles={
             "serving_path": "Serving path (CUDA-graph mode; K3 specialized decode)",
             "specialized_decode": "K3 specialized decode (steps it takes)",
+            "latent_tail": "Latent MoE tail tier",
+            "down_proj_overlap": "Routed down-projection stream overlap",
             "low_latency_gemm": "K3 low-latency BF16 GEMMs",
+            "lm_head": "lm_head low-latency GEMM (at the step's logits rows)",
+            "kda_projection_overlap": "KDA input-projection stream overlap",
+            "kda_batch": "KDA kernel by batch type (decode, prefill alone or mixed, verify)",
         },
-        "dispatch_notes": {
+        notes={
             "serving_path": ("vLLM's CUDA-graph dispatch gives the mode; where the layout has K3's specialized decode, "
                              "its own `SpecializedDecode.plan` says whether it takes the step (its constructor ran up to "
                              "its first device work, which fixes the batch sizes it prepares). A step it takes is served "
@@ -103,8 +112,37 @@ KIMI_K3 = Profile(
             "specialized_decode": ("The specialized decode itself is not built in the simulation (its CuTe DSL kernels "
                                    "need a device; see the post-load stage): its MLA core per batch is vLLM's "
                                    "`core_for`, everything else is marked `needs GPU`."),
+            "kda_batch": ("vLLM's KDA `_forward` ran on meta tensors up to the kernel it calls, for each kind of batch: "
+                          "pure decode, a prefill chunk alone and with 8 decode requests beside it (mixed), verify."),
         },
-    },
+        stand_ins={
+            "kda_batch": ("dispatch `kda_batch`: KimiK3DeltaAttention._forward's inputs and callees",
+                          "a forward context holding the batch's metadata (request counts, meta index tensors); the "
+                          "layer's conv and recurrent state as meta tensors of its own state shapes; "
+                          "causal_conv1d_fn/_update, gather_initial_states and the workspace return tensors of their "
+                          "output shapes; each KDA kernel stops the call when reached (nothing runs)"),
+        },
+    ),
+    # K3's latency-specialized decode (``--additional-config decode_backend``): a step it takes runs its own kernels
+    step_path=StepPath(name="specialized decode", lane="specialized_decode", owner="K3's specialized decode",
+                       family="specialized_decode",
+                       parts={"moe": "experts", "mla.decode": "mla_core", "kda.decode": "kda", "kda.spec_verify": "kda"}),
+    # a KDA lane's value is vLLM's resolved KDA backend string (facts from docs/notes/labels-and-kernels.md)
+    backend_labels=BackendLabels(
+        term="KDA value",
+        kernels={
+            "kda.prefill": {"flashkda": "flashkda_fwd", "triton": "chunk_kda_with_fused_gate",
+                            "flashinfer": "flashinfer_recurrent_kda"},
+            "kda.decode": {"native": "fused_kda_decode", "triton": "fused_recurrent_kda_packed_decode",
+                           "flashinfer": "flashinfer_fused_kda_decode",
+                           True: "fused_kda_decode",  # pre-0.30: the fused decode check said yes
+                           False: "fused_recurrent_kda_packed_decode"},
+            "kda.spec_verify": {"native": "fused_recurrent_kda", "flashinfer": "flashinfer_packed_fused_kda_decode"},
+        },
+        # labels the perf database has no entry for, with the family their kernels belong to
+        families={"flashinfer_recurrent_kda": "flashinfer", "flashinfer_fused_kda_decode": "flashinfer",
+                  "flashinfer_packed_fused_kda_decode": "flashinfer"},
+    ),
     lanes=(
         Lane("moe", "Routed experts", "moe", "all", (
             Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls"), extra=("cls",)),

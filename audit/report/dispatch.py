@@ -8,68 +8,67 @@ each workload. Here those records become a compact table per cell and lane (``ro
 from __future__ import annotations
 
 from audit.evidence.files import EvidenceFile
+from audit.profiles import StepPath
 from audit.report.layers import format_ranges
 
-#: lane id -> title, in the order the ledger shows them (a model's profile may name a lane for itself:
-#: ``ledger_notes["dispatch_titles"]``, read by :func:`lane_titles`)
+#: the dispatch lanes the shared probes resolve for any model (probes/resolve/dispatch.py), lane id -> title, in the
+#: order the ledger shows them; a model's own lanes, its titles for shared ones and its order are its profile's
+#: (``Profile.dispatch``), read by :func:`lane_titles`
 LANE_TITLES = {
     "serving_path": "Serving path (CUDA-graph mode)",
-    "specialized_decode": "Specialized decode (steps it takes)",
-    "latent_tail": "Latent MoE tail tier",
     "shared_overlap": "Shared experts stream overlap",
     "moe_experts": "Routed experts per-call variant",
     "router": "MoE router GEMM",
-    "down_proj_overlap": "Routed down-projection stream overlap",
     "mla": "MLA attention path",
-    "low_latency_gemm": "Low-latency BF16 GEMMs",
-    "lm_head": "lm_head low-latency GEMM (at the step's logits rows)",
-    "kda_projection_overlap": "KDA input-projection stream overlap",
-    "kda_batch": "KDA kernel by batch type (decode, prefill alone or mixed, verify)",
 }
 #: what a reader must know to read a lane's table right (shown under its title; a profile's
-#: ``ledger_notes["dispatch_notes"]`` may say it for its model, read by :func:`lane_notes`)
+#: ``dispatch.notes`` may say it for its model, read by :func:`lane_notes`)
 LANE_NOTES = {
     "serving_path": "vLLM's CUDA-graph dispatch gives each batch its mode: a FULL graph, a piecewise graph or eager.",
-    "kda_batch": ("vLLM's KDA `_forward` ran on meta tensors up to the kernel it calls, for each kind of batch: "
-                  "pure decode, a prefill chunk alone and with 8 decode requests beside it (mixed), verify."),
 }
-#: the stand-ins a dispatch lane runs vLLM's function with (probes/resolve/dispatch.py), each shape-only: listed under
-#: "What was simulated" wherever the lane has rows; a raise planted right after them surfaces as `not resolved`
-#: (tests/test_serving_path_vllm.py)
+#: the stand-ins a shared dispatch lane runs vLLM's function with (probes/resolve/dispatch.py), each shape-only: listed
+#: under "What was simulated" wherever the lane has rows (a profile's ``dispatch.stand_ins`` add its own lanes'); a
+#: raise planted right after them surfaces as `not resolved` (tests/test_serving_path_vllm.py).
+#: The serving_path entry still names K3's step path (``SpecializedDecode.plan``): the committed reports of every model
+#: list it in these words (gpt-oss-120b's too, whose serving_path runs no step path), so rewording it, or moving it
+#: to K3's profile, is a deliberate change of those reports and their gold files
 STAND_INS = {
     "serving_path": ("dispatch `serving_path`: SpecializedDecode.plan's inputs",
                      "a forward context holding the step's CUDA-graph mode and, per layer, the request counts of the "
                      "padded batch (meta index tensors); the current stream answers 'capturing' exactly when vLLM "
                      "dispatched the step to a graph"),
-    "kda_batch": ("dispatch `kda_batch`: KimiK3DeltaAttention._forward's inputs and callees",
-                  "a forward context holding the batch's metadata (request counts, meta index tensors); the layer's "
-                  "conv and recurrent state as meta tensors of its own state shapes; causal_conv1d_fn/_update, "
-                  "gather_initial_states and the workspace return tensors of their output shapes; each KDA kernel "
-                  "stops the call when reached (nothing runs)"),
 }
+#: the ``raw`` source of a group that a model's own step path serves (see :func:`step_path_group`)
+STEP_PATH_SOURCE = "step_path"
+
+
+def _profile(model: str | None):
+    from audit import models
+
+    return models.get(model)
 
 
 def lane_titles(model: str | None) -> dict[str, str]:
-    """Every dispatch lane's title as *model*'s ledger names it (its profile's own titles over the shared ones)."""
-    from audit import models
-
-    return {**LANE_TITLES, **models.get(model).ledger_notes.get("dispatch_titles", {})}
+    """Every dispatch lane's title as *model*'s ledger names it (its profile's own titles over the shared ones), in
+    the order its ledger shows them (its profile's ``dispatch.order``; lanes it does not order follow, the shared
+    ones first)."""
+    own = _profile(model).dispatch
+    titles = {**LANE_TITLES, **own.titles}
+    order = [*own.order, *(lane for lane in titles if lane not in own.order)]
+    return {lane: titles.get(lane, lane) for lane in order}
 
 
 def lane_notes(model: str | None) -> dict[str, str]:
-    from audit import models
-
-    return {**LANE_NOTES, **models.get(model).ledger_notes.get("dispatch_notes", {})}
+    return {**LANE_NOTES, **_profile(model).dispatch.notes}
 
 
-def stand_ins(cells: list[dict]) -> dict[str, str]:
-    """The dispatch stand-ins of the lanes any cell resolved."""
+def stand_ins(cells: list[dict], model: str | None) -> dict[str, str]:
+    """The dispatch stand-ins of the lanes any cell resolved (the shared lanes' and *model*'s own)."""
+    known = {**STAND_INS, **_profile(model).dispatch.stand_ins}
     lanes = {lane for c in cells for lane in ((c.get("dispatch") or {}).get("lanes") or {})}
-    return dict(STAND_INS[lane] for lane in sorted(lanes) if lane in STAND_INS)
+    return dict(known[lane] for lane in sorted(lanes) if lane in known)
 
 
-#: the specialized decode's own component for a construction lane (what serves a step it takes)
-SPECIALIZED_PARTS = {"moe": "experts", "mla.decode": "mla_core", "kda.decode": "kda", "kda.spec_verify": "kda"}
 LEVEL_TEXT = ("dispatch: resolved; vLLM's own per-call dispatch function ran on the built modules for a batch "
               "of that many tokens (meta tensors, simulated platform); no kernel ran")
 PHASE_ORDER = {"decode": 0, "prefill": 1, "verify": 2}
@@ -82,8 +81,9 @@ def workload_key(w: dict) -> str:
     return f"{w['phase']} {w['tokens']}"
 
 
-def cell_tiers(f: EvidenceFile) -> dict | None:
-    """The cell's ``dispatch`` entry for routing.json, or None when the stage did not run."""
+def cell_tiers(f: EvidenceFile, model: str | None = None) -> dict | None:
+    """The cell's ``dispatch`` entry for routing.json (lanes in *model*'s ledger order), or None when the stage did
+    not run."""
     stage = f.of_kind("dispatch-stage")
     if not stage:
         return None
@@ -97,14 +97,15 @@ def cell_tiers(f: EvidenceFile) -> dict | None:
             "source": r.get("source", ""), "tiers": tiers})
     for rows in lanes.values():
         rows.sort(key=lambda g: (g["role"] != "target", g["layers"][:1], g["group"]))
+    order = list(lane_titles(model))
     return {"workloads": [workload_key(w) for w in st.get("workloads", [])],
-            "lanes": dict(sorted(lanes.items(), key=lambda kv: _lane_order(kv[0]))),
+            "lanes": dict(sorted(lanes.items(), key=lambda kv: _lane_order(kv[0], order))),
             "errors": st.get("errors", {})}
 
 
-def _lane_order(lane: str) -> tuple:
-    keys = list(LANE_TITLES)
-    return (keys.index(lane) if lane in keys else len(keys), lane)
+def _lane_order(lane: str, order: list[str]) -> tuple:
+    """Where *lane* goes in a ledger whose lanes are shown in *order* (:func:`lane_titles`' keys); others last."""
+    return (order.index(lane) if lane in order else len(order), lane)
 
 
 def workload_order(key: str) -> tuple:
@@ -133,7 +134,8 @@ def ledger_tables(cells: list[dict], model: str | None = None) -> list[dict]:
                 if name not in row["cells"]:
                     row["cells"].append(name)
     out, titles, notes = [], lane_titles(model), lane_notes(model)
-    for lane in sorted(by_lane, key=_lane_order):
+    order = list(titles)
+    for lane in sorted(by_lane, key=lambda lane: _lane_order(lane, order)):
         t = by_lane[lane]
         columns = sorted(t["columns"], key=workload_order)
         rows = sorted(t["rows"].values(), key=lambda r: (r["role"] != "target", r["group"], r["ranges"], r["cells"]))
@@ -204,9 +206,10 @@ def diff_cells(a: dict | None, b: dict | None, model: str | None = None):
     folded: dict[tuple, list[str]] = {}
     for (lane, role, group, workload, before, after), layers in moved.items():
         folded.setdefault((lane, role, group, before, after, tuple(sorted(layers))), []).append(workload)
+    titles = lane_titles(model)
     for (lane, role, group, before, after, layers), workloads in sorted(folded.items(), key=str):
         span = _fold(sorted(workloads, key=lambda w: order.index(w) if w in order else len(order)), order)
-        what = f"{lane_titles(model).get(lane, lane)} · `{group}`{' (draft)' if role != 'target' else ''} at {span}"
+        what = f"{titles.get(lane, lane)} · `{group}`{' (draft)' if role != 'target' else ''} at {span}"
         yield what, before, after, [layer for layer in layers if layer >= 0]
 
 
@@ -246,35 +249,39 @@ def tier_choice(cell: dict, dlane: str, layers: list[int], workload: str) -> tup
 
 
 def serving_path(cell: dict, workload: str) -> str | None:
-    """The cell's serving-path choice at *workload* (its CUDA-graph mode, and whether K3's specialized decode
+    """The cell's serving-path choice at *workload* (its CUDA-graph mode, and whether the model's own step path
     takes the step), or None when not resolved."""
     found = tier_choice(cell, "serving_path", [], workload)
     return found[0] if found else None
 
 
-def specialized_group(cell: dict, lane: str, group: dict, workload: str) -> dict | None:
-    """The group that serves *workload* when the specialized decode takes the step: its own component for the
-    lane (from its dispatch tier), with the dispatch level; None when the stock path serves it."""
-    path = serving_path(cell, workload)
-    if not path or not path.endswith(": specialized decode"):
+def step_path_group(cell: dict, lane: str, group: dict, workload: str, path: StepPath | None) -> dict | None:
+    """The group that serves *workload* when the model's own step path (its profile's ``step_path``) takes the
+    step: its own component for the lane (from its dispatch tier), with the dispatch level; None when the stock
+    path serves it (or the model has no such path)."""
+    if path is None:
         return None
-    part = SPECIALIZED_PARTS.get(lane, "stock lane outside the specialized decode")
-    found = tier_choice(cell, "specialized_decode", [], workload)
-    detail = found[0] if found else "specialized decode"
+    choice = serving_path(cell, workload)
+    if not choice or not choice.endswith(f": {path.name}"):
+        return None
+    part = path.parts.get(lane, f"stock lane outside the {path.name}")
+    found = tier_choice(cell, path.lane, [], workload)
+    detail = found[0] if found else path.name
     return {"layers": group["layers"], "ranges": group.get("ranges", ""), "level": "resolved (dispatch)",
-            "value": f"specialized decode ({part}): {detail}",
-            "raw": {"source": "specialized_decode", "fields": [part]}}
+            "value": f"{path.name} ({part}): {detail}",
+            "raw": {"source": STEP_PATH_SOURCE, "fields": [part]}}
 
 
-def serving_group(cell: dict, lane: str, group: dict, workload: str) -> tuple[str, dict, str] | str:
-    """Which construction lane group serves *workload* for the layers of *group*. A step K3's specialized decode
-    takes (vLLM's graph dispatch and the decode's prepared batch sizes decide) is served by the specialized
-    decode's own kernels, not the lane's; for MLA the metadata builder's decode/prefill split decides (a short
-    prefill chunk can take the decode path); other lanes serve every workload with the group built. Returns
+def serving_group(cell: dict, lane: str, group: dict, workload: str,
+                  path: StepPath | None) -> tuple[str, dict, str] | str:
+    """Which construction lane group serves *workload* for the layers of *group*. A step the model's own step
+    path takes (*path*, its profile's; vLLM's graph dispatch and the path's prepared batch sizes decide) is served
+    by that path's own kernels, not the lane's; for MLA the metadata builder's decode/prefill split decides (a
+    short prefill chunk can take the decode path); other lanes serve every workload with the group built. Returns
     (lane, group, note) or a reason it is unknown."""
-    special = specialized_group(cell, lane, group, workload)
+    special = step_path_group(cell, lane, group, workload, path)
     if special is not None:
-        return lane, special, (f"a {workload} step replays a FULL CUDA graph that K3's specialized decode takes "
+        return lane, special, (f"a {workload} step replays a FULL CUDA graph that {path.owner} takes "
                                f"({serving_path(cell, workload)}), so its own kernels serve it")
     if not lane.startswith("mla."):
         return lane, group, ""

@@ -112,10 +112,9 @@ def load_label_map(path: Path) -> dict[str, str]:
     return out
 
 
-def _tier_keys(raw: dict, cid: str, lane: str, err, lane_phases: dict) -> tuple[tuple[str, ...],
-                                                                              tuple[tuple[str, str], ...]]:
-    """A claim's ``at`` workloads and ``dispatch`` expectations, checked."""
-    from audit.report.dispatch import LANE_TITLES
+def _tier_keys(raw: dict, cid: str, lane: str, err, lane_phases: dict,
+               dispatch_lanes: dict[str, str]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """A claim's ``at`` workloads and ``dispatch`` expectations (lanes of *dispatch_lanes*, its model's), checked."""
 
     at = raw.get("at", [])
     if not isinstance(at, list) or not at and "at" in raw or not all(isinstance(w, str) for w in at):
@@ -137,9 +136,9 @@ def _tier_keys(raw: dict, cid: str, lane: str, err, lane_phases: dict) -> tuple[
         raise err(f"claim {cid!r}: dispatch must be a table of dispatch lane = \"leading text of the choice\"",
                   "dispatch", hint='e.g. dispatch = { latent_tail = "TAIL_FUSION" }')
     for dlane in expected:
-        if dlane not in LANE_TITLES:
+        if dlane not in dispatch_lanes:
             raise err(f"claim {cid!r}: unknown dispatch lane {dlane!r}", "dispatch",
-                      hint="known: " + ", ".join(LANE_TITLES))
+                      hint="known: " + ", ".join(dispatch_lanes))
     if expected and not at:
         raise err(f"claim {cid!r}: dispatch expectations need the workloads they hold at", "dispatch",
                   hint='add at = ["decode 1", ...]')
@@ -163,6 +162,9 @@ def load(path: str | Path) -> Expectations:
                                 path=sp, line=_key_line(text, 1, "model"),
                                 hint="known models: " + ", ".join(models.PROFILES))
     perf_lanes, layout_names = profile.perf_lanes, list(profile.layouts)
+    from audit.report.dispatch import lane_titles
+
+    dispatch_lanes = lane_titles(profile.name)
     if not isinstance(data.get("claim", []), list):
         raise ExpectationsError("'claim' must be an array of tables ([[claim]])", path=sp,
                                 line=_key_line(text, 1, "claim"))
@@ -236,7 +238,7 @@ def load(path: str | Path) -> Expectations:
                 raise err(f"claim {cid!r}: malformed backend family {fam!r}", "backend")
         if ks and not backend and ks not in label_map:
             raise err(f"claim {cid!r}: label {ks!r} is not in the label map and no backend is given", "kernel_source")
-        at, expect_dispatch = _tier_keys(raw, cid, lane, err, profile.perf_lane_phases)
+        at, expect_dispatch = _tier_keys(raw, cid, lane, err, profile.perf_lane_phases, dispatch_lanes)
         claims.append(Claim(id=cid, lane=lane, harness_lane=perf_lanes[lane], layouts=tuple(layouts),
                             systems=tuple(dict.fromkeys(systems)), kernel_source=ks,
                             backend=backend or label_map.get(ks, ""), forbidden=tuple(raw.get("forbidden", [])),

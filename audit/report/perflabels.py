@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from audit.report.dispatch import serving_group, serving_path, specialized_group, tier_choice
+from audit.report.dispatch import serving_group, serving_path, step_path_group, tier_choice
 from audit.report.expectations import sm_family
 from audit.report.labels import derive
 from audit.report.routing import short
@@ -62,20 +62,21 @@ def _tiers(cell: dict, judged, layers: list[int]) -> dict:
     return out
 
 
-def _by_tokens(cell: dict, judged, group: dict, label_map: dict[str, str]) -> list[dict]:
+def _by_tokens(profile, cell: dict, judged, group: dict, label_map: dict[str, str]) -> list[dict]:
     """Per workload of the lane's phases: the label of the lane path that serves it (a short prefill chunk
-    can take MLA's decode path) and vLLM's per-call choices there, or why it is unknown."""
-    out, lane = [], judged.lane
+    can take MLA's decode path; a step *profile*'s own step path takes is served by its kernels) and vLLM's
+    per-call choices there, or why it is unknown."""
+    out, lane, own = [], judged.lane, profile.step_path
     for workload in (cell.get("dispatch") or {}).get("workloads", []):
         if workload.split(" ")[0] not in judged.workloads:
             continue
         entry: dict = {"tokens": workload}
-        serving = serving_group(cell, lane, group, workload)
+        serving = serving_group(cell, lane, group, workload, own)
         if isinstance(serving, str):
             entry.update(kernel_source="unknown", backend="unknown", why=serving)
         else:
             slane, sgroup, note = serving
-            label, family, _ = derive(slane, sgroup, label_map)
+            label, family, _ = derive(profile, slane, sgroup, label_map)
             entry.update(kernel_source=label, backend=family, harness_lane=slane)
             if note:
                 entry["why"] = note
@@ -83,11 +84,11 @@ def _by_tokens(cell: dict, judged, group: dict, label_map: dict[str, str]) -> li
         path = serving_path(cell, workload)
         if path:
             choices["serving_path"] = path
-        if specialized_group(cell, lane, group, workload) is not None:
-            # the stock per-call choices do not serve a step the specialized decode takes
-            found = tier_choice(cell, "specialized_decode", [], workload)
+        if step_path_group(cell, lane, group, workload, own) is not None:
+            # the stock per-call choices do not serve a step the model's own step path takes
+            found = tier_choice(cell, own.lane, [], workload)
             if found is not None:
-                choices["specialized_decode"] = found[0]
+                choices[own.lane] = found[0]
         else:
             for dlane, _prefix in judged.dispatch:
                 found = tier_choice(cell, dlane, group["layers"], workload)
@@ -134,7 +135,7 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
                 if str(g.get("value", "")).startswith("not exercised"):
                     skipped.append({"system": system, "layout": layout, "lane": lane, "why": g["value"]})
                     continue
-                label, family, how = derive(lane, g, label_map or {})
+                label, family, how = derive(profile, lane, g, label_map or {})
                 plane = perf_lane or moe_perf_lane(g)
                 row = {"system": system, "sm": sm_family(sysobj) if sysobj else "", "layout": layout,
                        "lane": plane, "harness_lane": lane, "phase": g.get("phase", phase),
@@ -144,7 +145,7 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
                 tiers = _tiers(cell, judged, g["layers"])
                 if tiers:
                     row["dispatch"] = tiers
-                    row["by_tokens"] = _by_tokens(cell, judged, g, label_map or {})
+                    row["by_tokens"] = _by_tokens(profile, cell, judged, g, label_map or {})
                 rows.append(row)
     rows.sort(key=lambda r: (r["lane"], r["system"], r["layout"], r["phase"], r["layers"]))
     return {"schema": LABELS_SCHEMA, "model": routing.get("model"), "architecture": routing.get("architecture"),

@@ -273,7 +273,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         for k, v in c.get("simulated", {}).items():
             merged.setdefault(k, set()).add(str(v))
     simulated = {k: "; ".join(sorted(v)) for k, v in sorted(merged.items())}
-    simulated.update(dispatch.stand_ins(cells))
+    simulated.update(dispatch.stand_ins(cells, routing.get("model")))
     levels = sorted(set().union(*[_levels(c) for c in cells]))
     return {
         "title": profile_title,
@@ -285,7 +285,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "harness_version": __version__,
         "systems": systems,
         "sm_families": _sm_families(systems),
-        "kda_values": _kda_values(lane_titles),
+        "value_kernels": _value_kernels(profile, lane_titles),
         "layouts": known_layouts,
         "matrices": matrices,
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],
@@ -372,13 +372,16 @@ def _sm_families(systems) -> list[dict]:
     return [{"family": "SM " + ".".join(str(x) for x in k), "systems": v} for k, v in sorted(out.items())]
 
 
-def _kda_values(lane_titles: dict) -> list[dict]:
-    """What each KDA lane's value (vLLM's resolved backend string) enters, per lane: ``native`` is a different
-    kernel in KDA decode than in KDA spec-verify. Only lanes this ledger has (a model without KDA: none)."""
-    from audit.report.labels import KDA_LABEL
-
+def _value_kernels(profile, lane_titles: dict) -> list[dict]:
+    """What each value of the lanes whose value is a backend string (the profile's ``backend_labels``) enters, per
+    lane: one value can be a different kernel in each lane (K3: ``native`` in KDA decode and in KDA spec-verify).
+    Only lanes this ledger has (a model without such lanes: none)."""
+    backend = profile.backend_labels
+    if backend is None:
+        return []
     by_value: dict[str, list[str]] = {}
-    for (lane, value), kernel in KDA_LABEL.items():
-        if isinstance(value, str) and lane in lane_titles:
-            by_value.setdefault(value, []).append(f"{lane_titles.get(lane, lane)}: `{kernel}`")
-    return [{"value": v, "meaning": "; ".join(k)} for v, k in sorted(by_value.items())]
+    for lane, kernels in backend.kernels.items():
+        for value, kernel in kernels.items():
+            if isinstance(value, str) and lane in lane_titles:
+                by_value.setdefault(value, []).append(f"{lane_titles.get(lane, lane)}: `{kernel}`")
+    return [{"term": backend.term, "value": v, "meaning": "; ".join(k)} for v, k in sorted(by_value.items())]

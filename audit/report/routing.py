@@ -566,7 +566,7 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "availability": _one(f, "availability"),
         "fingerprint": _one(f, "fingerprint"),
         # --- dispatch tiers (audit/report/dispatch.py): per-call choices by token count, None if not resolved ---
-        "dispatch": dispatch_tiers(f),
+        "dispatch": dispatch_tiers(f, profile.name),
     }
 
 

@@ -40,6 +40,7 @@ class Judged:
     def __init__(self, profile):
         from audit.report.dispatch import lane_titles
 
+        self.profile = profile
         self.dispatch_titles = lane_titles(profile.name)
         self.lanes = tuple(j.lane for j in profile.judged)
         self.kind = {j.lane: j.kind for j in profile.judged}
@@ -118,7 +119,7 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                                  "verdict": "UNVERIFIED", "expected": c.backend or c.kernel_source, "actual": "",
                                  "label": "", "why": _no_evidence_why(cell, lane, v)})
             for g in groups:
-                label, family, how = derive(lane, g, exp.label_map)
+                label, family, how = derive(v.profile, lane, g, exp.label_map)
                 row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"],
                        "evidence": g.get("evidence", level)}
                 if not claims:
@@ -164,12 +165,12 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
                             "why": f"not judged: the audit resolves no {at} workload (it resolves "
                                    f"{', '.join(resolved) or 'none of that phase'})"})
             continue
-        serving = serving_group(cell, lane, group, workload)
+        serving = serving_group(cell, lane, group, workload, v.profile.step_path)
         if isinstance(serving, str):
             out.append({**base, "verdict": "UNVERIFIED", "why": f"not judged: {serving}"})
             continue
         slane, sgroup, note = serving
-        label, family, how = derive(slane, sgroup, exp.label_map)
+        label, family, how = derive(v.profile, slane, sgroup, exp.label_map)
         judged = {**base, "label": label, "actual": family, "value": sgroup["value"],
                   **_verdict(c, slane, sgroup, label, family, how, cell)}
         if note:

@@ -1,0 +1,82 @@
+"""Issue 26: the shared report code knows no model by name; what a model brings (its dispatch lanes and their order,
+titles, notes and stand-ins, its own step path, the kernels its backend-string lanes enter) is its
+profile's. The committed reports staying byte for byte what they were is checked by the gold files and
+tests/test_reproduce.py."""
+import pytest
+
+from audit import models
+from audit.models.gpt_oss import GPT_OSS_120B
+from audit.models.kimi_k3 import KIMI_K3
+from audit.report import dispatch, expectations
+from audit.report.expectations import ExpectationsError
+from audit.report.labels import derive
+from tests.conftest import ROOT
+
+
+def test_the_shared_dispatch_lanes_are_the_shared_probes_and_a_model_titles_exactly_its_own():
+    from probes import models as models_probes
+    from probes.resolve import dispatch as probe_dispatch
+
+    assert list(dispatch.LANE_TITLES) == [lane for lane, _ in probe_dispatch.LANES]
+    for profile in models.PROFILES.values():
+        own = {lane for lane, _ in models_probes.load(profile.probes, resolve=True).lanes}
+        assert set(dispatch.lane_titles(profile.name)) == set(dispatch.LANE_TITLES) | own, profile.name
+
+
+def test_each_model_shows_its_dispatch_lanes_in_its_own_order():
+    assert list(dispatch.lane_titles(KIMI_K3.name)) == [
+        "serving_path", "specialized_decode", "latent_tail", "shared_overlap", "moe_experts", "router",
+        "down_proj_overlap", "mla", "low_latency_gemm", "lm_head", "kda_projection_overlap", "kda_batch"]
+    assert list(dispatch.lane_titles(GPT_OSS_120B.name)) == list(dispatch.LANE_TITLES)
+    assert "kda_batch" not in dispatch.lane_notes(GPT_OSS_120B.name)
+    k3 = {"dispatch": {"lanes": {"kda_batch": [], "serving_path": []}}}
+    assert set(dispatch.stand_ins([k3], KIMI_K3.name)) == {
+        "dispatch `kda_batch`: KimiK3DeltaAttention._forward's inputs and callees",
+        "dispatch `serving_path`: SpecializedDecode.plan's inputs"}
+    assert set(dispatch.stand_ins([k3], GPT_OSS_120B.name)) == {"dispatch `serving_path`: SpecializedDecode.plan's inputs"}
+
+
+def test_a_claims_dispatch_lanes_are_its_models(tmp_path):
+    head = 'schema = 1\nmodel = "gpt-oss-120b"\nframework = "vllm"\narchitecture = "GptOssForCausalLM"\n'
+    claim = ('[[claim]]\nid = "c"\nlane = "attention.generation"\nbackend = "triton"\nat = ["decode 1"]\n'
+             'dispatch = {{ {lane} = "X" }}\n')
+    path = tmp_path / "claims.toml"
+    path.write_text(head + claim.format(lane="latent_tail"))  # K3's lane
+    with pytest.raises(ExpectationsError, match="unknown dispatch lane 'latent_tail'") as e:
+        expectations.load(path)
+    assert "known: serving_path, shared_overlap, moe_experts, router, mla" in str(e.value)
+    path.write_text(head + claim.format(lane="router"))
+    assert expectations.load(path).claims[0].dispatch == (("router", "X"),)
+
+
+def test_labels_come_from_the_labelled_models_profile():
+    kda = {"raw": {"source": "kda.decode", "fields": ["native"]}}
+    assert derive(KIMI_K3, "kda.decode", kda, {})[:2] == ("fused_kda_decode", "unknown")
+    assert derive(KIMI_K3, "kda.decode", kda, {"fused_kda_decode": "flashinfer"})[:2] == ("fused_kda_decode", "flashinfer")
+    assert derive(GPT_OSS_120B, "kda.decode", kda, {})[:2] == ("unknown", "unknown")  # not its vocabulary
+    own = {"raw": {"source": dispatch.STEP_PATH_SOURCE, "fields": ["experts"]}}
+    assert derive(KIMI_K3, "moe", own, {}) == ("vllm_specialized_decode_experts", "specialized_decode",
+                                               "K3's specialized decode serves this step")
+
+
+def test_a_models_own_step_path_serves_only_its_steps():
+    cell = {"dispatch": {"workloads": ["decode 1"], "lanes": {
+        "serving_path": [{"role": "target", "layers": [], "tiers": {"decode 1": "FULL graph, 1 tokens: specialized decode"}}],
+        "specialized_decode": [{"role": "target", "layers": [], "tiers": {"decode 1": "batch 1"}}]}}}
+    group = {"layers": [3], "ranges": "3", "value": "x"}
+    lane, served, note = dispatch.serving_group(cell, "mla.decode", group, "decode 1", KIMI_K3.step_path)
+    assert served["value"] == "specialized decode (mla_core): batch 1" and "K3's specialized decode takes" in note
+    assert dispatch.serving_group(cell, "moe", group, "decode 1", GPT_OSS_120B.step_path) == ("moe", group, "")
+
+
+@pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
+def test_what_a_profile_brings_is_about_its_own_lanes(profile):
+    lanes = {lane.id for lane in profile.lanes}
+    titles = dispatch.lane_titles(profile.name)
+    assert set(profile.dispatch.order) <= set(titles) and len(set(profile.dispatch.order)) == len(profile.dispatch.order)
+    assert set(profile.dispatch.notes) | set(profile.dispatch.stand_ins) <= set(titles)
+    if profile.step_path is not None:
+        assert profile.step_path.lane in titles and set(profile.step_path.parts) <= lanes
+    if profile.backend_labels is not None:
+        assert set(profile.backend_labels.kernels) <= lanes
+

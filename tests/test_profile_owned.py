@@ -2,12 +2,16 @@
 titles, notes and stand-ins, its own step path, the kernels its backend-string lanes enter) is its
 profile's. The committed reports staying byte for byte what they were is checked by the gold files and
 tests/test_reproduce.py."""
+import copy
+import json
+
 import pytest
 
 from audit import models
 from audit.models.gpt_oss import GPT_OSS_120B
 from audit.models.kimi_k3 import KIMI_K3
 from audit.report import dispatch, expectations
+from audit.report.diff import diff_routings, render_diff
 from audit.report.expectations import ExpectationsError
 from audit.report.labels import derive
 from tests.conftest import ROOT
@@ -80,3 +84,10 @@ def test_what_a_profile_brings_is_about_its_own_lanes(profile):
     if profile.backend_labels is not None:
         assert set(profile.backend_labels.kernels) <= lanes
 
+
+def test_a_diff_is_in_its_models_words():
+    for model, name in ((GPT_OSS_120B, "routing-gpt-oss-120b-v0.33.0.json"), (KIMI_K3, "routing-v0.33.0.json")):
+        r = json.loads((ROOT / "tests" / "data" / name).read_text(encoding="utf-8"))
+        d = diff_routings(r, copy.deepcopy(r))
+        assert d["model"] == model.name
+        assert f"\n{model.title}, {len(r['cells'])} cells (system × layout) compared." in render_diff(d)

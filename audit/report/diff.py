@@ -153,6 +153,8 @@ def diff_routings(old: dict, new: dict) -> dict:
                + rows(verdict_changes, "verdict") + rows(dispatch_changes, "dispatch"))
     return {
         "schema": DIFF_SCHEMA,
+        # whose routings these are (the newer one's): the rendered diff names the model and orders its layouts
+        "model": new.get("model") or old.get("model"),
         "from": _build(old), "to": _build(new),
         "changes": changes,
         "serving_changes": sum(1 for c in changes if c["serving"]),
@@ -305,10 +307,18 @@ def load_routing(reports_dir: Path, pin: str) -> dict:
 
 
 def render_diff(d: dict) -> str:
+    """The markdown diff, in the words of the diffed model's profile (``d["model"]``; absent: the default model)."""
+    from audit import models
     from audit.report.fit import fit
     from audit.report.render import _env
 
-    return fit(_env().get_template("diff.md.j2").render(d=d))
+    profile = models.get(d.get("model"))
+    return fit(_env(list(profile.layouts)).get_template("diff.md.j2").render(d=d, model_title=profile.title))
+
+
+#: keys of a diff that its .json file leaves out: the committed diffs were written before the diff named its model
+#: (``model``); writing it changes every one of them by that line, a deliberate regeneration of reports/diffs/
+JSON_OMITS = ("model",)
 
 
 def write_diff(reports_dir: Path, from_pin: str, to_pin: str, d: dict | None = None) -> tuple[Path, Path, dict]:
@@ -324,5 +334,6 @@ def write_diff(reports_dir: Path, from_pin: str, to_pin: str, d: dict | None = N
         d = diff_routings(load_routing(reports_dir, from_pin), load_routing(reports_dir, to_pin))
     out = Path(reports_dir) / "diffs"
     md, js = out / f"{from_pin}..{to_pin}.md", out / f"{from_pin}..{to_pin}.json"
-    write_all_atomic({js: json.dumps(d, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d)})
+    shown = {k: v for k, v in d.items() if k not in JSON_OMITS}
+    write_all_atomic({js: json.dumps(shown, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d)})
     return md, js, d

@@ -51,7 +51,7 @@ audit: setup
 
 # On a host with one NVIDIA GPU: serve the smallest K3 slice and check that every lane's probes fired.
 selftest-gpu: setup
-	$(BIN)/serving-truth selftest-gpu --pin $(call q,$(PIN))
+	$(BIN)/serving-truth selftest-gpu --pin $(call q,$(PIN)) $(if $(MODEL),--model $(call q,$(MODEL)))
 
 # Remove containers left behind by serving-truth runs whose harness died (docker runtime).
 clean-containers: setup

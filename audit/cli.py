@@ -14,11 +14,13 @@ def _parser() -> argparse.ArgumentParser:
                                 "takes when vLLM serves it from a pinned environment.")
     p.add_argument("--version", action="version", version=f"serving-truth {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    from audit.models import DEFAULT as default_model
 
     a = sub.add_parser("audit", help="audit one pin and write reports/<pin>/ledger.md")
     a.add_argument("pin", help="a pin name from images.lock, e.g. v0.33.0")
-    a.add_argument("--model", default=None, help="the model to audit (see `serving-truth models`; default: kimi-k3); "
-                                                 "reports of a model other than the default go under reports/<model>/")
+    a.add_argument("--model", default=None, help=f"the model to audit (see `serving-truth models`; default: "
+                                                 f"{default_model}); reports of a model other than the default go "
+                                                 "under reports/<model>/")
     a.add_argument("--runtime", default="auto", help="where to run the probes: local, docker or slurm (default: auto, "
                    "the pin's wheel in a local venv when it pins one, else its image under docker)")
     a.add_argument("--pass-env", default="", metavar="NAME[,NAME]",
@@ -80,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ac = sub.add_parser("accept", help="record every finding of an audited pin as accepted for the pin-bump gate")
     ac.add_argument("pin")
-    ac.add_argument("--model", default=None, help="whose report (default: kimi-k3)")
+    ac.add_argument("--model", default=None, help=f"whose report (default: {default_model})")
     ac.add_argument("--reports", default="reports")
     ac.add_argument("--lock", default="images.lock")
     ac.add_argument("--accepted", default="auto", metavar="FILE",
@@ -89,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diff", help="render reports/diffs/<from>..<to>.md from two audited pins")
     d.add_argument("from_pin")
     d.add_argument("to_pin")
-    d.add_argument("--model", default=None, help="whose reports (default: kimi-k3)")
+    d.add_argument("--model", default=None, help=f"whose reports (default: {default_model})")
     d.add_argument("--reports", default="reports")
 
     sub.add_parser("pins", help="list the pins in images.lock").add_argument("--lock", default="images.lock")
@@ -102,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
                                               "probes fired")
     st.add_argument("--pin", default="v0.33.0")
     st.add_argument("--lock", default="images.lock")
+    st.add_argument("--model", default=None, help=f"whose selftest slice to serve (default: {default_model})")
 
     lk = sub.add_parser("lock", help="maintain images.lock")
     lsub = lk.add_subparsers(dest="lock_command", required=True)
@@ -136,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--pins", default="", help="comma list (default: every pin with a wheel)")
     rg.add_argument("--lock", default="images.lock")
     rg.add_argument("--reports", default="reports")
-    rg.add_argument("--model", default=None, help="whose reports (default: kimi-k3)")
+    rg.add_argument("--model", default=None, help=f"whose reports (default: {default_model})")
     rg.add_argument("--drop-envs", action="store_true",
                     help="remove each pin's environment after its audit (~9 GB each), except --keep-envs")
     rg.add_argument("--keep-envs", default="v0.33.0,v0.30.0",
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "selftest-gpu":
             from audit.selftest import run_selftest
 
-            res = run_selftest(args.pin, lock_path=args.lock)
+            res = run_selftest(args.pin, lock_path=args.lock, model=args.model)
             for lane, paths in res["fired"].items():
                 out.print(f"{lane}: {', '.join(paths)}")
             for lane, status in res["profiler"].items():

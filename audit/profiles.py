@@ -161,6 +161,10 @@ class Profile:
     step_path: StepPath | None = None
     #: kernel labels for lanes whose value is a backend string, if any (see :class:`BackendLabels`)
     backend_labels: BackendLabels | None = None
+    #: ``make selftest-gpu``: the observe-mode slice it serves on one GPU and the lanes whose kernel-entry probes
+    #: must fire there (empty: the model has no selftest)
+    selftest_slice: str = ""
+    selftest_lanes: tuple[str, ...] = ()
 
     def judged_lane(self, lane: str) -> JudgedLane | None:
         return next((j for j in self.judged if j.lane == lane), None)

@@ -1,8 +1,9 @@
-"""``make selftest-gpu``: on a host with one NVIDIA GPU, serve the smallest K3 slice with vLLM's real
-engine in observe mode and check that every lane's kernel-entry probes fired.
+"""``make selftest-gpu``: on a host with one NVIDIA GPU, serve a model's selftest slice with vLLM's real
+engine in observe mode and check that the kernel-entry probes of its selftest lanes fired (both are its
+profile's: ``selftest_slice``, ``selftest_lanes``; the default model's: K3's 4-layer slice, layer 0 KDA + dense
+MLP, layers 1-2 KDA + MoE, layer 3 MLA + MoE).
 
-Single GPU, tensor parallel 1, the 4-layer slice (layer 0 KDA + dense MLP, layers 1-2 KDA + MoE,
-layer 3 MLA + MoE): per-rank head counts are those of TP1, not of the TP8 lanes, so this checks the
+Single GPU, tensor parallel 1: per-rank head counts are those of TP1, not of the TP8 lanes, so this checks the
 probes, not a production lane. Refuses to run without a GPU.
 """
 from __future__ import annotations
@@ -16,9 +17,6 @@ from audit.errors import AuditError, EnvironmentBuildError, ExitCode
 from audit.systems import SYSTEMS, Layout
 
 SELFTEST_LAYOUT = Layout("tp1-selftest", "one GPU, TP1 (selftest only)", ("--tensor-parallel-size", "1"), 1)
-SELFTEST_SLICE = "slice4"
-#: lanes whose probes must fire in the selftest workload (it has no speculative decoding)
-REQUIRED_LANES = ("kda.prefill", "kda.decode", "mla.prefill", "mla.decode", "moe")
 
 
 class SelftestFailed(AuditError):
@@ -53,27 +51,33 @@ def detect_system():
 
 
 def run_selftest(pin_name: str = "v0.33.0", *, lock_path: str | Path = "images.lock", progress=lambda *a, **k: None,
-                 timeout_s: float | None = 3600) -> dict:
+                 timeout_s: float | None = 3600, model: str | None = None) -> dict:
+    from audit import models
+    from audit.errors import UsageError
     from audit.evidence import files as evidence
     from audit.pins import lock as lockmod
     from audit.report import routing
-    from audit.models.kimi_k3 import KIMI_K3
     from audit.runtimes.base import RunRequest, new_run_dir
     from audit.runtimes.local import LocalRuntime
 
+    profile = models.get(model)
+    if not profile.selftest_slice or not profile.selftest_lanes:
+        raise UsageError(f"{profile.name} has no GPU selftest (its profile names no selftest slice and lanes)",
+                         hint="known models with one: " + ", ".join(
+                             p.name for p in models.PROFILES.values() if p.selftest_slice and p.selftest_lanes))
     system = detect_system()
     pin = lockmod.load(lock_path).get(pin_name)
     run_dir = new_run_dir(pin)
-    request = RunRequest(pin=pin, profile=KIMI_K3, cells=[(system, SELFTEST_LAYOUT)], run_dir=run_dir,
-                         timeout_s=timeout_s, mode="observe", slice=SELFTEST_SLICE, serve_args=())
+    request = RunRequest(pin=pin, profile=profile, cells=[(system, SELFTEST_LAYOUT)], run_dir=run_dir,
+                         timeout_s=timeout_s, mode="observe", slice=profile.selftest_slice, serve_args=())
     LocalRuntime().run(request, progress)
-    built = routing.build_routing(evidence.read_dir(request.evidence_dir), KIMI_K3, pin=pin.as_provenance(),
+    built = routing.build_routing(evidence.read_dir(request.evidence_dir), profile, pin=pin.as_provenance(),
                                   expected=[(system.name, SELFTEST_LAYOUT.name)])
     (cell,) = built["cells"]
     fired: dict[str, set] = {}
     for row in (cell.get("observed") or {}).get("rows", []):
         fired.setdefault(row["lane"], set()).add(f"{row['path']} ({row['evidence']})")
-    missing = [lane for lane in REQUIRED_LANES if lane not in fired]
+    missing = [lane for lane in profile.selftest_lanes if lane not in fired]
     result = {lane: sorted(paths) for lane, paths in sorted(fired.items())}
     if missing:
         raise SelftestFailed(missing, result, str(run_dir))

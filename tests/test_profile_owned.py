@@ -1,5 +1,5 @@
 """Issue 26: the shared report code knows no model by name; what a model brings (its dispatch lanes and their order,
-titles, notes and stand-ins, its own step path, the kernels its backend-string lanes enter) is its
+titles, notes and stand-ins, its own step path, the kernels its backend-string lanes enter, its selftest) is its
 profile's. The committed reports staying byte for byte what they were is checked by the gold files and
 tests/test_reproduce.py."""
 import copy
@@ -83,6 +83,8 @@ def test_what_a_profile_brings_is_about_its_own_lanes(profile):
         assert profile.step_path.lane in titles and set(profile.step_path.parts) <= lanes
     if profile.backend_labels is not None:
         assert set(profile.backend_labels.kernels) <= lanes
+    assert set(profile.selftest_lanes) <= lanes
+    assert not profile.selftest_slice or profile.selftest_slice in profile.slices
 
 
 def test_a_diff_is_in_its_models_words():

@@ -143,6 +143,9 @@ KIMI_K3 = Profile(
         families={"flashinfer_recurrent_kda": "flashinfer", "flashinfer_fused_kda_decode": "flashinfer",
                   "flashinfer_packed_fused_kda_decode": "flashinfer"},
     ),
+    selftest_slice="slice4",
+    # the selftest workload has no speculative decoding
+    selftest_lanes=("kda.prefill", "kda.decode", "mla.prefill", "mla.decode", "moe"),
     lanes=(
         Lane("moe", "Routed experts", "moe", "all", (
             Source("construct", "moe.quant_method", ("attrs.mxfp4_backend", "attrs.experts_cls"), extra=("cls",)),

@@ -37,7 +37,7 @@ def test_each_model_shows_its_dispatch_lanes_in_its_own_order():
     assert set(dispatch.stand_ins([k3], KIMI_K3.name)) == {
         "dispatch `kda_batch`: KimiK3DeltaAttention._forward's inputs and callees",
         "dispatch `serving_path`: SpecializedDecode.plan's inputs"}
-    assert set(dispatch.stand_ins([k3], GPT_OSS_120B.name)) == {"dispatch `serving_path`: SpecializedDecode.plan's inputs"}
+    assert set(dispatch.stand_ins([k3], GPT_OSS_120B.name)) == set()  # no step path: its serving path needs none
 
 
 def test_a_claims_dispatch_lanes_are_its_models(tmp_path):

@@ -116,6 +116,11 @@ KIMI_K3 = Profile(
                           "pure decode, a prefill chunk alone and with 8 decode requests beside it (mixed), verify."),
         },
         stand_ins={
+            # the shared serving-path lane asks K3's planner (SpecializedDecode.plan) whether it takes each step
+            "serving_path": ("dispatch `serving_path`: SpecializedDecode.plan's inputs",
+                             "a forward context holding the step's CUDA-graph mode and, per layer, the request counts "
+                             "of the padded batch (meta index tensors); the current stream answers 'capturing' exactly "
+                             "when vLLM dispatched the step to a graph"),
             "kda_batch": ("dispatch `kda_batch`: KimiK3DeltaAttention._forward's inputs and callees",
                           "a forward context holding the batch's metadata (request counts, meta index tensors); the "
                           "layer's conv and recurrent state as meta tensors of its own state shapes; "

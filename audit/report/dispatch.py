@@ -27,17 +27,10 @@ LANE_NOTES = {
     "serving_path": "vLLM's CUDA-graph dispatch gives each batch its mode: a FULL graph, a piecewise graph or eager.",
 }
 #: the stand-ins a shared dispatch lane runs vLLM's function with (probes/resolve/dispatch.py), each shape-only: listed
-#: under "What was simulated" wherever the lane has rows (a profile's ``dispatch.stand_ins`` add its own lanes'); a
-#: raise planted right after them surfaces as `not resolved` (tests/test_serving_path_vllm.py).
-#: The serving_path entry still names K3's step path (``SpecializedDecode.plan``): the committed reports of every model
-#: list it in these words (gpt-oss-120b's too, whose serving_path runs no step path), so rewording it, or moving it
-#: to K3's profile, is a deliberate change of those reports and their gold files
-STAND_INS = {
-    "serving_path": ("dispatch `serving_path`: SpecializedDecode.plan's inputs",
-                     "a forward context holding the step's CUDA-graph mode and, per layer, the request counts of the "
-                     "padded batch (meta index tensors); the current stream answers 'capturing' exactly when vLLM "
-                     "dispatched the step to a graph"),
-}
+#: under "What was simulated" wherever the lane has rows (a profile's ``dispatch.stand_ins`` add its own lanes' and
+#: its step path's); a raise planted right after them surfaces as `not resolved` (tests/test_serving_path_vllm.py).
+#: None today: the shared lanes call vLLM's functions on the objects construction built.
+STAND_INS: dict[str, tuple[str, str]] = {}
 #: the ``raw`` source of a group that a model's own step path serves (see :func:`step_path_group`)
 STEP_PATH_SOURCE = "step_path"
 

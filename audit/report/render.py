@@ -323,6 +323,9 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                         "candidates_of": "attention layers", "state_example": "", **profile.ledger_notes},
         # --- dispatch tiers (audit/report/dispatch.py, templates/dispatch.md.j2) ---
         "dispatch_tables": dispatch.ledger_tables(cells, routing.get("model")),
+        # a model whose own path serves some steps: the stock lanes' tables are not about those steps
+        "dispatch_step_path": (f"; the {profile.step_path.name}'s\nown modules are not built, see its table"
+                               if profile.step_path is not None else ""),
         "dispatch_errors": dispatch.stage_errors(cells),
         "dispatch_level": dispatch.LEVEL_TEXT,
         "dispatch_unsimulated": dispatch.unsimulated(cells),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from audit.report import dispatch
 from audit.report.perflabels import refusal
+from audit.report.verdicts import SEVERITY
 from audit.errors import UsageError
 
 DIFF_SCHEMA = 1
@@ -262,7 +263,6 @@ def _cell_facts(a: dict, b: dict):
                 yield f"{title}: {key}", _text(da.get(key)), _text(db.get(key))
 
 
-_SEVERITY = ("REFUSED", "MISMATCH", "SILENT_FALLBACK", "RANK_DISAGREE", "MATCH", "NOT_EXERCISED", "UNVERIFIED")
 
 
 def _worst_verdicts(routing: dict) -> dict[tuple, str]:
@@ -272,7 +272,7 @@ def _worst_verdicts(routing: dict) -> dict[tuple, str]:
     worst: dict[tuple, tuple[int, str, set]] = {}
     for r in (routing.get("verdicts") or {}).get("rows", []):
         key = (r["claim"], r["system"], r["layout"], r["lane"], r.get("at", ""))
-        rank = _SEVERITY.index(r["verdict"])
+        rank = SEVERITY.index(r["verdict"])
         if key not in worst or rank < worst[key][0]:
             worst[key] = (rank, r["verdict"], set())
         if rank == worst[key][0] and r.get("actual"):

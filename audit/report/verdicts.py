@@ -25,14 +25,38 @@ GPU makes leaves the claim UNVERIFIED, never guessed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from audit.report.dispatch import serving_group, tier_choice, workload_of, workload_order
 from audit.report.expectations import Expectations
 from audit.report.labels import derive
 from audit.report.routing import format_ranges, short
 
-VERDICTS = ("MATCH", "MISMATCH", "SILENT_FALLBACK", "REFUSED", "RANK_DISAGREE", "NOT_EXERCISED", "UNVERIFIED")
-#: verdicts that fail the gate (exit 1); SILENT_FALLBACK is a false claim like MISMATCH
-FAILING = ("MISMATCH", "SILENT_FALLBACK", "REFUSED", "RANK_DISAGREE")
+@dataclass(frozen=True)
+class VerdictKind:
+    """One kind of verdict: whether it fails the gate (exit 1), and how severe it is when a diff says which of a
+    lane's verdicts is the worst (0: the most). What each says is in the ledger's key and README's verdicts section."""
+    name: str
+    fails_gate: bool
+    severity: int
+
+
+#: the verdict kinds, in the order the ledger counts them: the one list of them (a new kind is an entry here and its
+#: meaning in the ledger's key and README)
+VERDICT_KINDS: tuple[VerdictKind, ...] = (
+    VerdictKind("MATCH", False, 4),
+    VerdictKind("MISMATCH", True, 1),
+    VerdictKind("SILENT_FALLBACK", True, 2),  # a false claim like MISMATCH, that vLLM logs only at DEBUG
+    VerdictKind("REFUSED", True, 0),
+    VerdictKind("RANK_DISAGREE", True, 3),
+    VerdictKind("NOT_EXERCISED", False, 5),
+    VerdictKind("UNVERIFIED", False, 6),  # fails only with --strict
+)
+VERDICTS = tuple(k.name for k in VERDICT_KINDS)
+#: verdicts that fail the gate (exit 1)
+FAILING = tuple(k.name for k in VERDICT_KINDS if k.fails_gate)
+#: most severe first
+SEVERITY = tuple(k.name for k in sorted(VERDICT_KINDS, key=lambda k: k.severity))
 class Judged:
     """The harness lanes perf databases label for a model (its profile's ``judged``), in order, with the layer
     kind each is about and, per kind, the first lane (where a refusal no claim covers is written, once)."""

@@ -373,7 +373,7 @@ def _audit(args, out, err) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from audit import models
-    from audit.core import run_audit
+    from audit.core import AuditOptions, run_audit
     from audit.systems import SYSTEMS, cells_of, select
 
     from audit.pins.lock import load
@@ -410,13 +410,14 @@ def _audit(args, out, err) -> int:
                 bar.advance(task)
                 bar.update(task, description=f"audit {args.pin}: {fields['system']} / {fields['layout']} done")
 
-        outcome = run_audit(args.pin, lock_path=args.lock, runtime=args.runtime, systems=args.systems,
-                            layouts=args.layouts, reports_dir=args.reports, parallel=args.parallel,
-                            timeout_s=args.timeout, progress=progress, cuda_toolkit=args.cuda_toolkit,
-                            baseline=args.baseline, expectations=args.expectations, pass_env=pass_env,
-                            cluster=args.cluster, wait=args.wait, mode=args.mode, slice_name=args.slice_name,
-                            profiler=args.profiler, replace=args.replace, cache=args.cache,
-                            postload_every_layer=args.postload_every_layer, accepted=args.accepted, profile=profile)
+        options = AuditOptions(lock_path=args.lock, runtime=args.runtime, systems=args.systems, layouts=args.layouts,
+                               reports_dir=args.reports, profile=profile, parallel=args.parallel, timeout_s=args.timeout,
+                               cuda_toolkit=args.cuda_toolkit, baseline=args.baseline, expectations=args.expectations,
+                               pass_env=tuple(pass_env), cluster=args.cluster, wait=args.wait, mode=args.mode,
+                               slice_name=args.slice_name, profiler=args.profiler, replace=args.replace,
+                               cache=args.cache, postload_every_layer=args.postload_every_layer,
+                               accepted=args.accepted)
+        outcome = run_audit(args.pin, options, progress=progress)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")
         err.print(f"render when they have ended (idempotent): serving-truth render {outcome.run_dir}")

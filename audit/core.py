@@ -87,44 +87,72 @@ def default_parallel() -> int:
     return max(1, min(cores, by_memory))
 
 
-def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: str = "local",
-              systems: str | list | None = None, layouts: str | list | None = None,
-              reports_dir: str | Path = "reports", profile: Profile | None = None, parallel: int | None = None,
-              timeout_s: float | None = None, progress: Progress = lambda *a, **k: None,
-              cuda_toolkit: bool = True, baseline: str | None = "auto",
-              expectations: str | None = "auto", pass_env: list[str] = (), cluster: str | None = None,
-              wait: bool = True, mode: str = "resolve", slice_name: str = "",
-              profiler: bool = True, replace: bool = False, cache: bool = True,
-              postload_every_layer: bool = False, accepted: str | None = "auto") -> AuditOutcome:
+@dataclass(frozen=True)
+class AuditOptions:
+    """What an audit is asked to do, besides its pin (the CLI's ``audit`` options; every field has the CLI's default).
+
+    ``systems``/``layouts``: comma lists or lists of names (None: all of the model's); ``profile``: the model (None:
+    the default); ``parallel``: agent processes (None: what the machine's cores and memory allow); ``timeout_s``: for
+    the whole audit, environment included; ``baseline``: the pin to gate against ("auto": the previous pin with a
+    report, "none": no gate); ``expectations``/``accepted``: files ("auto": the model's own); ``pass_env``,
+    ``cluster``, ``wait``: the docker and slurm runtimes' options; ``mode``: resolve or observe, ``slice_name`` the
+    model slice observe mode serves; ``replace``: replace the committed report even for a subset of cells;
+    ``cache``: look evidence up in the evidence cache; ``postload_every_layer``: run post-load on every layer."""
+    lock_path: str | Path = "images.lock"
+    runtime: str = "local"
+    systems: str | list | None = None
+    layouts: str | list | None = None
+    reports_dir: str | Path = "reports"
+    profile: Profile | None = None
+    parallel: int | None = None
+    timeout_s: float | None = None
+    cuda_toolkit: bool = True
+    baseline: str | None = "auto"
+    expectations: str | None = "auto"
+    pass_env: tuple[str, ...] = ()
+    cluster: str | None = None
+    wait: bool = True
+    mode: str = "resolve"
+    slice_name: str = ""
+    profiler: bool = True
+    replace: bool = False
+    cache: bool = True
+    postload_every_layer: bool = False
+    accepted: str | None = "auto"
+
+
+def run_audit(pin_name: str, options: AuditOptions = AuditOptions(), *,
+              progress: Progress = lambda *a, **k: None) -> AuditOutcome:
     import math
 
-    profile = profile or models.get(None)
+    o = options
+
+    profile = o.profile or models.get(None)
     started = time.monotonic()  # --timeout counts from here: building the environment is part of the audit
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
-                                      and timeout_s > 0):
-        raise UsageError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
-    if parallel is None:
-        parallel = default_parallel()
+    if o.timeout_s is not None and not (isinstance(o.timeout_s, (int, float)) and math.isfinite(o.timeout_s)
+                                      and o.timeout_s > 0):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {o.timeout_s!r}")
+    parallel = default_parallel() if o.parallel is None else o.parallel
     if not isinstance(parallel, int) or parallel < 1:
         raise UsageError(f"--parallel must be at least 1, got {parallel!r}")
-    lock = lockmod.load(lock_path)
+    lock = lockmod.load(o.lock_path)
     pin = lock.get(pin_name)
-    root = models.reports_root(reports_dir, profile)  # this model's reports (the default model's: reports/)
+    root = models.reports_root(o.reports_dir, profile)  # this model's reports (the default model's: reports/)
     report_dir_for(root, pin.name)  # a pin that cannot name a report directory is bad input
-    if baseline not in (None, "", "auto", "none"):
+    if o.baseline not in (None, "", "auto", "none"):
         # an explicit baseline is the pin-bump gate: an unknown one, or one with no report to compare with, is
         # bad input before any work (the audit would run every cell and then have nothing to gate against)
-        lock.get(baseline)
+        lock.get(o.baseline)
         from audit.report.diff import load_routing
 
-        load_routing(root, baseline)
-        load_accepted_findings(accepted, lock_path=lock_path, profile=profile)
-    load_expectations(expectations, lock_path=lock_path, profile=profile)  # bad expectations fail early too
-    sys_sel = select("system", systems, SYSTEMS)
-    lay_sel = select("layout", layouts, profile.layouts)
-    rt = get_runtime(runtime, RuntimeOptions(cuda_toolkit=cuda_toolkit, lock_dir=Path(lock_path).resolve().parent,
-                                             pass_env=tuple(pass_env), cluster=cluster, wait=wait))
-    if not cache and hasattr(rt, "stat_memo"):
+        load_routing(root, o.baseline)
+        load_accepted_findings(o.accepted, lock_path=o.lock_path, profile=profile)
+    load_expectations(o.expectations, lock_path=o.lock_path, profile=profile)  # bad expectations fail early too
+    sys_sel = select("system", o.systems, SYSTEMS)
+    lay_sel = select("layout", o.layouts, profile.layouts)
+    rt = get_runtime(o.runtime, RuntimeOptions(cuda_toolkit=o.cuda_toolkit, lock_dir=Path(o.lock_path).resolve().parent,
+                                               pass_env=tuple(o.pass_env), cluster=o.cluster, wait=o.wait))
+    if not o.cache and hasattr(rt, "stat_memo"):
         rt.stat_memo = False  # --no-cache: the environment check re-reads every file it hashes too
     rt.check(pin)
     cells = cells_of(sys_sel, lay_sel)
@@ -132,30 +160,30 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
         raise UsageError("no (system, layout) pair to audit: " + ", ".join(
             f"{l.name} is for {l.scope}" for l in lay_sel if l.scope), hint="add a system the layout exists on")
     run_dir = new_run_dir(pin, root=getattr(rt, "run_root", None), prefix=models.run_prefix(profile, pin.name))
-    if mode not in ("resolve", "observe"):
-        raise UsageError(f"unknown mode {mode!r}", hint="resolve (no GPU) or observe (serves on real GPUs)")
-    if slice_name and mode != "observe":
-        raise UsageError(f"--slice {slice_name} serves a model slice, which only observe mode does",
+    if o.mode not in ("resolve", "observe"):
+        raise UsageError(f"unknown mode {o.mode!r}", hint="resolve (no GPU) or observe (serves on real GPUs)")
+    if o.slice_name and o.mode != "observe":
+        raise UsageError(f"--slice {o.slice_name} serves a model slice, which only observe mode does",
                          hint="resolve mode always builds every layer: drop --slice, or add --mode observe")
-    if slice_name and slice_name not in profile.slices:
-        raise UsageError(f"unknown slice {slice_name!r} for {profile.title}",
+    if o.slice_name and o.slice_name not in profile.slices:
+        raise UsageError(f"unknown slice {o.slice_name!r} for {profile.title}",
                          hint="known slices: " + ", ".join(profile.slices))
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
-                         timeout_s=timeout_s, mode=mode, slice=slice_name, profiler=profiler,
-                         postload_every_layer=postload_every_layer,
-                         deadline=started + timeout_s if timeout_s else None)
-    reproduce = reproduce_command(pin.name, sys_sel, lay_sel, runtime, cuda_toolkit, lock=str(lock_path),
-                                  expectations=str(expectations) if expectations not in (None, "") else "none",
-                                  baseline="" if baseline in (None, "auto") else baseline, profile=profile)
-    if mode == "observe":
-        reproduce += " MODE=observe" + (f" SLICE={slice_name}" if slice_name else "") + ("" if profiler else " PROFILER=0")
+                         timeout_s=o.timeout_s, mode=o.mode, slice=o.slice_name, profiler=o.profiler,
+                         postload_every_layer=o.postload_every_layer,
+                         deadline=started + o.timeout_s if o.timeout_s else None)
+    reproduce = reproduce_command(pin.name, sys_sel, lay_sel, o.runtime, o.cuda_toolkit, lock=str(o.lock_path),
+                                  expectations=str(o.expectations) if o.expectations not in (None, "") else "none",
+                                  baseline="" if o.baseline in (None, "auto") else o.baseline, profile=profile)
+    if o.mode == "observe":
+        reproduce += " MODE=observe" + (f" SLICE={o.slice_name}" if o.slice_name else "") + ("" if o.profiler else " PROFILER=0")
     cached: dict = {}
     keys: dict = {}
     discarded: list = []
     if hasattr(rt, "bind"):
         rt.bind(request)  # --timeout bounds building the environment too
-    if mode == "resolve" and hasattr(rt, "cache_identity"):  # --no-cache looks nothing up, but refreshes
-        keys, cached, discarded = _from_cache(rt, request, progress, use=cache)
+    if o.mode == "resolve" and hasattr(rt, "cache_identity"):  # --no-cache looks nothing up, but refreshes
+        keys, cached, discarded = _from_cache(rt, request, progress, use=o.cache)
     todo = [c for c in cells if (c[0].name, c[1].name) not in cached]
     try:
         if todo:
@@ -167,26 +195,26 @@ def run_audit(pin_name: str, *, lock_path: str | Path = "images.lock", runtime: 
                                info={**first.get("info", {}), "date": time.strftime("%Y-%m-%d", time.gmtime())})
     except RunAborted as exc:
         # what was observed goes into an INCOMPLETE ledger beside the run; reports/ stays as it was
-        exc.incomplete_ledger = _render_aborted(exc, request, pin=pin, profile=profile, lock_path=lock_path,
-                                                reproduce=reproduce, expectations=expectations)
+        exc.incomplete_ledger = _render_aborted(exc, request, pin=pin, profile=profile, lock_path=o.lock_path,
+                                                reproduce=reproduce, expectations=o.expectations)
         raise
     run_info = {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": reproduce}
     if keys:
         _to_cache(rt, request, keys, cached, result, run_dir)
         run_info["cache"] = {"hits": sorted([s, l, e.get("run", "?"), e.get("date", "?")]
                                             for (s, l), e in cached.items()),
-                             "ran": len(todo), "discarded": sorted(discarded), "used": cache}
-    if slice_name:
-        s = profile.slices[slice_name]
+                             "ran": len(todo), "discarded": sorted(discarded), "used": o.cache}
+    if o.slice_name:
+        s = profile.slices[o.slice_name]
         run_info["slice"] = {"name": s.name, "layers": s.layers, "kept": s.kept, "cut": s.cut}
     _write_run_json(request, profile, run_info, result.missing)
     if run_info.get("slurm", {}).get("pending"):  # --no-wait: submitted; rendered later from run_dir
         return AuditOutcome(pin=pin.name, report_dir=root / pin.name, ledger=None, routing_path=None,
                             run_dir=run_dir, cells=len(cells), incomplete=0, partial=0, drift=0, pending=True)
-    outcome = render_run(run_dir, lock_path=lock_path, reports_dir=reports_dir, baseline=baseline,
-                         expectations=expectations, replace=replace or (len(sys_sel) == len(SYSTEMS)
+    outcome = render_run(run_dir, lock_path=o.lock_path, reports_dir=o.reports_dir, baseline=o.baseline,
+                         expectations=o.expectations, replace=o.replace or (len(sys_sel) == len(SYSTEMS)
                                                                          and len(lay_sel) == len(profile.layouts)),
-                         accepted=accepted)
+                         accepted=o.accepted)
     prune_runs(pin, prefix=models.run_prefix(profile, pin.name), layouts=profile.layouts)
     return outcome
 
@@ -589,8 +617,8 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
             outcomes.append(render_run(run, lock_path=lock_path, reports_dir=reports_dir, replace=True))
             continue
         progress("stage", text=f"auditing {pin.name}")
-        outcomes.append(run_audit(pin.name, lock_path=lock_path, reports_dir=reports_dir, progress=progress,
-                                  replace=True, cache=cache, profile=profile))
+        outcomes.append(run_audit(pin.name, AuditOptions(lock_path=lock_path, reports_dir=reports_dir, replace=True,
+                                                         cache=cache, profile=profile), progress=progress))
         if drop_envs and pin.name not in keep_envs:
             env = LocalRuntime().env_dir(pin)  # validated: a direct child of <cache>/envs
             shutil.rmtree(env, ignore_errors=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from audit.pins import lock  # noqa: E402
-from audit.core import run_audit  # noqa: E402
+from audit.core import AuditOptions, run_audit  # noqa: E402
 from audit.models.kimi_k3 import KIMI_K3  # noqa: E402
 from audit.runtimes import RunRequest  # noqa: E402
 from audit.runtimes.local import LocalRuntime  # noqa: E402
@@ -188,7 +188,7 @@ def main() -> int:
             watch = PeakRSS()
             watch.start()
             t0 = time.perf_counter()
-            outcome = run_audit(args.pin, lock_path=args.lock, reports_dir=Path(tmp) / name, parallel=parallel)
+            outcome = run_audit(args.pin, AuditOptions(lock_path=args.lock, reports_dir=Path(tmp) / name, parallel=parallel))
             seconds = time.perf_counter() - t0
             watch.stop()
             return outcome, seconds, watch
@@ -203,7 +203,8 @@ def main() -> int:
         stages = stage_seconds(outcome.run_dir / "evidence")
         setup, costs, serial = cell_costs(outcome.run_dir / "evidence")
         t0 = time.perf_counter()  # the same inputs again: every cell's evidence comes from the cache
-        again = run_audit(args.pin, lock_path=args.lock, reports_dir=Path(tmp) / "full-again", parallel=parallel)
+        again = run_audit(args.pin, AuditOptions(lock_path=args.lock, reports_dir=Path(tmp) / "full-again",
+                                                 parallel=parallel))
         cached = time.perf_counter() - t0
         hits = len(json.loads((again.routing_path).read_text())["run"].get("cache", {}).get("hits", []))
         limits = sum(1 for c in json.loads(outcome.routing_path.read_text())["cells"]

@@ -166,9 +166,6 @@ class Profile:
     selftest_slice: str = ""
     selftest_lanes: tuple[str, ...] = ()
 
-    def judged_lane(self, lane: str) -> JudgedLane | None:
-        return next((j for j in self.judged if j.lane == lane), None)
-
     def config_text(self) -> str:
         return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
 

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from audit.fsutil import replace_dir
 from audit.report import render
 from audit.report import routing
 from audit.errors import RenderError
@@ -71,18 +72,18 @@ def test_same_routing_same_bytes():
 
 def test_failed_render_keeps_previous_report(tmp_path, monkeypatch):
     r = load()
-    render.write_report(tmp_path, r, profile_title="Kimi-K3", reproduce="x")
+    replace_dir(tmp_path, render.report_files(r, profile_title="Kimi-K3", reproduce="x"))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     broken = copy.deepcopy(r)
     broken["cells"][0]["lanes"] = None  # the template cannot render this
     with pytest.raises(RenderError):
-        render.write_report(tmp_path, broken, profile_title="Kimi-K3", reproduce="x")
+        replace_dir(tmp_path, render.report_files(broken, profile_title="Kimi-K3", reproduce="x"))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_failed_write_keeps_previous_report(tmp_path, monkeypatch):
     r = load()
-    render.write_report(tmp_path, r, profile_title="Kimi-K3", reproduce="x")
+    replace_dir(tmp_path, render.report_files(r, profile_title="Kimi-K3", reproduce="x"))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     real_fsync, calls = os.fsync, []
 
@@ -96,7 +97,7 @@ def test_failed_write_keeps_previous_report(tmp_path, monkeypatch):
     changed = copy.deepcopy(r)
     changed["run"]["date"] = "2099-01-01"
     with pytest.raises(OSError):
-        render.write_report(tmp_path, changed, profile_title="Kimi-K3", reproduce="x")
+        replace_dir(tmp_path, render.report_files(changed, profile_title="Kimi-K3", reproduce="x"))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp files, nothing replaced
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import jinja2
 
@@ -15,7 +14,6 @@ from audit import __version__
 from audit.report import dispatch
 from audit.errors import RenderError
 from audit.report.fit import fit
-from audit.fsutil import replace_dir
 from audit.report.routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
 from audit.systems import SYSTEMS
 from audit.report.verdicts import VERDICTS, grouped
@@ -356,15 +354,6 @@ def report_files(routing: dict, *, profile_title: str, reproduce: str, changes: 
 
     ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
     return {"routing.json": routing_json(routing), "ledger.md": ledger, "labels.json": labels_json(routing, label_map)}
-
-
-def write_report(report_dir: Path, routing: dict, *, profile_title: str, reproduce: str,
-                 changes: dict | None = None, label_map: dict[str, str] | None = None) -> list[Path]:
-    """Render first, then replace the whole report directory as one unit (see fsutil.replace_dir)."""
-    files = report_files(routing, profile_title=profile_title, reproduce=reproduce, changes=changes,
-                         label_map=label_map)
-    replace_dir(report_dir, files)
-    return [report_dir / name for name in sorted(files)]
 
 
 def _sm_families(systems) -> list[dict]:

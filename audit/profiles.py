@@ -21,7 +21,8 @@ class Source:
     on the module name); ``fields`` are ``result`` (a selector's return value), ``attrs.<name>``
     (what a constructed object chose), ``facts.<name>`` (read off the built module) or ``cls``.
     ``postload`` sources read the post-load stage's records; ``target`` names the reading
-    (``audit.report.routing.POSTLOAD_READINGS``) and ``fields`` are unused.
+    (a shared one, ``audit.report.routing.POSTLOAD_READINGS``, or the profile's own ``postload_readings``) and
+    ``fields`` are unused.
     """
 
     kind: str
@@ -163,6 +164,10 @@ class Profile:
     backend_labels: BackendLabels | None = None
     #: ``make selftest-gpu``: the observe-mode slice it serves on one GPU and the lanes whose kernel-entry probes
     #: must fire there (empty: the model has no selftest)
+    #: post-load readings of the model's own modules, by name (a lane's ``Source("postload", name)``): each turns
+    #: a module's post-load facts (``facts``, ``what``) into the lane's value, or None where it does not apply; the
+    #: shared ones are ``audit.report.routing.POSTLOAD_READINGS``
+    postload_readings: dict = field(default_factory=dict)
     selftest_slice: str = ""
     selftest_lanes: tuple[str, ...] = ()
 

@@ -41,6 +41,10 @@ def test_each_profile_is_complete_in_itself(profile):
     assert profile.layouts and all(l.name == n for n, l in profile.layouts.items())
     assert profile.probes and (ROOT / "probes" / "models" / profile.probes / "__init__.py").is_file(), \
         "the profile names its probe-side module"
+    from audit.report.routing import POSTLOAD_READINGS
+
+    readings = {*POSTLOAD_READINGS, *profile.postload_readings, "specialized_decode"}
+    assert {s.target for l in profile.lanes for s in l.sources if s.kind == "postload"} <= readings
 
 
 def test_the_default_model_keeps_its_paths_and_another_model_gets_its_own(tmp_path):

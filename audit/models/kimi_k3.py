@@ -35,6 +35,27 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
 
 
 
+def reading_tail_fusion(facts: dict, what: str, **_) -> str | None:
+    """The latent MoE tail fusion a runner ended with (its probes package's ``runner_facts``), in the ledger's words."""
+    if what != "moe-runner" or "tail_fusion_enabled" not in facts:
+        return None
+    if not facts["tail_fusion_enabled"]:
+        return "off (not enabled at construction)"
+    fused = facts.get("fused_path")
+    if "moe_kernel" in facts and facts["moe_kernel"] is None and fused is True:
+        # the fused path reads the MoE kernel built at load: without it, only construction's answer is known
+        return "enabled at construction; fused path not re-read (no MoE kernel was built)"
+    if fused is True:
+        limit = facts.get("tail_max_tokens")
+        return "on (fused path holds" + (f"; fused tail up to {limit} tokens)" if limit else ")")
+    if fused is False:
+        why = facts.get("fused_path_fails")
+        if why:
+            return f"off (enabled at construction; vLLM's fused-path condition fails at `{why}`)"
+        return "off (enabled at construction; the fused path does not hold once the MoE kernel exists)"
+    return f"enabled at construction; fused path unknown ({fused})"
+
+
 KIMI_K3 = Profile(
     name="kimi-k3",
     title="Kimi-K3",
@@ -47,6 +68,7 @@ KIMI_K3 = Profile(
         "vllm.models.kimi_k3",
     ),
     probes="kimi_k3",
+    postload_readings={"tail_fusion": reading_tail_fusion},
     layer_classes={
         "KimiK3DeltaAttention": "kda",
         "MultiHeadLatentAttention": "mla",

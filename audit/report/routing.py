@@ -125,11 +125,11 @@ def _module_kind(f: EvidenceFile, profile: Profile, module: str) -> str | None:
     return best
 
 
-def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None) -> dict[int, dict]:
+def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None, readings: dict | None = None) -> dict[int, dict]:
     per_layer: dict[int, dict] = {}
     for source in lane.sources:
         if source.kind == "postload":
-            per_layer.update(_postload_values(f, source.target, post) if post else {})
+            per_layer.update(_postload_values(f, source.target, post, readings or POSTLOAD_READINGS) if post else {})
             continue
         if source.kind == "module":
             pattern = re.compile(source.target)
@@ -411,26 +411,6 @@ def _reading_activation(facts: dict, what: str, checks: dict, **_) -> str | None
     return f"{act} ({short(kernel)}; {checked}{note})"
 
 
-def _reading_tail(facts: dict, what: str, **_) -> str | None:
-    if what != "moe-runner" or "tail_fusion_enabled" not in facts:
-        return None
-    if not facts["tail_fusion_enabled"]:
-        return "off (not enabled at construction)"
-    fused = facts.get("fused_path")
-    if "moe_kernel" in facts and facts["moe_kernel"] is None and fused is True:
-        # the fused path reads the MoE kernel built at load: without it, only construction's answer is known
-        return "enabled at construction; fused path not re-read (no MoE kernel was built)"
-    if fused is True:
-        limit = facts.get("tail_max_tokens")
-        return "on (fused path holds" + (f"; fused tail up to {limit} tokens)" if limit else ")")
-    if fused is False:
-        why = facts.get("fused_path_fails")
-        if why:
-            return f"off (enabled at construction; vLLM's fused-path condition fails at `{why}`)"
-        return "off (enabled at construction; the fused path does not hold once the MoE kernel exists)"
-    return f"enabled at construction; fused path unknown ({fused})"
-
-
 def _reading_deferred(facts: dict, what: str, **_) -> str | None:
     if what != "moe-runner" or "defer_requested" not in facts:
         return None
@@ -447,11 +427,13 @@ def _reading_deferred(facts: dict, what: str, **_) -> str | None:
         "requested, not in effect on this deployment"
 
 
-POSTLOAD_READINGS = {"moe_kernel": _reading_kernel, "activation": _reading_activation, "tail_fusion": _reading_tail,
+#: the post-load readings of vLLM's shared MoE layers, by name (a lane's ``Source("postload", name)``); a model's
+#: readings of its own modules' facts are its profile's (``Profile.postload_readings``)
+POSTLOAD_READINGS = {"moe_kernel": _reading_kernel, "activation": _reading_activation,
                      "deferred_finalize": _reading_deferred}
 
 
-def _postload_values(f: EvidenceFile, reading: str, post: dict) -> dict[int, dict]:
+def _postload_values(f: EvidenceFile, reading: str, post: dict, readings: dict) -> dict[int, dict]:
     if reading == "specialized_decode":
         sd = post.get("specialized_decode")
         if not sd:
@@ -469,7 +451,7 @@ def _postload_values(f: EvidenceFile, reading: str, post: dict) -> dict[int, dic
                 level = "construction; post-load stopped at a simulation limit"
         # one model-wide answer, shown on the model's first layer group
         return {-1: {"value": value, "level": level, "raw": [], "source": "postload.specialized_decode"}}
-    fn = POSTLOAD_READINGS[reading]
+    fn = readings[reading]
     checks: dict[int, dict] = defaultdict(dict)
     for r in post["_activation_checks"]:
         layer = layer_of(r.get("scope"))
@@ -506,7 +488,7 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     kinds = _layer_kinds(f, profile)
     post = _postload(f)
     for lane in profile.lanes:
-        per_layer = _lane_values(f, lane, post)
+        per_layer = _lane_values(f, lane, post, {**POSTLOAD_READINGS, **profile.postload_readings})
         levels = {k: v.get("level", lane.level) for k, v in per_layer.items()}
         groups = collapse({k: (v["value"], levels[k]) for k, v in per_layer.items()},
                           raw={k: {"source": v.get("source", ""), "fields": v["raw"]} for k, v in per_layer.items()})

@@ -166,10 +166,10 @@ def _plan_choice(qm, m: int, skinny_ok: bool, dsv3_ok: bool) -> str:
     return str(entry[0]) if dsv3_ok else f"{fallback}: the plan's {entry[0]} op is not compiled in"
 
 
-def lane_low_latency_gemm(models, vllm_config, works):
-    """K3's shape-selected decode GEMMs: the per-M plan KimiK3LowLatencyLinearMethod consults on each call
-    (built by vLLM from its measured table for this SM), then the runtime gates it checks on the host."""
-    cls = optional("vllm.models.kimi_k3.nvidia.low_latency_gemm:KimiK3LowLatencyLinearMethod")
+def _plan_lane(models, works, method: str, rows_of):
+    """One row per module whose quant method is K3's low-latency *method*: the plan's choice at ``rows_of(w)`` rows
+    for each workload, prefixed by the row count where it is not the batch's token count."""
+    cls = optional(f"vllm.models.kimi_k3.nvidia.low_latency_gemm:{method}")
     if cls is None:
         return
     skinny_ok, dsv3_ok = _gemm_availability()
@@ -178,8 +178,15 @@ def lane_low_latency_gemm(models, vllm_config, works):
             qm = getattr(module, "quant_method", None)
             if type(qm) is not cls:
                 continue
-            tiers = [_plan_choice(qm, w.tokens, skinny_ok, dsv3_ok) for w in works]
+            tiers = [_plan_choice(qm, w.tokens, skinny_ok, dsv3_ok) if rows_of is None else
+                     f"M={rows_of(w)}: {_plan_choice(qm, rows_of(w), skinny_ok, dsv3_ok)}" for w in works]
             yield role, name, tiers, f"{cls.__module__}:{cls.__qualname__}._plan"
+
+
+def lane_low_latency_gemm(models, vllm_config, works):
+    """K3's shape-selected decode GEMMs: the per-M plan KimiK3LowLatencyLinearMethod consults on each call
+    (built by vLLM from its measured table for this SM), then the runtime gates it checks on the host."""
+    return _plan_lane(models, works, "KimiK3LowLatencyLinearMethod", None)
 
 
 def _specialized(model, vllm_config):
@@ -287,20 +294,7 @@ def _logits_rows(w: Workload) -> int:
 def lane_lm_head(models, vllm_config, works):
     """The lm_head's low-latency GEMM plan (K3's per-M table, KimiK3LowLatencyEmbeddingMethod), at the number of
     logits rows of each step."""
-    cls = optional("vllm.models.kimi_k3.nvidia.low_latency_gemm:KimiK3LowLatencyEmbeddingMethod")
-    if cls is None:
-        return
-    skinny_ok, dsv3_ok = _gemm_availability()
-    for role, model in models:
-        for name, module in model.named_modules():
-            qm = getattr(module, "quant_method", None)
-            if type(qm) is not cls:
-                continue
-            tiers = []
-            for w in works:
-                m = _logits_rows(w)
-                tiers.append(f"M={m}: {_plan_choice(qm, m, skinny_ok, dsv3_ok)}")
-            yield role, name, tiers, f"{cls.__module__}:{cls.__qualname__}._plan"
+    return _plan_lane(models, works, "KimiK3LowLatencyEmbeddingMethod", _logits_rows)
 
 
 def lane_down_proj_overlap(models, vllm_config, works):

@@ -110,6 +110,19 @@ class StepPath:
 
 
 @dataclass(frozen=True)
+class ModelState:
+    """What the model's worker builds once its weights are loaded (K3: its specialized decode), read model-wide after
+    post-load: its probes package emits a ``postload-model`` record (``model_facts``) and runs the build as a
+    ``model-state`` step (``postload_steps``). ``key`` names the entry in a cell's post-load summary (routing.json)
+    and the reading a lane shows it with (``Source("postload", key)``); the ``*_field`` names are the record's
+    fields saying whether the layout asked for it, what was built and with which config."""
+    key: str
+    requested_field: str
+    built_field: str
+    config_field: str
+
+
+@dataclass(frozen=True)
 class BackendLabels:
     """The kernels a lane's value enters, for lanes whose value is vLLM's resolved backend *string* (no class the
     harness could name a family from).
@@ -164,6 +177,8 @@ class Profile:
     backend_labels: BackendLabels | None = None
     #: ``make selftest-gpu``: the observe-mode slice it serves on one GPU and the lanes whose kernel-entry probes
     #: must fire there (empty: the model has no selftest)
+    #: what its worker builds once the weights are loaded, if anything (see :class:`ModelState`)
+    model_state: ModelState | None = None
     #: post-load readings of the model's own modules, by name (a lane's ``Source("postload", name)``): each turns
     #: a module's post-load facts (``facts``, ``what``) into the lane's value, or None where it does not apply; the
     #: shared ones are ``audit.report.routing.POSTLOAD_READINGS``

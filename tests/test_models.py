@@ -43,7 +43,8 @@ def test_each_profile_is_complete_in_itself(profile):
         "the profile names its probe-side module"
     from audit.report.routing import POSTLOAD_READINGS
 
-    readings = {*POSTLOAD_READINGS, *profile.postload_readings, "specialized_decode"}
+    state = [profile.model_state.key] if profile.model_state else []
+    readings = {*POSTLOAD_READINGS, *profile.postload_readings, *state}
     assert {s.target for l in profile.lanes for s in l.sources if s.kind == "postload"} <= readings
 
 

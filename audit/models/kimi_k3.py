@@ -7,7 +7,7 @@ both ways). Shared code reads these through the registry (:mod:`audit.models`) a
 """
 from __future__ import annotations
 
-from audit.profiles import BackendLabels, DispatchLanes, JudgedLane, Lane, Profile, Slice, Source, StepPath
+from audit.profiles import BackendLabels, DispatchLanes, JudgedLane, Lane, ModelState, Profile, Slice, Source, StepPath
 from audit.systems import Layout
 
 MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
@@ -69,6 +69,9 @@ KIMI_K3 = Profile(
     ),
     probes="kimi_k3",
     postload_readings={"tail_fusion": reading_tail_fusion},
+    # KimiK3ModelState builds the specialized decode once the weights are loaded (where the layout asks for it)
+    model_state=ModelState("specialized_decode", requested_field="specialized_decode_requested",
+                           built_field="specialized_decode", config_field="specialized_decode_config"),
     layer_classes={
         "KimiK3DeltaAttention": "kda",
         "MultiHeadLatentAttention": "mla",

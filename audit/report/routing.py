@@ -125,11 +125,13 @@ def _module_kind(f: EvidenceFile, profile: Profile, module: str) -> str | None:
     return best
 
 
-def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None, readings: dict | None = None) -> dict[int, dict]:
+def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None, readings: dict | None = None,
+                 state=None) -> dict[int, dict]:
     per_layer: dict[int, dict] = {}
     for source in lane.sources:
         if source.kind == "postload":
-            per_layer.update(_postload_values(f, source.target, post, readings or POSTLOAD_READINGS) if post else {})
+            per_layer.update(_postload_values(f, source.target, post, readings or POSTLOAD_READINGS, state)
+                             if post else {})
             continue
         if source.kind == "module":
             pattern = re.compile(source.target)
@@ -287,7 +289,7 @@ def _rejudged(r: dict) -> dict:
     return {**r, "outcome": outcome, "rule": f"{rule} (the record said {r.get('outcome')}; the rule decided)"}
 
 
-def _postload(f: EvidenceFile) -> dict | None:
+def _postload(f: EvidenceFile, profile: Profile) -> dict | None:
     """What vLLM's post-load path did in this cell: every step's outcome, vLLM's refusals (findings)
     apart from the places the simulation could not go further (limits), and per layer how far it went."""
     stage = next((r for r in f.of_kind("stage") if r["stage"] == POSTLOAD_STAGE), None)
@@ -342,6 +344,7 @@ def _postload(f: EvidenceFile) -> dict | None:
                       "step": str(first.get("fn", "")).rsplit(":", 1)[-1], "module": first.get("in_module") or first.get("module") or "",
                       "layer": _step_layer(first), "model": first.get("role", "target")}
     err = stage.get("error") or {}
+    state = profile.model_state
     spec = next((r for r in f.of_kind("postload-model") if r.get("role", "target") == "target"), {})
     state_steps = [r for r in steps if r.get("step") == "model-state"]
     return {"ran": bool(stage.get("ok")), "error": {"type": err.get("type", ""), "message": err.get("message", "")}
@@ -349,13 +352,13 @@ def _postload(f: EvidenceFile) -> dict | None:
             "refusals": list(refusals.values()), "limits": sorted(limits.values(), key=lambda g: -g["count"]),
             "refused_at": refused_at, "model_worst": model_worst,
             "layer_worst": {str(k): v for k, v in sorted(per_layer.items())},
-            "specialized_decode": {"requested": spec.get("specialized_decode_requested"),
-                                   "built": spec.get("specialized_decode"),
-                                   "config": spec.get("specialized_decode_config"),
-                                   # the step's record without its duration or record number: routing is a function of what
-                                   # vLLM decided, never of how long it took
-                                   "step": ({k: v for k, v in state_steps[0].items() if k not in ("seconds", "seq")}
-                                            if state_steps else None)} if spec else None,
+            # what the model's worker builds once the weights are loaded (its profile's ``model_state``), if anything
+            **({state.key: {"requested": spec.get(state.requested_field), "built": spec.get(state.built_field),
+                            "config": spec.get(state.config_field),
+                            # the step's record without its duration or record number: routing is a function of
+                            # what vLLM decided, never of how long it took
+                            "step": ({k: v for k, v in state_steps[0].items() if k not in ("seconds", "seq")}
+                                     if state_steps else None)} if spec else None} if state is not None else {}),
             # how each group of identical per-layer steps was run (probes/resolve/carry.py): a function of the
             # run's mode, not of what vLLM decided, so a comparison of two paths leaves it out
             "carry": [{"role": r.get("role", "target"), "step": str(r.get("fn", "")).rsplit(":", 1)[-1],
@@ -433,9 +436,9 @@ POSTLOAD_READINGS = {"moe_kernel": _reading_kernel, "activation": _reading_activ
                      "deferred_finalize": _reading_deferred}
 
 
-def _postload_values(f: EvidenceFile, reading: str, post: dict, readings: dict) -> dict[int, dict]:
-    if reading == "specialized_decode":
-        sd = post.get("specialized_decode")
+def _postload_values(f: EvidenceFile, reading: str, post: dict, readings: dict, state=None) -> dict[int, dict]:
+    if state is not None and reading == state.key:  # the model state: one model-wide answer
+        sd = post.get(state.key)
         if not sd:
             return {}
         if not sd["requested"]:
@@ -450,7 +453,7 @@ def _postload_values(f: EvidenceFile, reading: str, post: dict, readings: dict) 
                 value = f"requested; not built in simulation ({short(step.get('type', ''))})"
                 level = "construction; post-load stopped at a simulation limit"
         # one model-wide answer, shown on the model's first layer group
-        return {-1: {"value": value, "level": level, "raw": [], "source": "postload.specialized_decode"}}
+        return {-1: {"value": value, "level": level, "raw": [], "source": f"postload.{state.key}"}}
     fn = readings[reading]
     checks: dict[int, dict] = defaultdict(dict)
     for r in post["_activation_checks"]:
@@ -486,9 +489,9 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     stages, deepest, failure = _stages(f)
     lanes, candidates = {}, {}
     kinds = _layer_kinds(f, profile)
-    post = _postload(f)
+    post = _postload(f, profile)
     for lane in profile.lanes:
-        per_layer = _lane_values(f, lane, post, {**POSTLOAD_READINGS, **profile.postload_readings})
+        per_layer = _lane_values(f, lane, post, {**POSTLOAD_READINGS, **profile.postload_readings}, profile.model_state)
         levels = {k: v.get("level", lane.level) for k, v in per_layer.items()}
         groups = collapse({k: (v["value"], levels[k]) for k, v in per_layer.items()},
                           raw={k: {"source": v.get("source", ""), "fields": v["raw"]} for k, v in per_layer.items()})

@@ -155,10 +155,31 @@ def test_the_shared_probes_name_no_model():
     assert found == []
 
 
+#: the same on the host: words only one model's code, lanes or ledger use
+_HOST_MODEL_WORDS = re.compile(r"Kimi|kimi|K3|\bkda|KDA|SiTU|specialized|latent|gpt.oss|GptOss")
+
+
+def test_the_shared_host_code_names_no_model():
+    """What one model brings to the report (its lanes, dispatch lanes, readings, labels, ledger words) lives in its
+    profile (audit/models/<name>.py); the shared host code reads it from there."""
+    found = []
+    for path in sorted((ROOT / "audit").rglob("*.py")):
+        if "models" in path.relative_to(ROOT).parts:
+            continue
+        found += [(str(path.relative_to(ROOT)), line, text) for line, text in _code_strings(path)
+                  if _HOST_MODEL_WORDS.search(text)]
+    for path in sorted((ROOT / "audit" / "report" / "templates").glob("*.j2")):  # the ledger's words
+        found += [(str(path.relative_to(ROOT)), n, line) for n, line in enumerate(path.read_text().splitlines(), 1)
+                  if _HOST_MODEL_WORDS.search(line)]
+    assert found == []
+
+
 def test_the_model_name_check_sees_a_named_class(tmp_path):
     path = tmp_path / "m.py"
     path.write_text('"""Kimi-K3 in a docstring is an example."""\nX = "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention"\n')
     assert [t for _, t in _code_strings(path) if _MODEL_NAME.search(t)] == [
+        "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention"]
+    assert [t for _, t in _code_strings(path) if _HOST_MODEL_WORDS.search(t)] == [
         "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention"]
 
 

@@ -134,7 +134,7 @@ def _tier_keys(raw: dict, cid: str, lane: str, err, lane_phases: dict,
     expected = raw.get("dispatch", {})
     if not isinstance(expected, dict) or not all(isinstance(v, str) and v for v in expected.values()):
         raise err(f"claim {cid!r}: dispatch must be a table of dispatch lane = \"leading text of the choice\"",
-                  "dispatch", hint='e.g. dispatch = { latent_tail = "TAIL_FUSION" }')
+                  "dispatch", hint='e.g. dispatch = { serving_path = "FULL graph" }')
     for dlane in expected:
         if dlane not in dispatch_lanes:
             raise err(f"claim {cid!r}: unknown dispatch lane {dlane!r}", "dispatch",

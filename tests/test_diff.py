@@ -108,3 +108,31 @@ def test_an_availability_answer_only_one_audit_recorded_is_no_change():
         c["availability"]["nvidia_artifactory"] = True
     fields = {c["field"] for c in diff_routings(old, new)["changes"]}
     assert fields == {"vLLM availability: nvidia_artifactory"}
+
+
+def test_routings_of_two_models_are_refused_naming_both():
+    """A gpt-oss audit diffed against a K3 audit compares different layers under the same lane names: refused,
+    with both audits' models and the command that diffs one model's pins."""
+    import pytest
+
+    from audit.errors import UsageError
+
+    k3, oss = load("v0.33.0"), load("gpt-oss-120b-v0.33.0")
+    with pytest.raises(UsageError) as err:
+        diff_routings(k3, oss)
+    assert "'kimi-k3'" in str(err.value) and "'gpt-oss-120b'" in str(err.value)
+    assert "--model gpt-oss-120b" in err.value.hint
+    assert diff_routings(oss, copy.deepcopy(oss))["empty"]  # one model's audits still compare
+
+
+def test_the_written_diff_names_its_model(tmp_path):
+    """reports/diffs/<from>..<to>.json says whose routings it compares, as the rendered diff does."""
+    from audit.report.diff import write_diff
+
+    for pin in ("v0.30.0", "v0.33.0"):
+        (tmp_path / pin).mkdir()
+        (tmp_path / pin / "routing.json").write_text((DATA / f"routing-{pin}.json").read_text(encoding="utf-8"),
+                                                     encoding="utf-8")
+    md, js, d = write_diff(tmp_path, "v0.30.0", "v0.33.0")
+    assert json.loads(js.read_text(encoding="utf-8"))["model"] == "kimi-k3" == d["model"]
+    assert md.read_text(encoding="utf-8") == render_diff(d)

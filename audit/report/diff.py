@@ -43,7 +43,15 @@ NOT_READ = "— (not read in this audit: construction stopped before the built m
 
 
 def diff_routings(old: dict, new: dict) -> dict:
-    """Compare two routing models. Rows group identical (lane, before, after) changes."""
+    """Compare two routing models of one model. Rows group identical (lane, before, after) changes; routings of
+    two different models are refused (their lanes and layers are not the same things)."""
+    a, b = old.get("model"), new.get("model")
+    if a and b and a != b:
+        raise UsageError(f"cannot diff routings of two models: the audit of {_build(old)['pin']!r} is of {a!r}, "
+                         f"the audit of {_build(new)['pin']!r} is of {b!r}",
+                         hint=f"diff two pins of one model: serving-truth diff FROM TO --model {b} (each model's "
+                              "reports live in their own directory: reports/<pin>/ for the default model, "
+                              "reports/<model>/<pin>/ for the others)")
     titles = {**old.get("lane_titles", {}), **new.get("lane_titles", {})}
     old_cells = {(c["system"], c["layout"]): c for c in old["cells"]}
     new_cells = {(c["system"], c["layout"]): c for c in new["cells"]}
@@ -316,17 +324,10 @@ def render_diff(d: dict) -> str:
     return fit(_env(list(profile.layouts)).get_template("diff.md.j2").render(d=d, model_title=profile.title))
 
 
-#: keys of a diff that its .json file leaves out: the committed diffs were written before the diff named its model
-#: (``model``); writing it changes every one of them by that line, a deliberate regeneration of reports/diffs/
-JSON_OMITS = ("model",)
-
-
 def write_diff(reports_dir: Path, from_pin: str, to_pin: str, d: dict | None = None) -> tuple[Path, Path, dict]:
     """Render reports/diffs/<from>..<to>.md and .json (both rendered before either is replaced); *d* is the
     diff when the caller computed it already."""
-    from audit.fsutil import write_all_atomic
-
-    from audit.fsutil import report_dir_for
+    from audit.fsutil import report_dir_for, write_all_atomic
 
     for pin in (from_pin, to_pin):
         report_dir_for(reports_dir, pin)  # names that are no plain directory name never reach a path
@@ -334,6 +335,5 @@ def write_diff(reports_dir: Path, from_pin: str, to_pin: str, d: dict | None = N
         d = diff_routings(load_routing(reports_dir, from_pin), load_routing(reports_dir, to_pin))
     out = Path(reports_dir) / "diffs"
     md, js = out / f"{from_pin}..{to_pin}.md", out / f"{from_pin}..{to_pin}.json"
-    shown = {k: v for k, v in d.items() if k not in JSON_OMITS}
-    write_all_atomic({js: json.dumps(shown, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d)})
+    write_all_atomic({js: json.dumps(d, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d)})
     return md, js, d

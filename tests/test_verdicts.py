@@ -264,6 +264,32 @@ dispatch = { moe_experts = "tile 8" }
     assert gpu["verdict"] == "UNVERIFIED" and "needs GPU: autotuned" in gpu["why"]
 
 
+def test_a_tier_vllm_could_not_be_asked_for_is_unverified_never_a_mismatch(tmp_path):
+    """The probes write the two unknown tiers with probes.core.tiers and the verdicts read them with it: a
+    ``not resolved`` tier (vLLM's function could not be called here) is not judged, and says why."""
+    from probes.core import tiers
+
+    path = write_claims(tmp_path, '''
+[[claim]]
+id = "tail-fusion"
+lane = "w4a8_mxfp4_mxfp8"
+at = ["decode 1"]
+layouts = ["tp8"]
+systems = ["b200_sxm"]
+backend = "flashinfer_trtllm_gen"
+dispatch = { latent_tail = "TAIL_FUSION" }
+''')
+    r = routing()
+    cell = next(c for c in r["cells"] if (c["system"], c["layout"]) == ("b200_sxm", "tp8"))
+    for entry in cell["dispatch"]["lanes"]["latent_tail"]:
+        entry["tiers"]["decode 1"] = tiers.not_resolved("RuntimeError: planted")
+    row = _at(judge(r, expectations.load(path)), "tail-fusion", "b200_sxm", "tp8", "decode 1")
+    assert row["verdict"] == "UNVERIFIED"
+    assert row["why"] == "not judged: Latent MoE tail tier at decode 1: not resolved: RuntimeError: planted"
+    # the parse wants the whole prefix: a choice that merely begins with the words is vLLM's choice
+    assert tiers.unknown(tiers.needs_gpu("x")) == tiers.NEEDS_GPU and tiers.unknown("not resolvedish") is None
+
+
 def test_tier_verdicts_fail_the_gate_and_render_with_their_batch_size(tmp_path):
     from audit.report.render import render_ledger
     from audit.report.verdicts import FAILING, attach, grouped

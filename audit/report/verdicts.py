@@ -31,6 +31,8 @@ from audit.report.dispatch import serving_group, tier_choice, workload_of, workl
 from audit.report.expectations import Expectations
 from audit.report.labels import derive
 from audit.report.routing import format_ranges, short
+from probes.core import tiers
+
 
 @dataclass(frozen=True)
 class VerdictKind:
@@ -213,10 +215,10 @@ def _dispatch_expectations(c, group: dict, cell: dict, workload: str, v: Judged)
         if found is None:
             return {"verdict": "UNVERIFIED", "why": f"not judged: no {title} tier was resolved for these layers"}
         choice = found[0]
-        if choice.startswith("needs GPU"):
-            return {"verdict": "UNVERIFIED", "why": f"not judged here: {title} at {workload}: {choice}"}
-        if choice.startswith("not resolved"):
-            return {"verdict": "UNVERIFIED", "why": f"not judged: {title} at {workload}: {choice}"}
+        unknown = tiers.unknown(choice)
+        if unknown:
+            judged_where = "not judged here" if unknown == tiers.NEEDS_GPU else "not judged"
+            return {"verdict": "UNVERIFIED", "why": f"{judged_where}: {title} at {workload}: {choice}"}
         if not choice.startswith(expected):
             return {"verdict": "MISMATCH", "why": f"{title} at {workload} is {choice}; the claim says {expected}"}
     if c.dispatch:

@@ -13,7 +13,8 @@ a set of workloads:
 Tensors the functions take are meta tensors of the shape and dtype the call would see (they only
 read shapes). A choice that only a GPU can make (an autotuned tactic, a measured timing, a gate that
 reads device pointers) is recorded as ``needs GPU: ...`` with the reason, never guessed. A function
-that could not be called (moved, or it needed more than shapes) is recorded as ``not resolved: ...``.
+that could not be called (moved, or it needed more than shapes) is recorded as ``not resolved: ...``
+(both written by :mod:`probes.core.tiers`, which the host reads them with).
 
 Each lane emits one ``dispatch`` record per (lane, role, group) and set of layers with the same tier
 table; a ``dispatch-stage`` record says how long the stage took and which lanes failed. Nothing
@@ -32,6 +33,7 @@ import time
 
 from probes import models as models_probes
 from probes.core.recorder import describe
+from probes.core.tiers import needs_gpu, not_resolved
 
 DECODE_BATCHES = (1, 8, 64, 256)
 PREFILL_CHUNKS = (512, 2048, 8192)
@@ -147,7 +149,7 @@ def lane_shared_overlap(models, vllm_config, works):
                     order = decide(meta(w.tokens, hidden))
                     tiers.append(getattr(order, "name", str(order)))
                 except Exception as exc:  # e.g. the MoE kernel is built at post-load and was not reached
-                    tiers.append(f"not resolved: {err(exc)}")
+                    tiers.append(not_resolved(err(exc)))
             yield role, name, tiers, f"{type(shared).__module__}:{type(shared).__qualname__}._determine_shared_experts_order"
 
 
@@ -173,7 +175,7 @@ def _humming_block(runner, experts, tokens: int, vllm_config) -> str:
         except Stop:
             pass
     if "kwargs" not in seen:
-        return "not resolved: prepare_humming_moe_kwargs did not reach moe_align_block_size"
+        return not_resolved("prepare_humming_moe_kwargs did not reach moe_align_block_size")
     block = seen["kwargs"].get("block_size", seen["args"][1] if len(seen["args"]) > 1 else "?")
     return f"block_size_m={block} (humming tuning config)"
 
@@ -185,7 +187,7 @@ def _marlin_block(runner, experts, tokens: int, vllm_config) -> str:
     layer = getattr(runner, "routed_experts", runner)  # the module holding the experts' weights
     w1, w2 = getattr(layer, "w13_weight", None), getattr(layer, "w2_weight", None)
     if w1 is None or w2 is None:
-        return "not resolved: the layer has no w13_weight/w2_weight"
+        return not_resolved("the layer has no w13_weight/w2_weight")
     topk = runner.moe_config.experts_per_token
     hidden = runner.moe_config.hidden_dim  # the experts' activation width (the latent size for latent MoE)
     with capture(mod, "moe_align_block_size") as seen:
@@ -200,7 +202,7 @@ def _marlin_block(runner, experts, tokens: int, vllm_config) -> str:
         except Stop:
             pass
     if "args" not in seen:
-        return "not resolved: fused_marlin_moe did not reach moe_align_block_size"
+        return not_resolved("fused_marlin_moe did not reach moe_align_block_size")
     return f"block_size_m={seen['args'][1]}"
 
 
@@ -244,7 +246,7 @@ def lane_moe_experts(models, vllm_config, works):
             for w in works:
                 if cname in device:
                     kind = "autotuned" if device[cname] is _TRTLLM else "chosen on the device"
-                    choice = f"needs GPU: {kind} ({device[cname]}"
+                    choice = needs_gpu(f"{kind} ({device[cname]}")
                     bucket = optional("vllm.model_executor.layers.fused_moe.utils:fi_moe_largest_bucket")
                     if bucket is not None and device[cname] is _TRTLLM:
                         with contextlib.suppress(Exception):
@@ -255,23 +257,23 @@ def lane_moe_experts(models, vllm_config, works):
                         choice += "; top-k finalize deferred"
                 elif cname in _RESOLVERS:
                     if experts is None:
-                        choice = ("not resolved: the experts kernel (and the block-size table it carries) is built at "
-                                  "post-load, which stopped before building it here")
+                        choice = not_resolved("the experts kernel (and the block-size table it carries) is built at "
+                                              "post-load, which stopped before building it here")
                     else:
                         try:
                             choice = _RESOLVERS[cname](runner, experts, w.tokens, vllm_config)
                         except Exception as exc:
-                            choice = f"not resolved: {err(exc)}"
+                            choice = not_resolved(err(exc))
                 else:
-                    choice = (f"not resolved: this stage has no resolver for {cname}'s per-call choice "
-                              "(it may depend on the token count)")
+                    choice = not_resolved(f"this stage has no resolver for {cname}'s per-call choice "
+                                          "(it may depend on the token count)")
                 tiers.append(choice)
             yield role, name, tiers, source
         for name, module in model.named_modules():
             cls = type(module)
             if cls.__name__ in modules and not (_runner_base() and isinstance(module, _runner_base())):
                 why = device[cls.__name__]
-                yield role, name, [f"needs GPU: chosen on the device ({why})"] * len(works), \
+                yield role, name, [needs_gpu(f"chosen on the device ({why})")] * len(works), \
                     f"{cls.__module__}:{cls.__qualname__}"
 
 
@@ -321,12 +323,12 @@ def _mla_decode_kernel(impl, w: Workload) -> str:
         ragged = " (ragged multi-token queries)" if w.per_request > 1 else ""
         if backend:
             return f"FlashInfer MLA decode backend={backend}{ragged}"
-        return ("needs GPU: autotuned (FlashInfer MLA decode backend=auto: its AutoTuner picks trtllm-gen "
-                f"or cute-dsl){ragged}")
+        return needs_gpu("autotuned (FlashInfer MLA decode backend=auto: its AutoTuner picks trtllm-gen "
+                         f"or cute-dsl){ragged}")
     if name == "TritonMLAImpl":
         return "Triton decode_attention (split-KV count from max_seq_len and SM count, not token count)"
     if name == "FlashAttnMLAImpl":
-        return "needs GPU: FA3 MLA decode (splits chosen by the FA scheduler on the device)"
+        return needs_gpu("FA3 MLA decode (splits chosen by the FA scheduler on the device)")
     return f"{name} decode"
 
 
@@ -350,7 +352,7 @@ def lane_mla(models, vllm_config, works):
             tiers = []
             for w in works:
                 if isinstance(builder, Exception):
-                    tiers.append(f"not resolved: the metadata builder could not be built ({err(builder)})")
+                    tiers.append(not_resolved(f"the metadata builder could not be built ({err(builder)})"))
                     continue
                 support = getattr(builder, "query_len_support", None)
                 n_dec, n_pre, _, _ = split(
@@ -454,7 +456,7 @@ def lane_serving_path(models, vllm_config, works):
             manager, mode, q = _graph_manager(model, vllm_config)
             manager._graphs_captured = True  # the state after vLLM captures its graphs at startup
         except Exception as exc:
-            yield role, "", [f"not resolved: vLLM's CUDA-graph manager could not be built ({err(exc)})"] * len(works), \
+            yield role, "", [not_resolved(f"vLLM's CUDA-graph manager could not be built ({err(exc)})")] * len(works), \
                 "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager.dispatch"
             return
         try:
@@ -466,7 +468,7 @@ def lane_serving_path(models, vllm_config, works):
             try:
                 cg, padded, uniform = _graph_step(manager, w)
             except Exception as exc:
-                tiers.append(f"not resolved: {err(exc)}")
+                tiers.append(not_resolved(err(exc)))
                 continue
             text = {"FULL": "FULL graph", "PIECEWISE": "PIECEWISE graph (breakable: attention eager)",
                     "NONE": "eager"}.get(cg, cg) + f", {padded} tokens"
@@ -514,7 +516,7 @@ def lane_router(models, vllm_config, works):
                 except Stop:
                     pass
                 except Exception as exc:
-                    tiers.append(f"not resolved: {err(exc)}")
+                    tiers.append(not_resolved(err(exc)))
                     continue
                 if "args" in seen:
                     key = ll_mod.ll_bf16_gemm_kernel.dispatch(M=w.tokens, K=k, N=gate.weight.shape[0])
@@ -522,7 +524,7 @@ def lane_router(models, vllm_config, works):
                         f"{key.backend} split_k={key.split_k} stages={key.num_stages}"
                     tiers.append(f"CuTe ll_bf16_gemm ({variant})")
                 else:
-                    tiers.append(calls.first_gemm() or "not resolved: no GEMM was reached")
+                    tiers.append(calls.first_gemm() or not_resolved("no GEMM was reached"))
             yield role, name, tiers, f"{gate_cls.__module__}:{gate_cls.__qualname__}.forward"
 
 

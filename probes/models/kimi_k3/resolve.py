@@ -14,6 +14,7 @@ import importlib
 import types
 
 from probes.core.recorder import describe
+from probes.core.tiers import needs_gpu, not_resolved
 from probes.models import StepPath
 from probes.resolve.dispatch import SERVING_PATHS, Stop, Workload, capture, err, meta, optional, runners
 from probes.resolve.postload import attempt, failing_condition
@@ -108,14 +109,14 @@ def lane_latent_tail(models, vllm_config, works):
             transform = getattr(runner, "routed_output_transform", None)
             for w in works:
                 if fused is None or select is None:
-                    choice = "not resolved: this LatentMoERunner has no tail-tier selector"
+                    choice = not_resolved("this LatentMoERunner has no tail-tier selector")
                 elif not fused:
                     choice = "native runner path (no fused tail: _use_fused_path() is False)"
                 else:
                     try:
                         choice = _tail_choice(runner, select, transform, w.tokens)
                     except Exception as exc:
-                        choice = f"not resolved: {err(exc)}"
+                        choice = not_resolved(err(exc))
                 tiers.append(choice)
             yield role, name, tiers, f"{runner_cls.__module__}:{runner_cls.__qualname__}._select_tail_tier"
 
@@ -318,11 +319,11 @@ def lane_down_proj_overlap(models, vllm_config, works):
                     except Stop:
                         pass
                     except Exception as exc:
-                        tiers.append(f"not resolved: {err(exc)}")
+                        tiers.append(not_resolved(err(exc)))
                         continue
                 args = list(seen.get("args", ())) + list(seen.get("kwargs", {}).values())
                 if len(args) < 5:
-                    tiers.append("not resolved: maybe_execute_in_parallel was not reached")
+                    tiers.append(not_resolved("maybe_execute_in_parallel was not reached"))
                     continue
                 stream = args[4]
                 path = SERVING_PATHS.get(("target", i))
@@ -352,8 +353,8 @@ def lane_kda_projection_overlap(models, vllm_config, works):
                 if path is not None and path[0] == "NONE":
                     tiers.append("not overlapped (an eager step: the overlap applies only while a graph is captured)")
                 else:
-                    tiers.append("needs GPU: the bound is set for CUDA weights at construction and widened by "
-                                 "FlashInfer's autotuning at kernel warmup (autotune_kda_qkvg)")
+                    tiers.append(needs_gpu("the bound is set for CUDA weights at construction and widened by "
+                                           "FlashInfer's autotuning at kernel warmup (autotune_kda_qkvg)"))
             yield role, name, tiers, f"{kda_cls.__module__}:{kda_cls.__qualname__}.forward (_projection_overlap_max_tokens)"
 
 
@@ -499,7 +500,7 @@ def lane_kda_batch(models, vllm_config, works):
                 if not isinstance(layer, mod):
                     continue
                 if md_cls is None:  # the batch's metadata class moved: the lane says so on every KDA layer
-                    yield (role, name, [f"not resolved: {mod.__module__} has no KimiK3KDAMetadata"] * len(works),
+                    yield (role, name, [not_resolved(f"{mod.__module__} has no KimiK3KDAMetadata")] * len(works),
                            f"{mod.__module__}:{mod.__qualname__}")
                     continue
                 tiers = []
@@ -508,7 +509,7 @@ def lane_kda_batch(models, vllm_config, works):
                     states = [meta(slots, *shape, dtype=dt)
                               for shape, dt in zip(layer.get_state_shape(), layer.get_state_dtype())]
                 except Exception as exc:
-                    yield role, name, [f"not resolved: {err(exc)}"] * len(works), f"{mod.__module__}:{mod.__qualname__}"
+                    yield role, name, [not_resolved(err(exc))] * len(works), f"{mod.__module__}:{mod.__qualname__}"
                     continue
                 for w in works:
                     try:
@@ -518,7 +519,7 @@ def lane_kda_batch(models, vllm_config, works):
                             text = (f"{text} (alone or with {MIXED_DECODES} decode requests in the batch)"
                                     if mixed == text else f"alone: {text}; with {MIXED_DECODES} decode requests: {mixed}")
                     except Exception as exc:
-                        text = f"not resolved: {err(exc)}"
+                        text = not_resolved(err(exc))
                     tiers.append(text)
                 yield role, name, tiers, f"{mod.__module__}:{mod.__qualname__}._forward"
 

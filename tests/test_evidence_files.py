@@ -24,6 +24,12 @@ def test_a_whole_file_reads_back_whole(tmp_path):
     assert f.damage == "" and f.final and f.cell == ("b200_sxm", "tp8")
     assert f.header["pin"] == "v0.33.0" and f.header["wheel_sha256"] == "a" * 64
     assert not any(r["kind"] == "end" for r in f.records) and f.of_kind("postload-step")
+    # of_kind answers from an index built once; it is the file's records in order, and follows a changed list
+    assert f.of_kind("stage") == [r for r in f.records if r["kind"] == "stage"] and f.of_kind("nothing") == []
+    f.records.append({"kind": "postload-step", "step": "later"})
+    assert f.of_kind("postload-step")[-1]["step"] == "later"
+    f.records = [{"kind": "stage", "stage": "config"}]
+    assert f.of_kind("postload-step") == [] and len(f.of_kind("stage")) == 1
 
 
 def test_every_cut_or_change_is_damage(tmp_path):

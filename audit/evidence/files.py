@@ -39,8 +39,18 @@ class EvidenceFile:
             return c["system"], c["layout"]
         return None
 
+    #: records by kind, built on the first of_kind (routing asks about a thousand times per audit); rebuilt if
+    #: the records list is replaced or grows
+    _by_kind: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
     def of_kind(self, kind: str) -> list[dict]:
-        return [r for r in self.records if r.get("kind") == kind]
+        cached = self._by_kind
+        if cached is None or cached[0] is not self.records or cached[1] != len(self.records):
+            index: dict[str, list[dict]] = {}
+            for r in self.records:
+                index.setdefault(r.get("kind"), []).append(r)
+            cached = self._by_kind = (self.records, len(self.records), index)
+        return list(cached[2].get(kind, ()))
 
 
 def read_file(path: str | Path) -> EvidenceFile:

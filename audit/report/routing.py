@@ -146,8 +146,8 @@ def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None, readings
                     per_layer[layer] = {"raw": raw,
                                         "value": ", ".join(f"{leaf}: {short(v)}" for leaf, *v in raw)}
             continue
-        for r in f.records:
-            if r.get("kind") != source.kind or r.get("target") != source.target:
+        for r in f.of_kind(source.kind):
+            if r.get("target") != source.target:
                 continue
             layer = layer_of(r.get("scope"))
             if layer is None or layer in per_layer:

@@ -175,14 +175,14 @@ class Profile:
     step_path: StepPath | None = None
     #: kernel labels for lanes whose value is a backend string, if any (see :class:`BackendLabels`)
     backend_labels: BackendLabels | None = None
-    #: ``make selftest-gpu``: the observe-mode slice it serves on one GPU and the lanes whose kernel-entry probes
-    #: must fire there (empty: the model has no selftest)
     #: what its worker builds once the weights are loaded, if anything (see :class:`ModelState`)
     model_state: ModelState | None = None
     #: post-load readings of the model's own modules, by name (a lane's ``Source("postload", name)``): each turns
     #: a module's post-load facts (``facts``, ``what``) into the lane's value, or None where it does not apply; the
     #: shared ones are ``audit.report.routing.POSTLOAD_READINGS``
     postload_readings: dict = field(default_factory=dict)
+    #: ``make selftest-gpu``: the observe-mode slice it serves on one GPU and the lanes whose kernel-entry probes
+    #: must fire there (empty: the model has no selftest)
     selftest_slice: str = ""
     selftest_lanes: tuple[str, ...] = ()
 

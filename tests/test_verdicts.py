@@ -264,21 +264,19 @@ dispatch = { moe_experts = "tile 8" }
     assert gpu["verdict"] == "UNVERIFIED" and "needs GPU: autotuned" in gpu["why"]
 
 
+def _tail_fusion_at_b200_tp8(at: str) -> str:
+    """One claim: K3's latent MoE tail fusion at one workload on b200_sxm tp8."""
+    return ('\n[[claim]]\nid = "tail-fusion"\nlane = "w4a8_mxfp4_mxfp8"\n'
+            f'at = ["{at}"]\nlayouts = ["tp8"]\nsystems = ["b200_sxm"]\nbackend = "flashinfer_trtllm_gen"\n'
+            'dispatch = { latent_tail = "TAIL_FUSION" }\n')
+
+
 def test_a_tier_vllm_could_not_be_asked_for_is_unverified_never_a_mismatch(tmp_path):
     """The probes write the two unknown tiers with probes.core.tiers and the verdicts read them with it: a
     ``not resolved`` tier (vLLM's function could not be called here) is not judged, and says why."""
     from probes.core import tiers
 
-    path = write_claims(tmp_path, '''
-[[claim]]
-id = "tail-fusion"
-lane = "w4a8_mxfp4_mxfp8"
-at = ["decode 1"]
-layouts = ["tp8"]
-systems = ["b200_sxm"]
-backend = "flashinfer_trtllm_gen"
-dispatch = { latent_tail = "TAIL_FUSION" }
-''')
+    path = write_claims(tmp_path, _tail_fusion_at_b200_tp8("decode 1"))
     r = routing()
     cell = next(c for c in r["cells"] if (c["system"], c["layout"]) == ("b200_sxm", "tp8"))
     for entry in cell["dispatch"]["lanes"]["latent_tail"]:
@@ -294,16 +292,7 @@ def test_tier_verdicts_fail_the_gate_and_render_with_their_batch_size(tmp_path):
     from audit.report.render import render_ledger
     from audit.report.verdicts import FAILING, attach, grouped
 
-    path = write_claims(tmp_path, '''
-[[claim]]
-id = "tail-fusion"
-lane = "w4a8_mxfp4_mxfp8"
-at = ["decode 256"]
-layouts = ["tp8"]
-systems = ["b200_sxm"]
-backend = "flashinfer_trtllm_gen"
-dispatch = { latent_tail = "TAIL_FUSION" }
-''')
+    path = write_claims(tmp_path, _tail_fusion_at_b200_tp8("decode 256"))
     r = attach(routing(), expectations.load(path), display_path="claims.toml")
     assert r["verdicts"]["summary"]["MISMATCH"] == 1 and "MISMATCH" in FAILING
     assert r["verdicts"]["claims"][0]["at"] == ["decode 256"]

@@ -80,11 +80,11 @@ def record_kernel_map(rec) -> None:
 
     lane_of = {k.path: k.lane for k in entries(models_probes.current())[0]}
     try:
-        entries = check_build()
+        found = check_build()
     except Exception as exc:  # corroboration is optional: never fatal
         rec.emit("kernel-map", entries=[], error=f"{type(exc).__name__}: {exc}")
         return
-    rec.emit("kernel-map", entries=[{**e, "lane": lane_of.get(e["path"], "?")} for e in entries])
+    rec.emit("kernel-map", entries=[{**e, "lane": lane_of.get(e["path"], "?")} for e in found])
 
 
 def record_traces(rec, trace_dir: str) -> None:

@@ -490,8 +490,9 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     lanes, candidates = {}, {}
     kinds = _layer_kinds(f, profile)
     post = _postload(f, profile)
+    readings = {**POSTLOAD_READINGS, **profile.postload_readings}
     for lane in profile.lanes:
-        per_layer = _lane_values(f, lane, post, {**POSTLOAD_READINGS, **profile.postload_readings}, profile.model_state)
+        per_layer = _lane_values(f, lane, post, readings, profile.model_state)
         levels = {k: v.get("level", lane.level) for k, v in per_layer.items()}
         groups = collapse({k: (v["value"], levels[k]) for k, v in per_layer.items()},
                           raw={k: {"source": v.get("source", ""), "fields": v["raw"]} for k, v in per_layer.items()})

@@ -168,12 +168,26 @@ def restore(root: Path, key: str, dest: Path, entry: dict) -> None:
         shutil.copyfile(src / name, dest / name, follow_symlinks=False)
 
 
+def has_harness_fault(path: Path) -> bool:
+    """Whether an evidence file records a harness fault (a record of kind ``harness_fault``)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                if '"harness_fault"' in line and json.loads(line).get("kind") == "harness_fault":
+                    return True
+    except (OSError, ValueError):
+        return True  # unreadable: not kept
+    return False
+
+
 def store(root: Path, key: str, cell_dir: Path, *, run: str, date: str, inputs: dict, info: dict) -> bool:
     """Keep a finished cell's evidence under *key*, sealed, replacing any entry there; False when there is
     nothing to keep or no room."""
     files = [p for p in sorted(Path(cell_dir).iterdir()) if _regular(p) and p.name.startswith(KEEP)]
     if not any(p.name.startswith("evidence-") for p in files):
         return False
+    if any(has_harness_fault(p) for p in files if p.name.startswith("evidence-")):
+        return False  # a cell the harness's own code broke is never served again
     base = cache_dir(root)
     try:
         base.mkdir(parents=True, exist_ok=True)

@@ -266,6 +266,24 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     complete = [c for c in cells if c["status"] != "INCOMPLETE"]
     fingerprint, fp_diff = _uniform(complete, lambda c: c.get("fingerprint", {}))
     availability, av_diff = _uniform(complete, lambda c: c.get("availability", {}))
+    why: dict[str, str] = {}
+    for c in complete:
+        for k, v in (c.get("availability_why") or {}).items():
+            why.setdefault(k, v)
+    faults: dict[tuple, dict] = {}
+    for c in cells:  # the same fault (piece, error) across cells is one row
+        for e in c.get("harness_faults") or []:
+            key = (e["piece"], e["type"], e["message"])
+            faults.setdefault(key, {**e, "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
+    evidenced = [c for c in cells if c["status"] != "INCOMPLETE" or c.get("harness_faults")]
+    fences = {"cells": len(evidenced), "on": sum(1 for c in evidenced if (c.get("fence") or {}).get("on")),
+              "pieces": max([(c.get("fence") or {}).get("pieces", 0) for c in evidenced] or [0]),
+              "faults": len(faults),
+              "planted": next((c["fence"]["planted"] for c in evidenced if (c.get("fence") or {}).get("planted")), "")}
+    fit: dict[str, str] = {}
+    for c in cells:
+        for k, v in (c.get("standin_fit") or {}).items():
+            fit.setdefault(k, v)
     merged: dict[str, set] = {}
     for c in complete:  # the union over cells; a value that differs per cell (e.g. world size) lists each
         for k, v in c.get("simulated", {}).items():
@@ -302,7 +320,11 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "fingerprint": {"packages": {}, "modules": {}, "tools": {}, "env": {}, "python": "?", **(fingerprint or {})},
         "fingerprint_differs": bool(fp_diff),
         "availability": availability or {},
+        "availability_why": why,
         "availability_differs": bool(av_diff),
+        "harness_faults": [faults[k] for k in sorted(faults)],
+        "fences": fences,
+        "standin_fit": dict(sorted(fit.items())),
         "simulated": simulated,
         "levels": levels,
         "level_text": EVIDENCE_LEVELS,

@@ -550,10 +550,40 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "stand_in_calls": sim.get("stand_in_calls", []),
         "device": sim.get("device", {}),
         "availability": _one(f, "availability"),
+        "availability_why": _one(f, "availability_why").get("items", {}),
         "fingerprint": _one(f, "fingerprint"),
+        "fence": _fence(f),
+        "standin_fit": _one(f, "standin_fit").get("items", {}),
+        "harness_faults": harness_faults(f),
         # --- dispatch tiers (audit/report/dispatch.py): per-call choices by token count, None if not resolved ---
         "dispatch": dispatch_tiers(f, profile.name),
     }
+
+
+def harness_faults(f: EvidenceFile) -> list[dict]:
+    """The harness faults an evidence file records (probes.core.fence): the harness's own code raised inside
+    vLLM's process (paths are made machine-independent with the rest of the cell)."""
+    return [{"piece": r.get("piece", "?"), "where": str(r.get("where", "")), "type": r.get("type", "?"),
+             "message": r.get("message", ""), "traceback": [str(x) for x in r.get("traceback", [])]}
+            for r in f.of_kind("harness_fault")]
+
+
+def _fence(f: EvidenceFile) -> dict:
+    """Whether the fence was on in the cell's process, and how many pieces it held (None: evidence from a harness
+    without one)."""
+    rec = _one(f, "fence")
+    if not rec:
+        return {"on": False, "pieces": 0, "ran": 0, "planted": ""}
+    return {"on": bool(rec.get("on")), "pieces": len(rec.get("pieces", {})),
+            "ran": sum(1 for v in (rec.get("calls") or {}).values() if v), "planted": rec.get("planted", "")}
+
+
+def fault_reason(faults: list[dict]) -> str:
+    first = faults[0]
+    more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
+    return (f"harness fault in {first['piece']}: {first['type'].split(':')[-1]}: {first['message'][:300]}{more}; "
+            "the harness's own code raised inside vLLM's process, so what vLLM did after it is not vLLM's decision "
+            "alone: no routing of this cell is shown")
 
 
 def _observed_raw(row: dict) -> dict:
@@ -584,7 +614,9 @@ def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> 
             "postload": None, "load_refused": None,
             "raises": [], "probe_errors": [], "drift": [], "not_reached": [], "not_applicable": [], "config": {},
             "argv": [],
-            "simulated": {}, "stand_in_calls": [], "device": {}, "availability": {}, "fingerprint": {}}
+            "simulated": {}, "stand_in_calls": [], "device": {}, "availability": {}, "fingerprint": {},
+            "availability_why": {}, "fence": {"on": False, "pieces": 0, "ran": 0, "planted": ""}, "standin_fit": {},
+            "harness_faults": []}
 
 
 def _observed(files: list[EvidenceFile]) -> dict:
@@ -618,6 +650,14 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
         seen = observe_files.get((system, layout))
         if f is not None:
             cell = build_cell(f, profile)
+            if cell["harness_faults"]:  # never vLLM's decision: the cell is INCOMPLETE, its fault named
+                faulty = incomplete_cell(system, layout, reason=fault_reason(cell["harness_faults"]), log_tail="")
+                for key in ("harness_faults", "fence", "standin_fit", "availability", "availability_why",
+                            "fingerprint"):
+                    faulty[key] = cell[key]
+                faulty["failure"]["stage"] = "harness"
+                cells.append(faulty)
+                continue
             if seen:
                 cell["observed"] = _observed(seen)
             cells.append(cell)

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -61,6 +62,30 @@ def find_python(version: str) -> str:
         f"no working Python {version} found (tried: {', '.join(tried) or 'nothing on PATH or under pyenv'})",
         step="find python", hint=f"install Python {version} (e.g. `pyenv install {version}`) or put python{version} on PATH",
     )
+
+
+#: the resolutions shipped for the pinned releases' wheels (named by the first 16 hex digits of the wheel's sha256)
+ENV_LOCKS = Path(__file__).resolve().parent.parent / "data" / "envlocks"
+
+
+def resolution_text(report: dict, wheel: str, sha256: str) -> str:
+    """A resolution file from pip's installation report: a comment naming the wheel, then ``name==version`` for
+    every package but vLLM itself (installed from the wheel), sorted."""
+    pins = sorted({f"{i['metadata']['name'].lower()}=={i['metadata']['version']}" for i in report.get("install", ())
+                   if i["metadata"]["name"].lower() != "vllm"})
+    return (f"# the packages {wheel} (sha256 {sha256}) is installed with: pip's resolution from PyPI\n"
+            "# (serving-truth's environment builder; uv installs under these constraints)\n" + "\n".join(pins) + "\n")
+
+
+def find_uv() -> str:
+    """The uv that builds pin environments: the one installed beside this interpreter (``make setup`` pins it),
+    else one on PATH."""
+    beside = Path(sys.executable).parent / "uv"
+    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("uv")
+    if not found:
+        raise EnvironmentBuildError("uv is not installed", step="find uv",
+                                    hint="run `make setup` (it installs the pinned uv into .venv) or put uv on PATH")
+    return found
 
 
 class _AuditDeadline(Exception):
@@ -202,7 +227,8 @@ class PinEnvironments:
                 info = json.loads(marker.read_text())
             except (OSError, ValueError):
                 info = {}
-            if info.get("wheel_sha256") == pin.wheel_sha256:
+            lock = self.resolution_file(pin)
+            if info.get("wheel_sha256") == pin.wheel_sha256 and (lock is None or info.get("resolution") == sha256_file(lock)):
                 if self.verified.get(str(env), {}).get("sha256") != pin.wheel_sha256:  # once per runtime (audit)
                     self.verify_env(env, pin, self.wheel_path(pin, progress), progress)
                 return env
@@ -215,8 +241,9 @@ class PinEnvironments:
         left = self._request.remaining if self._request is not None else (lambda: None)
         _run([python, "-m", "venv", str(env)], step="create venv", remaining=left())
         py = str(env / "bin" / "python")
-        _run([py, "-m", "pip", "install", "--no-input", str(wheel)], step="pip install vllm wheel",
-             timeout=5400, remaining=left())
+        resolution = self.resolution(pin, wheel, py, progress, left)
+        _run([find_uv(), "pip", "install", "--no-config", "--python", py, "--constraint", str(resolution), str(wheel)],
+             step="uv pip install vllm wheel", env=self._uv_env(), timeout=5400, remaining=left())
         probe = _run([py, "-c", ENV_PROBE], step="check torch", env=self._env(env, None), remaining=left())
         info = json.loads(probe.strip().splitlines()[-1])
         if not info.get("cuda"):
@@ -227,7 +254,47 @@ class PinEnvironments:
             raise EnvironmentBuildError(f"installed vLLM is {info.get('vllm')}, pinned {pin.vllm_version}",
                                         step="check vllm")
         self.verify_env(env, pin, wheel, progress)
-        marker.write_text(json.dumps({"wheel_sha256": pin.wheel_sha256, **info}, sort_keys=True))
+        marker.write_text(json.dumps({"wheel_sha256": pin.wheel_sha256, "resolution": sha256_file(resolution),
+                                      **info}, sort_keys=True))
+        return env
+
+    def resolution_file(self, pin: Pin) -> Path | None:
+        """The environment's resolution (every package ``name==version``) for *pin*'s wheel: shipped with the
+        harness for the pinned releases (``audit/data/envlocks``), or written under the cache by an earlier build."""
+        name = f"{pin.wheel_sha256[:16]}.txt"
+        for folder in (ENV_LOCKS, self.root / "envlocks"):
+            if (folder / name).is_file():
+                return folder / name
+        return None
+
+    def resolution(self, pin: Pin, wheel: Path, py: str, progress: Progress, left) -> Path:
+        """The resolution the environment is installed under. Where none exists yet, pip's resolver (what built
+        every environment before uv did) resolves the wheel's dependencies once, without installing, from PyPI
+        alone (no host pip configuration), and the answer is kept under the cache: later builds of the same wheel
+        install exactly the same packages. uv resolves under these constraints, so its own resolver's preferences
+        (it may pick another, equally valid, set) never change what an audit runs on."""
+        found = self.resolution_file(pin)
+        if found is not None:
+            return found
+        progress("stage", text=f"resolving {wheel.name}'s dependencies with pip (once per wheel)")
+        report = Path(py).parent.parent / "pip-resolution.json"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
+        env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
+        _run([py, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed", "--only-binary", ":all:",
+              "--report", str(report), str(wheel)], step="resolve dependencies (pip)", env=env, remaining=left())
+        text = resolution_text(json.loads(report.read_text(encoding="utf-8")), wheel.name, pin.wheel_sha256)
+        report.unlink(missing_ok=True)
+        dest = self.root / "envlocks" / f"{pin.wheel_sha256[:16]}.txt"
+        write_atomic(dest, text)
+        return dest
+
+    def _uv_env(self) -> dict:
+        """uv's process environment: the host's (certificates, proxies), with its package cache under the audit
+        cache (files are hard-linked from there into every environment: one copy of torch on disk however many
+        pins) and no index or configuration from the host's uv or pip settings."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_"))}
+        env.update(UV_CACHE_DIR=str(self.root / "uv-cache"), UV_LINK_MODE="hardlink", UV_COMPILE_BYTECODE="0",
+                   UV_NO_PROGRESS="1")
         return env
 
     def verify_env(self, env: Path, pin: Pin, wheel: Path, progress: Progress) -> dict:

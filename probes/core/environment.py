@@ -106,10 +106,69 @@ def availability() -> dict:
             out["nvidia_artifactory"] = bool(reach()) if info is not None and info().currsize else "not asked by vLLM"
     except Exception as exc:
         out["nvidia_artifactory"] = f"unknown ({type(exc).__name__})"
+    for key, module, fn in PACKAGE_CHECKS:  # vLLM's own answer, where this release has the check
+        if key in out:
+            continue
+        try:
+            check = getattr(importlib.import_module(module), fn, None)
+        except Exception:
+            continue
+        if check is not None:
+            try:
+                out[key] = bool(check())
+            except Exception as exc:
+                out[key] = f"unknown ({type(exc).__name__})"
     try:
         import torch
 
         out["torch.version.cuda"] = torch.version.cuda
     except Exception:
         pass
+    out["why_not"] = why_unavailable(out)
+    return out
+
+
+#: vLLM's optional-package checks beyond those :func:`availability` always asks, each read where the release
+#: has it: (answer key, vLLM module, function)
+PACKAGE_CHECKS = (
+    ("humming", "vllm.utils.import_utils", "has_humming"),
+    ("deep_ep", "vllm.utils.import_utils", "has_deep_ep"),
+    ("tilelang", "vllm.utils.import_utils", "has_tilelang"),
+    ("cutedsl", "vllm.utils.import_utils", "has_cutedsl"),
+    ("flashinfer_moe", "vllm.utils.flashinfer", "has_flashinfer_moe"),
+    ("flashinfer_comm", "vllm.utils.flashinfer", "has_flashinfer_comm"),
+)
+#: the module each answer is about, where vLLM's check is a trial import of it
+ANSWER_MODULES = {"deep_gemm": "deep_gemm", "flashinfer": "flashinfer", "triton_kernels": "triton_kernels",
+                  "humming": "humming", "deep_ep": "deep_ep", "tilelang": "tilelang", "cutedsl": "cutlass"}
+
+
+def why_unavailable(answers: dict) -> dict:
+    """For each package vLLM answered "not available" although it is installed: why, from a plain import of it now
+    (after the cell's stages; nothing vLLM decides reads it any more). An import that fails gives its error's
+    first line; one whose traceback passes through the harness's own code is a harness fault (a stand-in or hook
+    broke the package, and vLLM's check swallowed it). An import that works says so: vLLM's "no" then comes from
+    something else its check reads (an environment variable, the device), or from an earlier failure."""
+    import traceback
+
+    from probes.core import fence
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the probes package
+    out = {}
+    for key, module in sorted(ANSWER_MODULES.items()):
+        if answers.get(key) is not False or not _module_present(module):
+            continue
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            first = (str(exc).splitlines() or [""])[0][:300]
+            frames = traceback.extract_tb(exc.__traceback__)
+            ours = [f for f in frames if os.path.abspath(f.filename).startswith(here + os.sep)]
+            out[key] = f"installed, but importing {module} raises {type(exc).__name__}: {first}"
+            if ours:
+                out[key] += f" (through the harness's own {os.path.relpath(ours[-1].filename, here)}: a harness fault)"
+                fence.fault(f"availability of {module}", exc, where=f"{ours[-1].filename}:{ours[-1].lineno}")
+        else:
+            out[key] = (f"installed, and {module} imports in this process: vLLM's check answers no for a reason "
+                        "other than the import (its other conditions), or its trial import failed earlier")
     return out

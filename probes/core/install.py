@@ -8,7 +8,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from probes.core import patching
+from probes.core import fence, patching
 from probes.core.recorder import Recorder, current_scope, describe
 from probes.core.targets import TARGETS, Target, spec_applies, split_spec
 
@@ -240,7 +240,8 @@ class ProbeSet:
                 module, _, vrange = split_spec(spec)
                 if not spec_applies(vrange, self.version):
                     continue
-                self.hooks.register(module, lambda mod, t=t, spec=spec: self._on_import(t, spec, mod))
+                self.hooks.register(module, lambda mod, t=t, spec=spec: self._on_import(t, spec, mod),
+                                    piece=f"probe install {t.id} ({spec.split('@')[0]})")
         return self
 
     def _on_import(self, t: Target, spec: str, module) -> None:
@@ -284,7 +285,10 @@ class ProbeSet:
                     break
 
     def _probe_error(self, where: str, exc: BaseException) -> None:
+        """A probe's own code raised (installing a target, or its bookkeeping around a call): recorded as a probe
+        error and, since the probe then saw less than vLLM did, as a harness fault of the cell."""
         self.rec.emit("probe_error", where=where, error=_exc(exc))
+        fence.fault(f"probe {where}", exc)
 
     # -- end of run ------------------------------------------------------------------------------
     def finalize(self) -> None:

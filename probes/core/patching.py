@@ -17,6 +17,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import threading
 import types
@@ -54,11 +55,19 @@ def _report(on_error: Callable[[str, BaseException], None] | None, where: str, e
 
 def make_wrapper(fn: Callable, hooks: Hooks, *, label: str,
                  on_error: Callable[[str, BaseException], None] | None = None) -> Callable:
-    """Wrap a plain function so ``hooks`` observe each call; the call itself is untouched."""
+    """Wrap a plain function so ``hooks`` observe each call; the call itself is untouched. The hooks are the
+    fenced piece ``probe <label>`` (a planted fault goes off in their place; see :mod:`probes.core.fence`)."""
+    from probes.core import fence
+
+    piece = f"probe {label}"
+    fence.register(piece, "probe")
+    planted = os.environ.get(fence.PLANT_ENV) == piece  # read once: nothing but the hooks on the hot path
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            if planted:
+                fence.enter(piece)
             token = hooks.before(args, kwargs)
         except Exception as exc:
             _report(on_error, label + ":before", exc)
@@ -211,8 +220,14 @@ class PostImportHooks(importlib.abc.MetaPathFinder):
         self._local = threading.local()
         self._installed = False
 
-    def register(self, module_name: str, callback: Callable[[types.ModuleType], None]) -> None:
-        """Call ``callback`` now if the module is already imported, else right after its import."""
+    def register(self, module_name: str, callback: Callable[[types.ModuleType], None], piece: str = "") -> None:
+        """Call ``callback`` now if the module is already imported, else right after its import. The callback
+        runs fenced (:mod:`probes.core.fence`) as the piece *piece* (by default ``hook <module>: <callback>``):
+        what it raises is recorded as a harness fault and never reaches the import it rides on."""
+        from probes.core import fence
+
+        piece = piece or f"hook {module_name}: {getattr(callback, '__qualname__', type(callback).__name__)}"
+        callback = fence.guard(piece, "hook", swallow=True)(callback)
         mod = sys.modules.get(module_name)
         if mod is not None and getattr(getattr(mod, "__spec__", None), "_initializing", False) is False:
             callback(mod)

@@ -161,6 +161,13 @@ def _run_cell(plan, cell, rec, warm, out) -> int:
     except StageFailed:
         pass
     finally:
+        from probes.core import fence
+
+        # the fence's account (every fenced piece and how often it ran) and every harness fault of this cell's
+        # process and of the processes it was forked from: the host ends a cell with a fault INCOMPLETE
+        rec.emit("fence", **fence.summary())
+        for fault in fence.FAULTS:
+            rec.emit("harness_fault", **fault)
         path = rec.flush(final=True)
         print(f"evidence: {path}", flush=True)
         imported = [m for m in list(sys.modules) if m not in before]

@@ -26,6 +26,8 @@ Imported only inside the pinned environment, after the model was built.
 from __future__ import annotations
 
 import contextlib
+
+from probes.core import fence
 import dataclasses
 import importlib
 import re
@@ -98,7 +100,14 @@ def meta(*shape, dtype=None):
 
 
 class Stop(Exception):
-    """Raised by a capture to stop vLLM's function at the first kernel it would launch."""
+    """Raised by a capture to stop vLLM's function at the first kernel it would launch (it passes the fence: a
+    deliberate stop, not a harness fault)."""
+
+    __serving_truth_passes__ = True
+
+
+#: the fenced piece of every capture (probes.core.fence)
+CAPTURE = "dispatch capture (a kernel entry that records its arguments and stops the call)"
 
 
 @contextlib.contextmanager
@@ -108,6 +117,7 @@ def capture(module, name: str):
     seen: dict = {}
     original = getattr(module, name)
 
+    @fence.guard(CAPTURE)
     def grab(*args, **kwargs):
         seen["args"], seen["kwargs"] = args, kwargs
         raise Stop

@@ -7,7 +7,11 @@ say exactly what was simulated. Imported only by the resolve agent, after the st
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+
+from probes.core import fence
+from probes.core.fence import SimulationLimit, foreign
 
 #: what resolve mode answers instead of a GPU (module:qualname -> what it reports)
 SIMULATED: dict[str, str] = {}
@@ -55,7 +59,7 @@ class _DeviceProperties:
                 f"total_memory={self.total_memory}, multi_processor_count={self.multi_processor_count})")
 
 
-class SkuNotSet(RuntimeError):
+class SkuNotSet(SimulationLimit):
     """A device query answered before any SKU was set: the agent's shared parent imports modules for every SM
     with no SKU, so a module that reads the device there must be imported by each SM process instead."""
 
@@ -181,7 +185,7 @@ def simulate_torch() -> None:
                      ("get_device_name", get_device_name),
                      ("current_device", current_device),
                      ("device_count", device_count)):
-        setattr(torch.cuda, name, fn)
+        setattr(torch.cuda, name, functools.wraps(fn)(fence.guard(f"torch.cuda.{name}")(fn)))
         SIMULATED[f"torch.cuda.{name}"] = "simulated SKU"
     SIMULATED["torch.cuda.is_available"] = ("True on a simulated device count when vLLM sets "
                                             "PYTORCH_NVML_BASED_CUDA_CHECK=1 (as it does); no CUDA runtime")
@@ -191,22 +195,27 @@ def simulate_torch() -> None:
     if acc is not None:
         import contextlib
 
+        piece = "torch.accelerator.device_index/current_device_index"
+
         class _DeviceIndex(contextlib.AbstractContextManager):
+            @fence.guard(piece)
             def __init__(self, idx=None):
                 self.idx = idx
 
+            @fence.guard(piece)
             def __exit__(self, *exc):
                 return False
 
         acc.device_index = _DeviceIndex
-        acc.current_device_index = lambda: 0
+        acc.current_device_index = fence.guard(piece)(lambda: 0)
         SIMULATED["torch.accelerator.device_index/current_device_index"] = "device 0, no CUDA init"
 
     # Triton: report the NVIDIA driver active, as on a GPU host (vllm.triton_utils.HAS_TRITON).
     try:
         from triton.backends.nvidia import driver as nv_driver
 
-        nv_driver.CudaDriver.is_active = staticmethod(lambda: True)
+        nv_driver.CudaDriver.is_active = staticmethod(fence.guard("triton.backends.nvidia.driver:CudaDriver.is_active")(
+            lambda: True))
         SIMULATED["triton.backends.nvidia.driver:CudaDriver.is_active"] = "True"
     except Exception as exc:  # recorded through SIMULATED
         SIMULATED["triton.backends.nvidia.driver:CudaDriver.is_active"] = f"not patched: {exc!r}"
@@ -237,7 +246,7 @@ def install_platform():
     ns: dict = {"__module__": __name__, "__qualname__": "SimulatedCudaPlatform"}
     for name, fn in overrides.items():
         if hasattr(base, name):
-            ns[name] = classmethod(fn)
+            ns[name] = classmethod(fence.guard(f"vllm.platforms.cuda:CudaPlatform.{name}")(fn))
             SIMULATED[f"vllm.platforms.cuda:CudaPlatform.{name}"] = "simulated SKU"
     cls = type("SimulatedCudaPlatform", (base,), ns)
     instance = cls()
@@ -290,20 +299,27 @@ def stand_in_cuda_streams() -> None:
     """torch.cuda.Stream/Event need a device; construction only stores them, never launches."""
     import torch
 
+    guard = fence.guard("torch.cuda.Stream/Event")
+
     class _Stream:
+        @guard
         def __init__(self, *a, **k):
             pass
 
+        @guard
         def wait_stream(self, *a, **k):
             pass
 
     class _Event:
+        @guard
         def __init__(self, *a, **k):
             pass
 
+        @guard
         def record(self, *a, **k):
             pass
 
+        @guard
         def wait(self, *a, **k):
             pass
 
@@ -326,11 +342,13 @@ STAND_IN_CALLS: list[dict] = []
 
 
 def _make_stand_in(qualname: str, original: type) -> type:
+    @fence.guard(qualname)
     def __init__(self, *args, **kwargs):
         STAND_IN_CALLS.append({"cls": qualname, "args": len(args), "kwargs": sorted(kwargs)})
 
+    @fence.guard(qualname)
     def __getattr__(self, item):
-        raise AttributeError(f"{qualname} is a resolve-mode stand-in; {item!r} is not simulated")
+        raise fence.deliberate(AttributeError(f"{qualname} is a resolve-mode stand-in; {item!r} is not simulated"))
 
     return type(original.__name__, (), {"__init__": __init__, "__getattr__": __getattr__,
                                          "__module__": original.__module__,
@@ -351,7 +369,8 @@ def install_stand_ins(hooks, model: tuple[str, ...] = ()) -> None:
 
         # declared up front, so the record does not depend on which process imported the module
         SIMULATED[spec] = "stand-in that records its constructor arguments, where vLLM builds it (no kernel built)"
-        hooks.register(module, swap)
+        fence.register(spec, "stand-in")
+        hooks.register(module, swap, piece=f"install {spec}")
 
 
 def install_in_process_registry(hooks) -> None:
@@ -368,14 +387,16 @@ def install_in_process_registry(hooks) -> None:
             return
 
         @functools.wraps(original)
+        @fence.guard("vllm registry model inspection")
         def in_process(fn):
-            return fn()
+            return foreign(fn)
 
         mod._run_in_subprocess = in_process
 
     SIMULATED["vllm registry model inspection"] = ("run in-process under the simulated platform "
                                                    "(vLLM uses a subprocess to avoid CUDA init)")
-    hooks.register("vllm.model_executor.models.registry", patch)
+    fence.register("vllm registry model inspection", "stand-in")
+    hooks.register("vllm.model_executor.models.registry", patch, piece="install vllm registry model inspection")
 
 
 #: GPUs per node of the simulated systems (every system the audit covers is an 8-GPU node)
@@ -394,11 +415,12 @@ def install_node_topology(hooks) -> None:
             return
 
         @functools.wraps(original)
+        @fence.guard(NODE_TOPOLOGY)
         def in_the_same_node_as(pg, source_rank: int = 0):
             import torch.distributed as dist
 
             if not isinstance(pg, dist.ProcessGroup):
-                return original(pg, source_rank)
+                return foreign(original, pg, source_rank)
             ranks = dist.get_process_group_ranks(pg)
             node = ranks[source_rank] // GPUS_PER_NODE
             return [r // GPUS_PER_NODE == node for r in ranks]
@@ -408,6 +430,10 @@ def install_node_topology(hooks) -> None:
 
         rebind(original, in_the_same_node_as, ("vllm",), skip=mod)
 
-    SIMULATED["vllm.distributed.parallel_state:in_the_same_node_as"] = (
+    SIMULATED[NODE_TOPOLOGY] = (
         f"answered from the layout ({GPUS_PER_NODE} GPUs per node), not a shared-memory collective")
-    hooks.register("vllm.distributed.parallel_state", patch)
+    fence.register(NODE_TOPOLOGY, "stand-in")
+    hooks.register("vllm.distributed.parallel_state", patch, piece=f"install {NODE_TOPOLOGY}")
+
+
+NODE_TOPOLOGY = "vllm.distributed.parallel_state:in_the_same_node_as"

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 
+from probes.core import fence
+from probes.core.fence import SimulationLimit, deliberate, foreign
 from probes.resolve import simulate
 from probes.resolve.simulate import SIMULATED
 
@@ -42,8 +44,8 @@ class Poison:
         object.__setattr__(self, "_what", what)
 
     def _refuse(self, *a, **k):
-        raise RuntimeError(f"{object.__getattribute__(self, '_what')} is a resolve-mode stand-in: its result is "
-                           "not simulated")
+        raise SimulationLimit(f"{object.__getattribute__(self, '_what')} is a resolve-mode stand-in: its result is "
+                              "not simulated")
 
     __bool__ = __int__ = __float__ = __index__ = __len__ = __iter__ = __getitem__ = __call__ = _refuse
     __eq__ = __lt__ = __le__ = __gt__ = __ge__ = __add__ = __mul__ = __hash__ = _refuse
@@ -57,55 +59,107 @@ class Poison:
 #: Calls that receive the device a tensor lives on where, on a GPU, weights sit on cuda:<local rank>;
 #: under meta construction they get "meta". The argument is passed as rank 0's device (cuda:0) so the
 #: code behind it runs as on a GPU: its own checks, and the device queries the simulated SKU answers.
-#: (module, qualname, argument, why)
-#: (a model's probes package lists its own calls the same way: ``META_DEVICE_ARGS``)
+#: (module, qualname, argument, why); the qualname may list alternatives separated by ``|``, tried in order:
+#: the first that fits (:func:`fit`) is the one translated. (A model's probes package lists its own calls the
+#: same way: ``META_DEVICE_ARGS``.)
 META_DEVICE_ARGS: tuple[tuple[str, str, str, str], ...] = (
     ("flashinfer.utils", "get_compute_capability", "device",
      "FlashInfer's capability query for the device a weight lives on (it picks the arch of its kernels, "
      "e.g. block_scale_interleave at MXFP4 weight conversion): the simulated SKU answers"),
-    ("humming.device", "DeviceInfo.__new__", "index",
+    # humming-kernels 0.1.17 (vLLM 0.32) takes the device in __init__ and defines no __new__; later releases
+    # take it in __new__
+    ("humming.device", "DeviceInfo.__new__|DeviceInfo.__init__", "index",
      "Humming's device-info object for the device a weight lives on: the simulated SKU answers"),
 )
 
+#: how each stand-in target fitted the modules this process imported: "module:qualname(arg)" -> "fits" or why not
+FIT: dict[str, str] = {}
+
+
+def fit(mod, qualname: str, arg: str) -> tuple[object, str]:
+    """Whether ``mod.<qualname>`` has the shape a meta-device translation expects: a callable defined by the
+    class (or module) the qualname names itself, not inherited (``object.__new__`` is no Humming code), whose
+    signature takes *arg*. Returns ((owner, name, raw, signature) or None, "fits" or what does not fit)."""
+    import inspect
+
+    parts = qualname.split(".")
+    owner = mod
+    for part in parts[:-1]:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None, f"{mod.__name__} has no {'.'.join(parts[:-1])}"
+    name = parts[-1]
+    raw = vars(owner).get(name) if isinstance(owner, type) or owner is mod else None
+    if raw is None:
+        where = f"{mod.__name__}:{'.'.join(parts[:-1]) or mod.__name__}"
+        return None, f"{where} defines no {name} of its own"
+    fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
+    if not callable(fn):
+        return None, f"{qualname} is not callable"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None, f"{qualname} has no readable signature"
+    if arg not in sig.parameters:
+        return None, f"{qualname}{sig} takes no argument {arg!r}"
+    return (owner, name, raw, sig), "fits"
+
+
+def _installed_version(mod) -> str:
+    import importlib.metadata
+
+    top = mod.__name__.split(".")[0]
+    try:
+        dists = importlib.metadata.packages_distributions().get(top, [])
+        return f"{dists[0]} {importlib.metadata.version(dists[0])}" if dists else top
+    except Exception:
+        return top
+
 
 def install_meta_device_args(hooks, model: tuple = ()) -> None:
-    for module, qualname, arg, why in tuple(model) + META_DEVICE_ARGS:
+    for module, qualnames, arg, why in tuple(model) + META_DEVICE_ARGS:
+        piece = f"{module}:{qualnames}({arg}=...)"
 
-        def patch(mod, qualname=qualname, arg=arg):
-            import inspect
+        def patch(mod, qualnames=qualnames, arg=arg, piece=piece):
+            from probes.core.patching import rebind
 
-            from probes.core.patching import rebind, resolve
-
-            try:
-                owner, name, raw = resolve(mod, qualname)
-            except AttributeError:
+            misfits = []
+            for qualname in qualnames.split("|"):
+                found, why_not = fit(mod, qualname, arg)
+                if found is not None:
+                    break
+                misfits.append(why_not)
+            else:
+                FIT[piece] = (f"does not fit {_installed_version(mod)}: " + "; ".join(misfits)
+                              + " (not applied: a meta device reaches the call unchanged)")
                 return
+            FIT[piece] = f"fits {_installed_version(mod)} as {qualname}" + (
+                f" ({'; '.join(misfits)})" if misfits else "")
+            owner, name, raw, sig = found
             fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
-            try:
-                sig = inspect.signature(fn)
-            except (TypeError, ValueError):
-                return
 
             @functools.wraps(fn)
+            @fence.guard(piece)
             def translated(*args, **kwargs):
                 import torch
 
                 try:
                     bound = sig.bind(*args, **kwargs)
                 except TypeError:
-                    return fn(*args, **kwargs)
+                    return foreign(fn, *args, **kwargs)
                 dev = bound.arguments.get(arg)
                 if isinstance(dev, torch.device) and dev.type == "meta":
                     bound.arguments[arg] = torch.device("cuda", 0)
-                return fn(*bound.args, **bound.kwargs)
+                return foreign(fn, *bound.args, **bound.kwargs)
 
             kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
             setattr(owner, name, kind(translated) if kind else translated)
             if owner is mod:  # a module-level function: also the copies ``from x import f`` made
                 rebind(raw, translated, (mod.__name__.split(".")[0],), skip=mod)
 
-        SIMULATED[f"{module}:{qualname}({arg}=...)"] = f"a meta-device argument is passed as cuda:0: {why}"
-        hooks.register(module, patch)
+        SIMULATED[piece] = f"a meta-device argument is passed as cuda:0: {why}"
+        fence.register(piece, "stand-in")
+        hooks.register(module, patch, piece=f"install {piece}")
 
 
 def install_cuda_device_context(hooks) -> None:
@@ -114,11 +168,14 @@ def install_cuda_device_context(hooks) -> None:
     import torch
 
     cls = torch.cuda.device
+    piece = "torch.cuda.device (context manager)"
 
+    @fence.guard(piece)
     def __enter__(self):
         self.prev_idx = 0
         return self
 
+    @fence.guard(piece)
     def __exit__(self, *exc):
         return False
 
@@ -147,11 +204,16 @@ HUMMING_DERIVED = ("l2_cache_size_mb", "l1_cache_size", "l1_cache_size_kb", "max
                    "memory_bandwidth_gbps")
 
 
+HUMMING_DEVICE = "humming device info (csrc/device_info.cpp extension)"
+HUMMING_OPS = "humming.ops (weight layout ops)"
+
+
 class SimulatedHummingDevice:
     """Humming's ``_DeviceInfo`` for the simulated SKU: the driver attributes measured on the real GPU, read
     the way Humming's extension reads them. One Humming derives itself from them is given here by its
     definition (DDR memory bandwidth: clock x 2 x bus width); any other field raises."""
 
+    @fence.guard(HUMMING_DEVICE)
     def __init__(self, index: int = 0):
         props = simulate._State.sku()
         self.index = index
@@ -166,13 +228,14 @@ class SimulatedHummingDevice:
         if driver_name == "MULTIPROCESSOR_COUNT":
             return p.multi_processor_count
         if driver_name not in self._attrs:
-            raise RuntimeError(f"device attribute {driver_name} of the simulated {self.name} is not known "
-                               f"({self._where}): not simulated")
+            raise SimulationLimit(f"device attribute {driver_name} of the simulated {self.name} is not known "
+                                  f"({self._where}): not simulated")
         return self._attrs[driver_name]
 
+    @fence.guard(HUMMING_DEVICE)
     def __getattr__(self, item):
         if item.startswith("_"):
-            raise AttributeError(item)
+            raise deliberate(AttributeError(item))
         value = self._field(item)
         from probes.resolve import memo
 
@@ -193,8 +256,8 @@ class SimulatedHummingDevice:
         if item == "memory_bandwidth_gbps" and self.sm_version != 121:
             return self.memory_clock_khz * 2 * self.memory_bus_width / 8.0 / 1e6
         if item in HUMMING_DERIVED:
-            raise RuntimeError(f"Humming's device field {item!r} is not simulated")
-        raise AttributeError(item)
+            raise SimulationLimit(f"Humming's device field {item!r} is not simulated")
+        raise deliberate(AttributeError(item))
 
 
 def install_humming(hooks) -> None:
@@ -207,29 +270,31 @@ def install_humming(hooks) -> None:
         ext = type("SimulatedDeviceInfoExtension", (), {"_DeviceInfo": SimulatedHummingDevice})
 
         @functools.wraps(original)
+        @fence.guard(HUMMING_DEVICE)
         def extension():
             return ext
 
         mod._get_device_info_extension = extension
         rebind(original, extension, ("humming",), skip=mod)
 
-    SIMULATED["humming device info (csrc/device_info.cpp extension)"] = (
+    SIMULATED[HUMMING_DEVICE] = (
         "answered from the simulated SKU's CUDA driver attributes, measured on the real GPU (an attribute not "
         "measured for the SKU raises)")
-    hooks.register("humming.utils.device", device_info)
+    hooks.register("humming.utils.device", device_info, piece=f"install {HUMMING_DEVICE}")
 
     def ops(mod):
         for name in ("repack_weight", "pack_weight", "unpack_weight", "process_mxfp4_w4a8_weight", "quant_weight",
                      "dequant_weight"):
             fn = getattr(mod, name, None)
             if callable(fn):
-                setattr(mod, name, on_fake_cuda(fn, f"humming.ops.{name}"))
+                setattr(mod, name, on_fake_cuda(fn, f"humming.ops.{name}", piece=HUMMING_OPS))
 
-    SIMULATED["humming.ops (weight layout ops)"] = (
+    fence.register(HUMMING_OPS, "stand-in")
+    SIMULATED[HUMMING_OPS] = (
         "given meta tensors, Humming's own op runs on fake CUDA tensors of the same shapes (torch's "
         "FakeTensor): it computes and checks its output shape and skips its kernel, as it does under "
         "torch.compile tracing")
-    hooks.register("humming.ops", ops)
+    hooks.register("humming.ops", ops, piece=f"install {HUMMING_OPS}")
 
 
 def humming_facts(fields: list[str]) -> dict:
@@ -238,12 +303,13 @@ def humming_facts(fields: list[str]) -> dict:
     return {f: dev._field(f) for f in fields}
 
 
-def on_fake_cuda(fn, label: str):
+def on_fake_cuda(fn, label: str, *, piece: str):
     """``fn`` as it runs for torch.compile's tracing: meta tensors passed as fake CUDA tensors (rank 0's
     device) of the same metadata, fake results handed back as meta tensors. The library's own shape code and
     checks run; a library that launches a kernel for a fake tensor is not one to use this for."""
 
     @functools.wraps(fn)
+    @fence.guard(piece)
     def call(*args, **kwargs):
         import torch
         from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -252,12 +318,12 @@ def on_fake_cuda(fn, label: str):
             return isinstance(x, torch.Tensor) and x.is_meta
 
         if not any(metas(a) for a in (*args, *kwargs.values())):
-            return fn(*args, **kwargs)
+            return foreign(fn, *args, **kwargs)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         cuda = torch.device("cuda", 0)
         to_fake = lambda x: FakeTensor(mode, x, cuda) if metas(x) else x
         with mode:
-            out = fn(*[to_fake(a) for a in args], **{k: to_fake(v) for k, v in kwargs.items()})
+            out = foreign(fn, *[to_fake(a) for a in args], **{k: to_fake(v) for k, v in kwargs.items()})
         _count(label)
 
         def to_meta(x):
@@ -279,14 +345,16 @@ class InertKernels:
     :class:`Poison`. The Python around it (FlashInfer's own wrappers) allocates each output with the shape
     and dtype it computes, so a caller sees the shapes the real kernels would fill."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, piece: str = ""):
         self._name = name
+        self._piece = piece
 
     def __getattr__(self, item):
         if item.startswith("__"):
             raise AttributeError(item)
         label = f"{self._name}.{item}"
 
+        @fence.guard(self._piece)
         def kernel(*args, **kwargs):
             _count(label)
             return Poison(label)
@@ -296,11 +364,12 @@ class InertKernels:
 
 
 class _InertJitSpec:
-    def __init__(self, name: str):
+    def __init__(self, name: str, piece: str):
         self.name = name
+        self.piece = piece
 
     def build_and_load(self):
-        return InertKernels(self.name)
+        return fence.guard(self.piece)(InertKernels)(self.name, self.piece)
 
 
 #: JIT kernel libraries vLLM's post-load reaches for weight-layout kernels: (module, generator functions, why
@@ -316,14 +385,16 @@ INERT_JIT: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 def install_inert_jit(hooks) -> None:
     for module, generators, why in INERT_JIT:
+        piece = f"{module}: JIT kernel libraries"
 
-        def patch(mod, generators=generators):
+        def patch(mod, generators=generators, piece=piece):
             for gen in generators:
                 if callable(getattr(mod, gen, None)):
-                    setattr(mod, gen, lambda gen=gen: _InertJitSpec(f"{mod.__name__}:{gen}"))
+                    setattr(mod, gen, fence.guard(piece)(lambda gen=gen: _InertJitSpec(f"{mod.__name__}:{gen}", piece)))
 
-        SIMULATED[f"{module}: JIT kernel libraries"] = f"inert (load nothing, write nothing): {why}"
-        hooks.register(module, patch)
+        SIMULATED[piece] = f"inert (load nothing, write nothing): {why}"
+        fence.register(piece, "stand-in")
+        hooks.register(module, patch, piece=f"install {piece}")
 
 
 # -- DeepGEMM: the scale-factor layout transform --------------------------------------------------------------
@@ -350,31 +421,31 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
 
     if len(recipe) == 3:
         if is_sfa is None:
-            raise RuntimeError("DeepGEMM: a 3-part recipe needs is_sfa")
+            raise deliberate(RuntimeError("DeepGEMM: a 3-part recipe needs is_sfa"))
         gran_mn, gran_k = (recipe[0] if is_sfa else recipe[1]), recipe[2]
     else:
         if is_sfa is not None:
-            raise RuntimeError("DeepGEMM: a 2-part recipe takes no is_sfa")
+            raise deliberate(RuntimeError("DeepGEMM: a 2-part recipe takes no is_sfa"))
         gran_mn, gran_k = recipe
     if sf.dtype not in (torch.float32, torch.int32):
-        raise RuntimeError(f"DeepGEMM check_sf_layout: scale dtype {sf.dtype}")
+        raise deliberate(RuntimeError(f"DeepGEMM check_sf_layout: scale dtype {sf.dtype}"))
     checks = [sf.dim() == (2 + (num_groups is not None)),
               num_groups is None or sf.size(-3) == num_groups,
               sf.size(-2) == _ceil_div(mn, gran_mn),
               sf.size(-1) == _ceil_div(k, gran_k * (1 if sf.dtype == torch.float32 else 4))]
     if not all(checks):
-        raise RuntimeError(f"DeepGEMM check_sf_layout: scale shape {tuple(sf.shape)} does not fit mn={mn}, k={k}, "
-                           f"granularity ({gran_mn}, {gran_k}), num_groups={num_groups}")
+        raise deliberate(RuntimeError(f"DeepGEMM check_sf_layout: scale shape {tuple(sf.shape)} does not fit mn={mn}, "
+                                      f"k={k}, granularity ({gran_mn}, {gran_k}), num_groups={num_groups}"))
     arch = simulate._State.sku().major
     _count("deep_gemm transform_sf_into_required_layout (meta)")
     if arch not in archs:
-        raise NotImplementedError(f"DeepGEMM's scale layout transform on SM {arch}.x: the compiled DeepGEMM carries no "
-                                  f"SM {arch} code for it (not simulated)")
+        raise SimulationLimit(f"DeepGEMM's scale layout transform on SM {arch}.x: the compiled DeepGEMM carries no "
+                              f"SM {arch} code for it (not simulated)")
     if sf.dtype == torch.float32 and gran_k in (32, 128):
         if disable_ue8m0_cast:
-            raise RuntimeError("DeepGEMM: the packed UE8M0 layout needs the UE8M0 cast")
+            raise deliberate(RuntimeError("DeepGEMM: the packed UE8M0 layout needs the UE8M0 cast"))
         if psum_layout is not None:
-            raise NotImplementedError("DeepGEMM's PSUM scale layout is not simulated")
+            raise SimulationLimit("DeepGEMM's PSUM scale layout is not simulated")
         groups = sf.size(0) if sf.dim() == 3 else 1
         packed = _ceil_div(sf.size(-1), 4)
         aligned = _align(mn, 4)  # TMA alignment: 16 bytes of int32
@@ -383,8 +454,8 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
         return out if sf.dim() == 3 else out.squeeze(0)
     if sf.dtype == torch.int32 and gran_mn == 1 and gran_k in (32, 128):
         return sf
-    raise NotImplementedError(f"DeepGEMM's {sf.dtype} scale transform with granularity ({gran_mn}, {gran_k}) on "
-                              f"SM {arch}.x is not simulated")
+    raise SimulationLimit(f"DeepGEMM's {sf.dtype} scale transform with granularity ({gran_mn}, {gran_k}) on "
+                          f"SM {arch}.x is not simulated")
 
 
 def _compiled_archs(package_dir: str) -> frozenset:
@@ -402,6 +473,7 @@ def _compiled_archs(package_dir: str) -> frozenset:
 
 
 _LIBS: list = []  # torch.library registrations stay alive with the process
+DEEP_GEMM = "deep_gemm:transform_sf_into_required_layout"
 
 
 def install_deep_gemm(hooks) -> None:
@@ -411,7 +483,7 @@ def install_deep_gemm(hooks) -> None:
         import torch
 
         archs = _compiled_archs(os.path.dirname(mod.__file__))
-        fake = functools.partial(transform_sf_meta, archs=archs)
+        fake = fence.guard(DEEP_GEMM)(functools.partial(transform_sf_meta, archs=archs))
         op = getattr(getattr(torch.ops, "deep_gemm", None), "transform_sf_into_required_layout", None)
         if op is not None and not _LIBS:  # a TORCH_LIBRARY build (vLLM 0.32+): a Meta kernel for the op
             lib = torch.library.Library("deep_gemm", "IMPL")
@@ -427,10 +499,11 @@ def install_deep_gemm(hooks) -> None:
             return
 
         @functools.wraps(original)
+        @fence.guard(DEEP_GEMM)
         def _lazy_init(*args, **kwargs):
-            out = original(*args, **kwargs)
+            out = foreign(original, *args, **kwargs)
             impl = getattr(mod, "_transform_sf_into_required_layout_impl", None)
-            dg = mod._import_deep_gemm() if hasattr(mod, "_import_deep_gemm") else None
+            dg = foreign(mod._import_deep_gemm) if hasattr(mod, "_import_deep_gemm") else None
             if impl is not None and dg is not None and impl is not getattr(dg, "transform_sf_into_required_layout", impl):
                 mod._transform_sf_into_required_layout_impl = dg.transform_sf_into_required_layout
             return out
@@ -438,17 +511,19 @@ def install_deep_gemm(hooks) -> None:
         mod._lazy_init = _lazy_init
 
     for name in ("deep_gemm", "vllm.third_party.deep_gemm"):
-        hooks.register(name, package)
-    hooks.register("vllm.utils.deep_gemm", vllm_helper)
-    SIMULATED["deep_gemm:transform_sf_into_required_layout"] = (
+        hooks.register(name, package, piece=f"install {DEEP_GEMM} ({name})")
+    hooks.register("vllm.utils.deep_gemm", vllm_helper, piece=f"install {DEEP_GEMM} (vllm.utils.deep_gemm)")
+    fence.register(DEEP_GEMM, "stand-in")
+    SIMULATED[DEEP_GEMM] = (
         "meta kernel: the output shape, strides and dtype DeepGEMM's upstream code gives (checks included), for "
         "the SM majors its compiled extension carries code for; it only lays scale factors out for the kernel")
 
 
 def _meta_or(original, fake):
     @functools.wraps(original)
+    @fence.guard(DEEP_GEMM)
     def call(sf, *args, **kwargs):
-        return fake(sf, *args, **kwargs) if getattr(sf, "is_meta", False) else original(sf, *args, **kwargs)
+        return fake(sf, *args, **kwargs) if getattr(sf, "is_meta", False) else foreign(original, sf, *args, **kwargs)
 
     return call
 
@@ -459,6 +534,8 @@ def install_expert_map_on_cpu(hooks) -> None:
     (``torch.where(map != -1)`` and ``.item()``, 0.27-0.32) cannot run. vLLM 0.33 builds the map on the CPU
     itself when the default device is meta; this does the same for earlier releases (a no-op where vLLM already
     does it). The map's values are vLLM's own."""
+    piece = "vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager._calculate_expert_maps"
+
     def patch(mod):
         cls = getattr(mod, "ExpertMapManager", None)
         original = getattr(cls, "_calculate_expert_maps", None)
@@ -466,20 +543,22 @@ def install_expert_map_on_cpu(hooks) -> None:
             return
 
         @functools.wraps(original)
+        @fence.guard(piece)
         def _calculate_expert_maps(self, *args, **kwargs):
             import torch
 
             if torch.get_default_device().type == "meta":
                 with torch.device("cpu"):
-                    return original(self, *args, **kwargs)
-            return original(self, *args, **kwargs)
+                    return foreign(original, self, *args, **kwargs)
+            return foreign(original, self, *args, **kwargs)
 
         cls._calculate_expert_maps = _calculate_expert_maps
 
-    SIMULATED["vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager._calculate_expert_maps"] = (
+    SIMULATED[piece] = (
         "the expert map is built on the CPU when the default device is meta, as vLLM 0.33 does itself (its values "
         "come from the configuration)")
-    hooks.register("vllm.model_executor.layers.fused_moe.expert_map_manager", patch)
+    fence.register(piece, "stand-in")
+    hooks.register("vllm.model_executor.layers.fused_moe.expert_map_manager", patch, piece=f"install {piece}")
 
 
 def no_nccl() -> None:
@@ -493,6 +572,7 @@ def no_nccl() -> None:
     original = cls.__init__
 
     @functools.wraps(original)
+    @fence.guard("vllm.distributed.device_communicators.pynccl:PyNcclCommunicator")
     def __init__(self, group, device, *args, **kwargs):
         import torch.distributed as dist
 

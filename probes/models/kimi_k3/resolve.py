@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import types
 
+from probes.core import fence
 from probes.core.recorder import describe
 from probes.core.tiers import needs_gpu, not_resolved
 from probes.models import StepPath
@@ -235,8 +236,10 @@ def _plan_takes(planner, cg: str, padded: int, w: Workload) -> bool:
     modes = importlib.import_module("vllm.config").CUDAGraphMode
     context = types.SimpleNamespace(attn_metadata=metadata, cudagraph_runtime_mode=getattr(modes, cg),
                                     slot_mapping=None)
-    swaps = [(mod, "get_forward_context", lambda: context), (mod, "is_forward_context_available", lambda: True),
-             (torch.cuda, "is_current_stream_capturing", lambda: cg != "NONE")]
+    guard = fence.guard(PLAN_PROBE)
+    swaps = [(mod, "get_forward_context", guard(lambda: context)),
+             (mod, "is_forward_context_available", guard(lambda: True)),
+             (torch.cuda, "is_current_stream_capturing", guard(lambda: cg != "NONE"))]
     saved = [(m, n, getattr(m, n)) for m, n, _ in swaps]
     try:
         for m, n, fn in swaps:
@@ -400,6 +403,11 @@ def _kda_metadata(cls, w: Workload, decodes: int = 0):
     return md
 
 
+#: fenced pieces (probes.core.fence): the stand-ins the KDA batch lane and the specialized decode's plan run under
+KDA_PROBE = "KDA batch probe stand-ins (forward context, short convolutions, state gather, workspace, kernel stops)"
+PLAN_PROBE = "specialized decode plan stand-ins (forward context, stream capture state)"
+
+
 class _KdaProbe:
     """Runs one KDA layer's own ``_forward`` for batches described by their metadata (meta tensors) and names
     the KDA kernel each reaches. Stand-ins only make shapes exist: the forward context holds the batch's
@@ -414,7 +422,10 @@ class _KdaProbe:
         cores = importlib.import_module("vllm.models.kimi_k3.nvidia.ops.third_party.kda")
         ops = getattr(mod, "ops", None)
 
+        guard = fence.guard(KDA_PROBE)
+
         def stop(name):
+            @guard
             def grab(*args, **kwargs):
                 self.reached.append(name)
                 raise Stop
@@ -423,19 +434,22 @@ class _KdaProbe:
         def empty(x):  # an op's output of the input's shape (torch.empty_like's Python meta path is slow)
             return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
+        @guard
         def conv_update(x, *args, out=None, **kwargs):
             return out if out is not None else empty(x)
 
         class _Workspace:
+            @guard
             def get_simultaneous(self, *specs):
                 return [torch.empty(tuple(shape), dtype=dt, device="meta") for shape, dt in specs]
 
         self.stop = stop
-        self.swaps = [(mod, "get_forward_context", lambda: self.context), (mod, "causal_conv1d_update", conv_update),
-                      (mod, "causal_conv1d_fn", lambda x, *a, **k: empty(x)),
+        self.swaps = [(mod, "get_forward_context", guard(lambda: self.context)),
+                      (mod, "causal_conv1d_update", conv_update),
+                      (mod, "causal_conv1d_fn", guard(lambda x, *a, **k: empty(x))),
                       (mod, "gather_initial_states",
-                       lambda state, indices, *a, **k: state.new_empty((indices.shape[0], *state.shape[1:]))),
-                      (mod, "current_workspace_manager", lambda: _Workspace())]
+                       guard(lambda state, indices, *a, **k: state.new_empty((indices.shape[0], *state.shape[1:])))),
+                      (mod, "current_workspace_manager", guard(lambda: _Workspace()))]
         self.swaps += [(m, name, stop(name)) for m in (mod, cores) for name in _KDA_CORES if hasattr(m, name)]
         if ops is not None and hasattr(ops, "fused_kda_decode"):
             self.swaps.append((ops, "fused_kda_decode", stop("fused_kda_decode")))

@@ -1,0 +1,138 @@
+"""The fence around the harness's own code inside vLLM's process.
+
+Everything serving-truth runs inside the serving process (post-import hook callbacks, resolve mode's stand-ins,
+the probes' bookkeeping around a wrapped call) runs *fenced*: an exception raised by our code is recorded as a
+**harness fault** (which piece, its type and message, the traceback) before anything else sees it. Libraries
+swallow exceptions (vLLM's optional-package checks catch everything a trial import raises), so an unfenced raise
+in our code could silently become "vLLM chose X"; a recorded fault instead ends the cell INCOMPLETE on the host,
+whatever vLLM made of it.
+
+What is not a fault:
+
+* an exception raised by the foreign code a fenced piece calls (vLLM's refusal passing through a stand-in):
+  call foreign code through :func:`foreign`, which marks what it raises;
+* a stand-in's deliberate refusal to answer: :class:`SimulationLimit` (and :func:`deliberate` for the
+  protocol exceptions Python expects, such as ``AttributeError`` from ``__getattr__``).
+
+Every fenced piece is registered by name (:data:`REGISTRY`), its calls are counted, and
+``SERVING_TRUTH_PLANT_FAULT=<piece>`` makes that piece raise :class:`PlantedFault` from inside the fence: the
+mutation test iterates the registry and plants one raise at a time. Standard library only.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import traceback
+
+#: names one piece in whose body a planted raise goes off (tests of the fence itself)
+PLANT_ENV = "SERVING_TRUTH_PLANT_FAULT"
+#: marks an exception that may pass a fence without being a fault
+_PASSES = "__serving_truth_passes__"
+
+#: every fenced piece of this process: name -> what it is ("hook", "stand-in", "probe")
+REGISTRY: dict[str, str] = {}
+#: how often each piece ran in this process (and its parents before the fork)
+CALLS: dict[str, int] = {}
+#: the harness faults of this process, and of its parents before the fork
+FAULTS: list[dict] = []
+
+
+class SimulationLimit(RuntimeError):
+    """A stand-in declines to answer: what it was asked is not simulated (not a harness fault)."""
+
+
+class PlantedFault(RuntimeError):
+    """Raised by a fence where :data:`PLANT_ENV` names its piece."""
+
+
+def deliberate(exc: BaseException) -> BaseException:
+    """Mark an exception a fenced piece raises on purpose as part of a protocol (e.g. ``AttributeError`` from
+    ``__getattr__``); it passes the fence unrecorded. Returns it, for ``raise deliberate(...)``."""
+    try:
+        setattr(exc, _PASSES, True)
+    except Exception:  # an exception type without a __dict__: it will be recorded, never lost
+        pass
+    return exc
+
+
+def passes(exc: BaseException) -> bool:
+    return isinstance(exc, SimulationLimit) or bool(getattr(exc, _PASSES, False))
+
+
+def foreign(fn, *args, **kwargs):
+    """Call foreign code (vLLM, a library) from inside a fenced piece: what it raises is theirs, not a fault."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as exc:
+        deliberate(exc)
+        raise
+
+
+def register(piece: str, what: str) -> None:
+    REGISTRY.setdefault(piece, what)
+
+
+def _tb(exc: BaseException) -> list[str]:
+    return traceback.format_exception(type(exc), exc, exc.__traceback__)[-12:]
+
+
+def fault(piece: str, exc: BaseException, *, where: str = "") -> None:
+    """Record a harness fault of *piece* (never raises)."""
+    try:
+        FAULTS.append({"piece": piece, "where": where, "type": f"{type(exc).__module__}:{type(exc).__qualname__}",
+                       "message": str(exc)[:2000], "traceback": _tb(exc), "pid": os.getpid()})
+    except Exception:  # pragma: no cover - the record itself failed: keep a bare one
+        FAULTS.append({"piece": piece, "where": where, "type": "?", "message": "unrecordable", "traceback": [],
+                       "pid": os.getpid()})
+
+
+#: the piece a planted raise goes off in (read once: the fence is on hot paths)
+_PLANTED = os.environ.get(PLANT_ENV, "")
+
+
+def _enter(piece: str) -> None:
+    CALLS[piece] = CALLS.get(piece, 0) + 1
+    if _PLANTED == piece:
+        raise PlantedFault(f"planted in {piece}")
+
+
+def guard(piece: str, what: str = "stand-in", *, swallow: bool = False):
+    """Decorator: run the function as fenced piece *piece*. A fault is recorded, then re-raised (the caller gets
+    no made-up value) or, with ``swallow``, dropped (a post-import hook: the import it rides on goes on as if the
+    hook were absent; the cell is INCOMPLETE anyway)."""
+    register(piece, what)
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def fenced(*args, **kwargs):
+            try:
+                _enter(piece)
+                return fn(*args, **kwargs)
+            except BaseException as exc:
+                if passes(exc) or not isinstance(exc, Exception):
+                    raise
+                fault(piece, exc)
+                if swallow:
+                    return None
+                raise
+
+        return fenced
+
+    return wrap
+
+
+def enter(piece: str, what: str = "probe") -> None:
+    """For code that fences itself (the probes' wrapper bookkeeping, which records its own errors): register,
+    count, and raise a planted fault where asked."""
+    register(piece, what)
+    _enter(piece)
+
+
+def summary() -> dict:
+    """What the evidence says of the fence in this process."""
+    return {"on": True, "pieces": dict(sorted(REGISTRY.items())), "calls": dict(sorted(CALLS.items())),
+            "planted": os.environ.get(PLANT_ENV, "")}
+
+
+__all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "PlantedFault", "SimulationLimit", "deliberate", "enter",
+           "fault", "foreign", "guard", "passes", "register", "summary"]

@@ -23,7 +23,7 @@ BIN     := $(VENV)/bin
 # a pin named "x; rm -rf y", which images.lock then refuses; nothing is run)
 q = '$(subst ','\'',$(1))'
 
-.PHONY: setup env audit render accept diff test bench pins models clean clean-containers test-image lock-resolve lock-add selftest-gpu
+.PHONY: setup env audit render accept diff test bench pins models clean clean-containers test-image lock-resolve lock-add selftest-gpu verify-pins
 
 setup: $(VENV)/.installed
 
@@ -99,7 +99,12 @@ diff: setup
 # FROM_RUNS=1 audits nothing: it renders every pin again from its newest full run (expectations,
 # templates or verdict code changed; no vLLM environment needed).
 FROM_RUNS ?=
+# Check the harness against every pinned release (fences, stand-in fit, availability): make reports runs it first.
+verify-pins: setup
+	$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(PINS),--pins $(call q,$(PINS)))
+
 reports: setup
+	$(if $(filter 1,$(FROM_RUNS)),,$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)))
 	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(filter 1,$(FROM_RUNS)),--from-runs,--drop-envs)
 
 pins: setup

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--no-cache", dest="cache", action="store_false",
                    help="run every cell even when its evidence is cached for the same inputs (resolve mode, "
                         "local runtime)")
+    # a test of the fence itself (probes/core/fence.py): raise inside one fenced piece of the harness
+    a.add_argument("--plant-fault", action="append", default=[], metavar="PIECE", help=argparse.SUPPRESS)
     a.add_argument("--replace", action="store_true",
                    help="let a subset audit (some systems or layouts) replace a fuller reports/<pin>/ "
                         "(by default it is written beside its run)")
@@ -149,10 +151,43 @@ def _parser() -> argparse.ArgumentParser:
                     help="audit nothing: render each pin again from its newest run of every cell (after editing "
                          "expectations, templates or verdicts; needs no vLLM environment)")
 
+    vp = sub.add_parser("verify-pins", help="check the harness against every pinned release: one cell per SM family "
+                                            "with the fences on, each stand-in's fit, vLLM's availability answers "
+                                            "against a plain import (reports/ is not touched)")
+    vp.add_argument("--pins", default="", help="comma list (default: every pin with a wheel)")
+    vp.add_argument("--lock", default="images.lock")
+
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
     e.add_argument("pin")
     e.add_argument("--lock", default="images.lock")
     return p
+
+
+def _verify_pins(args, out, err) -> int:
+    from audit.pincheck import verify_pins
+
+    pins = [p.strip() for p in args.pins.split(",") if p.strip()]
+    with err.status("verifying pins") as status:
+        checks = verify_pins(lock_path=args.lock, pins=pins or None,
+                             progress=lambda event, **f: status.update(f.get("text", event)))
+    for c in checks:
+        out.print(f"{c.pin}: {'ok' if c.ok else 'FAILED'} ({len(c.cells)} cell(s): {', '.join(c.cells)})")
+        for title, rows in (("harness fault", c.faults), ("cell did not finish", c.unfinished),
+                            ("stand-in does not fit", c.misfits), ("availability differs from a plain import",
+                                                                    c.disagreements)):
+            for row in rows:
+                out.print(f"  {title}: {row}", markup=False)
+        for k, v in c.fit.items():
+            out.print(f"  fit: {k}: {v}", markup=False)
+        if c.error:
+            out.print(f"  error: {c.error}", markup=False)
+    failed = [c.pin for c in checks if not c.ok]
+    if failed:
+        err.print(f"verify-pins: {len(failed)} pin(s) failed: {', '.join(failed)}; no report should be regenerated "
+                  "from a harness that does not fit its release", markup=False)
+        return ExitCode.RUN_FAILED
+    err.print(f"verify-pins: all {len(checks)} pin(s) passed")
+    return ExitCode.OK
 
 
 def _seconds(text: str) -> float:
@@ -218,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.OK
         if args.command == "env":
             return _env(args, out, err)
+        if args.command == "verify-pins":
+            return _verify_pins(args, out, err)
         if args.command == "regenerate":
             from audit.core import regenerate_reports
 
@@ -416,7 +453,7 @@ def _audit(args, out, err) -> int:
                                pass_env=tuple(pass_env), cluster=args.cluster, wait=args.wait, mode=args.mode,
                                slice_name=args.slice_name, profiler=args.profiler, replace=args.replace,
                                cache=args.cache, postload_every_layer=args.postload_every_layer,
-                               accepted=args.accepted)
+                               accepted=args.accepted, plant_fault="\n".join(args.plant_fault))
         outcome = run_audit(args.pin, options, progress=progress)
     if outcome.pending:
         err.print(f"submitted {outcome.cells} Slurm job(s); their evidence goes to {outcome.run_dir}")

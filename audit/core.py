@@ -12,7 +12,8 @@ from pathlib import Path
 from audit.evidence import files as evidence
 from audit.pins import lock as lockmod
 from audit.report import routing as routingmod
-from audit.errors import AuditError, EvidenceError, ReportWriteError, RunAborted, RunIncomplete, UsageError
+from audit.errors import AuditError, EvidenceError, HarnessFaultError, ReportWriteError, RunAborted, RunIncomplete, \
+    UsageError
 from audit import models
 from audit.profiles import Profile
 from audit.fsutil import DirLock, cache_root, replace_dir, report_dir_for, write_atomic
@@ -119,6 +120,8 @@ class AuditOptions:
     cache: bool = True
     postload_every_layer: bool = False
     accepted: str | None = "auto"
+    #: plant a raise in this fenced piece of the harness (a test of the fence: the audit must end INCOMPLETE)
+    plant_fault: str = ""
 
 
 def run_audit(pin_name: str, options: AuditOptions = AuditOptions(), *,
@@ -170,7 +173,7 @@ def run_audit(pin_name: str, options: AuditOptions = AuditOptions(), *,
                          hint="known slices: " + ", ".join(profile.slices))
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
                          timeout_s=o.timeout_s, mode=o.mode, slice=o.slice_name, profiler=o.profiler,
-                         postload_every_layer=o.postload_every_layer,
+                         postload_every_layer=o.postload_every_layer, plant_fault=o.plant_fault,
                          deadline=started + o.timeout_s if o.timeout_s else None)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, o.runtime, o.cuda_toolkit, lock=str(o.lock_path),
                                   expectations=str(o.expectations) if o.expectations not in (None, "") else "none",
@@ -235,7 +238,8 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
     plan = {"probes": request.probes, "extra_targets": plan_targets(request),
             "model_probes": request.profile.probes, "stop_after": request.stop_after,
             "serve_args": list(request.serve_args), "slice": request.slice, "observe_install": request.observe_install,
-            "postload_every_layer": request.postload_every_layer, "draft_weights": list(request.profile.draft_weights),
+            "postload_every_layer": request.postload_every_layer, "plant_fault": request.plant_fault,
+            "draft_weights": list(request.profile.draft_weights),
             # the evidence names its pin: two pins of the same wheel keep their own entries
             "pin": request.pin.name, "harness_env": identity.get("harness_env", []), "redact_env": []}
     probes = evcache.probes_digest()
@@ -490,10 +494,15 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     unfinished = [(c["system"], c["layout"]) for c in routing["cells"] if c["status"] == "INCOMPLETE"]
     incomplete = aborted or bool(unfinished)
     if incomplete and not aborted and not _beside_run:
+        faulty = [c for c in routing["cells"] if c.get("harness_faults")]
+        died = len(unfinished) - len(faulty)
         routing["run"]["aborted"] = {
-            "kind": "cells-missing", "returncode": None, "log_tail": "",
-            "message": f"{len(unfinished)} of {len(routing['cells'])} cell(s) left no evidence "
-                       "(their process died, was killed or its job failed)"}
+            "kind": "harness-fault" if faulty and not died else "cells-missing", "returncode": None, "log_tail": "",
+            "message": "; ".join(part for part in (
+                f"{died} of {len(routing['cells'])} cell(s) left no evidence (their process died, was killed or its "
+                "job failed)" if died else "",
+                f"{len(faulty)} of {len(routing['cells'])} cell(s) stopped at a harness fault (the harness's own code "
+                "raised inside vLLM's process; see Harness faults)" if faulty else "") if part)}
     beside = _beside_run or incomplete
     target_root = run_dir / INCOMPLETE_REPORTS if beside else Path(reports_dir)
     report_dir = report_dir_for(target_root, pin.name)
@@ -553,6 +562,9 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         verdicts=(routing.get("verdicts") or {}).get("summary"),
         judged=exp is not None, subset_of=subset_of, gate=gate,
     )
+    faults = [{**f, "cell": f"{c['system']}/{c['layout']}"} for c in routing["cells"] for f in c.get("harness_faults") or []]
+    if faults and not _beside_run:
+        raise HarnessFaultError(cells=unfinished, run_dir=str(run_dir), faults=faults, incomplete_ledger=outcome.ledger)
     if incomplete and not _beside_run and not aborted:
         raise RunIncomplete(cells=unfinished, run_dir=str(run_dir), incomplete_ledger=outcome.ledger)
     if aborted and not _beside_run:

@@ -342,6 +342,24 @@ class RunIncomplete(AuditError):
                          hint=f"see each cell's log under {run_dir}/evidence/; re-run the audit")
 
 
+class HarnessFaultError(RunIncomplete):
+    """Cells whose evidence records a harness fault: the harness's own code raised inside vLLM's process
+    (probes/core/fence.py), so what vLLM did after it is not vLLM's decision alone. The run is INCOMPLETE (exit 4):
+    no routing of those cells is shown, none is cached, reports/ is not changed."""
+
+    def __init__(self, *, cells: list[tuple[str, str]], run_dir: str, faults: list[dict], incomplete_ledger=None):
+        super().__init__(cells=cells, run_dir=run_dir, incomplete_ledger=incomplete_ledger)
+        self.faults = list(faults)
+        pieces = sorted({f["piece"] for f in self.faults})
+        first = self.faults[0]
+        self.message = (f"harness fault in {', '.join(pieces[:3])}{' ...' if len(pieces) > 3 else ''} "
+                     f"({first['type'].split(':')[-1]}: {first['message'][:200]}) in {len(self.cells)} cell(s): the "
+                        "audit is INCOMPLETE and reports/ was not changed")
+        self.args = (self.message,)
+        self.hint = ("the harness's own code raised inside vLLM's process; the INCOMPLETE ledger's 'Harness faults' "
+                     "section has the traceback: fix that piece of the harness and audit again")
+
+
 class ReportWriteError(AuditError):
     """The report could not be written (read-only directory, full disk, an immutable file, a name that is no
     safe directory name). The previous report is left as it was."""

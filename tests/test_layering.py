@@ -193,7 +193,7 @@ AUDIT_LAYERS = [
                               "audit.report.observed", "audit.report.corroborate", "audit.report.layers")),
     ("runtimes", ("audit.runtimes",)),
     ("report output", ("audit.report",)),
-    ("core", ("audit.core", "audit.selftest")),
+    ("core", ("audit.core", "audit.selftest", "audit.pincheck")),
     ("cli", ("audit.cli",)),
 ]
 

@@ -279,7 +279,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     fences = {"cells": len(evidenced), "on": sum(1 for c in evidenced if (c.get("fence") or {}).get("on")),
               "pieces": max([(c.get("fence") or {}).get("pieces", 0) for c in evidenced] or [0]),
               "faults": len(faults),
-              "planted": next((c["fence"]["planted"] for c in evidenced if (c.get("fence") or {}).get("planted")), "")}
+              "planted": sorted({p for c in evidenced for p in (c.get("fence") or {}).get("planted") or []})}
     fit: dict[str, str] = {}
     for c in cells:
         for k, v in (c.get("standin_fit") or {}).items():

@@ -573,9 +573,9 @@ def _fence(f: EvidenceFile) -> dict:
     without one)."""
     rec = _one(f, "fence")
     if not rec:
-        return {"on": False, "pieces": 0, "ran": 0, "planted": ""}
+        return {"on": False, "pieces": 0, "ran": 0, "planted": []}
     return {"on": bool(rec.get("on")), "pieces": len(rec.get("pieces", {})),
-            "ran": sum(1 for v in (rec.get("calls") or {}).values() if v), "planted": rec.get("planted", "")}
+            "ran": sum(1 for v in (rec.get("calls") or {}).values() if v), "planted": list(rec.get("planted") or [])}
 
 
 def fault_reason(faults: list[dict]) -> str:
@@ -615,7 +615,7 @@ def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> 
             "raises": [], "probe_errors": [], "drift": [], "not_reached": [], "not_applicable": [], "config": {},
             "argv": [],
             "simulated": {}, "stand_in_calls": [], "device": {}, "availability": {}, "fingerprint": {},
-            "availability_why": {}, "fence": {"on": False, "pieces": 0, "ran": 0, "planted": ""}, "standin_fit": {},
+            "availability_why": {}, "fence": {"on": False, "pieces": 0, "ran": 0, "planted": []}, "standin_fit": {},
             "harness_faults": []}
 
 

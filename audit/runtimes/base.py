@@ -46,6 +46,9 @@ class RunRequest:
     #: post-load runs vLLM's MoE conversion on every layer instead of carrying a representative's result
     #: (probes/resolve/carry.py); the same routing either way, the straightforward path is slower
     postload_every_layer: bool = False
+    #: a fenced piece of the harness in which the agent raises a planted fault (probes.core.fence; tests of the
+    #: fence itself): "" plants nothing
+    plant_fault: str = ""
     #: time.monotonic() by which the whole audit must end (``--timeout`` counted from the audit's start, so it
     #: covers building the environment too); None: from when the run starts, or no limit without timeout_s
     deadline: float | None = None
@@ -333,6 +336,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "slice": request.slice,
         "observe_install": request.observe_install,
         "postload_every_layer": request.postload_every_layer,
+        "plant_fault": request.plant_fault,
         # pure computations below vLLM kept across cells and audits (probes/resolve/memo.py); None: none kept
         "memo_dir": where(memo_dir) if memo_dir else None,
         "draft_weights": list(request.profile.draft_weights),

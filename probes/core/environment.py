@@ -138,9 +138,11 @@ PACKAGE_CHECKS = (
     ("flashinfer_moe", "vllm.utils.flashinfer", "has_flashinfer_moe"),
     ("flashinfer_comm", "vllm.utils.flashinfer", "has_flashinfer_comm"),
 )
-#: the module each answer is about, where vLLM's check is a trial import of it
-ANSWER_MODULES = {"deep_gemm": "deep_gemm", "flashinfer": "flashinfer", "triton_kernels": "triton_kernels",
-                  "humming": "humming", "deep_ep": "deep_ep", "tilelang": "tilelang", "cutedsl": "cutlass"}
+#: the modules each answer is about, where vLLM's check is a trial import of one of them (a package vLLM also
+#: vendors under vllm.third_party is tried there too, as vLLM's own check does)
+ANSWER_MODULES = {"deep_gemm": ("deep_gemm", "vllm.third_party.deep_gemm"), "flashinfer": ("flashinfer",),
+                  "triton_kernels": ("triton_kernels", "vllm.third_party.triton_kernels"), "humming": ("humming",),
+                  "deep_ep": ("deep_ep",), "tilelang": ("tilelang",), "cutedsl": ("cutlass",)}
 
 
 def why_unavailable(answers: dict) -> dict:
@@ -155,9 +157,11 @@ def why_unavailable(answers: dict) -> dict:
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the probes package
     out = {}
-    for key, module in sorted(ANSWER_MODULES.items()):
-        if answers.get(key) is not False or not _module_present(module):
+    for key, modules in sorted(ANSWER_MODULES.items()):
+        present = [m for m in modules if _module_present(m)]
+        if answers.get(key) is not False or not present:
             continue
+        module = present[0]
         try:
             importlib.import_module(module)
         except Exception as exc:

@@ -15,7 +15,7 @@ What is not a fault:
   protocol exceptions Python expects, such as ``AttributeError`` from ``__getattr__``).
 
 Every fenced piece is registered by name (:data:`REGISTRY`), its calls are counted, and
-``SERVING_TRUTH_PLANT_FAULT=<piece>`` makes that piece raise :class:`PlantedFault` from inside the fence: the
+:func:`plant` (the plan's ``plant_fault``, or ``SERVING_TRUTH_PLANT_FAULT=<piece>``) makes that piece raise :class:`PlantedFault` from inside the fence: the
 mutation test iterates the registry and plants one raise at a time. Standard library only.
 """
 from __future__ import annotations
@@ -86,13 +86,27 @@ def fault(piece: str, exc: BaseException, *, where: str = "") -> None:
                        "pid": os.getpid()})
 
 
-#: the piece a planted raise goes off in (read once: the fence is on hot paths)
-_PLANTED = os.environ.get(PLANT_ENV, "")
+def _pieces(text: str) -> frozenset:
+    return frozenset(p for p in (text or "").split("\n") if p)
+
+
+#: the pieces a planted raise goes off in (set once, before the probes install: the fence is on hot paths)
+_PLANTED = [_pieces(os.environ.get(PLANT_ENV, ""))]
+
+
+def plant(pieces: str) -> None:
+    """Make each piece named (one a line) raise :class:`PlantedFault` from inside its fence (the agent, from its
+    plan). Each piece that runs then records its own fault, so one run tests several pieces."""
+    _PLANTED[0] = _pieces(pieces)
+
+
+def planted() -> frozenset:
+    return _PLANTED[0]
 
 
 def _enter(piece: str) -> None:
     CALLS[piece] = CALLS.get(piece, 0) + 1
-    if _PLANTED == piece:
+    if piece in _PLANTED[0]:
         raise PlantedFault(f"planted in {piece}")
 
 
@@ -131,7 +145,7 @@ def enter(piece: str, what: str = "probe") -> None:
 def summary() -> dict:
     """What the evidence says of the fence in this process."""
     return {"on": True, "pieces": dict(sorted(REGISTRY.items())), "calls": dict(sorted(CALLS.items())),
-            "planted": os.environ.get(PLANT_ENV, "")}
+            "planted": sorted(_PLANTED[0])}
 
 
 __all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "PlantedFault", "SimulationLimit", "deliberate", "enter",

@@ -1,0 +1,128 @@
+"""The fence's mechanics on throwaway code (generic; the fence around vLLM's process is covered on the real wheel
+in test_fence_vllm.py): a raise of the harness's own code is recorded even when the caller swallows it; what
+foreign code raises, a deliberate limit and a protocol exception pass unrecorded; a planted fault goes off in
+the piece named; a post-import hook that raises never breaks the import it rides on."""
+import sys
+
+import pytest
+
+from probes.core import fence, patching
+
+
+@pytest.fixture(autouse=True)
+def clean_fence():
+    saved = (dict(fence.REGISTRY), dict(fence.CALLS), list(fence.FAULTS), fence.planted())
+    fence.FAULTS.clear()
+    fence.plant("")
+    yield
+    fence.REGISTRY.clear(), fence.REGISTRY.update(saved[0])
+    fence.CALLS.clear(), fence.CALLS.update(saved[1])
+    fence.FAULTS[:] = saved[2]
+    fence.plant("\n".join(saved[3]))
+
+
+def _library_swallows(fn, *args):
+    """What vLLM's optional-package checks do: any exception means "not available"."""
+    try:
+        return fn(*args)
+    except Exception:
+        return "swallowed"
+
+
+def test_a_raise_in_our_code_is_a_fault_even_when_the_caller_swallows_it():
+    @fence.guard("test: broken stand-in")
+    def broken(x):
+        return {}[x]  # our own bug
+
+    assert _library_swallows(broken, "k") == "swallowed"
+    assert [f["piece"] for f in fence.FAULTS] == ["test: broken stand-in"]
+    assert fence.FAULTS[0]["type"] == "builtins:KeyError" and "broken" in "".join(fence.FAULTS[0]["traceback"])
+    assert fence.REGISTRY["test: broken stand-in"] == "stand-in" and fence.CALLS["test: broken stand-in"] == 1
+
+
+def test_foreign_raises_limits_and_protocol_exceptions_pass_unrecorded():
+    class Refused(Exception):
+        pass
+
+    def vllm_refuses():
+        raise Refused("vLLM says no")
+
+    @fence.guard("test: passes through")
+    def through():
+        return fence.foreign(vllm_refuses)
+
+    @fence.guard("test: limit")
+    def limit():
+        raise fence.SimulationLimit("not simulated")
+
+    @fence.guard("test: protocol")
+    def protocol():
+        raise fence.deliberate(AttributeError("no such field"))
+
+    with pytest.raises(Refused) as e:
+        through()
+    assert str(e.value) == "vLLM says no"  # the very exception, unchanged
+    with pytest.raises(fence.SimulationLimit):
+        limit()
+    with pytest.raises(AttributeError):
+        protocol()
+    assert fence.FAULTS == []
+
+
+def test_a_swallowing_guard_drops_the_raise_and_keeps_the_fault():
+    @fence.guard("test: hook", "hook", swallow=True)
+    def hook(mod):
+        raise TypeError("cannot set '__new__' attribute of immutable type 'object'")
+
+    assert hook(None) is None
+    assert fence.FAULTS[0]["piece"] == "test: hook" and "immutable type" in fence.FAULTS[0]["message"]
+
+
+def test_a_planted_fault_goes_off_only_in_the_pieces_named():
+    @fence.guard("test: a")
+    def a():
+        return "a"
+
+    @fence.guard("test: b")
+    def b():
+        return "b"
+
+    fence.plant("test: b\ntest: c")
+    assert a() == "a"
+    assert _library_swallows(b) == "swallowed"
+    assert [(f["piece"], f["type"]) for f in fence.FAULTS] == [("test: b", "probes.core.fence:PlantedFault")]
+    assert fence.summary()["planted"] == ["test: b", "test: c"]
+
+
+def test_a_raising_post_import_hook_never_breaks_the_import(tmp_path, monkeypatch):
+    (tmp_path / "fence_throwaway_mod.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hooks = patching.PostImportHooks()
+
+    def bad_patch(mod):
+        object.__new__ = None  # the shape a stand-in did not expect: raises TypeError
+
+    hooks.register("fence_throwaway_mod", bad_patch, piece="test: install bad patch")
+    try:
+        import fence_throwaway_mod
+
+        assert fence_throwaway_mod.VALUE == 41  # imported as if the hook were absent
+    finally:
+        hooks.uninstall()
+        sys.modules.pop("fence_throwaway_mod", None)
+    assert [f["piece"] for f in fence.FAULTS] == ["test: install bad patch"]
+    assert "immutable type" in fence.FAULTS[0]["message"]
+
+
+def test_a_planted_fault_in_a_probe_wrapper_is_reported_and_the_call_is_untouched():
+    errors = []
+    fence.plant("probe test.target")
+
+    def pick(x):
+        return x * 2
+
+    wrapper = patching.make_wrapper(pick, patching.Hooks(), label="test.target",
+                                    on_error=lambda where, exc: errors.append((where, type(exc).__name__)))
+    assert wrapper(21) == 42
+    assert errors == [("test.target:before", "PlantedFault")]
+    assert "probe test.target" in fence.REGISTRY

@@ -126,3 +126,19 @@ def test_a_planted_fault_in_a_probe_wrapper_is_reported_and_the_call_is_untouche
     assert wrapper(21) == 42
     assert errors == [("test.target:before", "PlantedFault")]
     assert "probe test.target" in fence.REGISTRY
+
+
+def test_a_boundary_records_what_our_code_raised_and_nothing_else():
+    from probes.resolve import dispatch
+
+    try:
+        dispatch.meta.__globals__["Workload"]("decode", "x", 1, 1).as_dict()["missing"]
+    except KeyError as exc:  # innermost frame: this test file, not the probes package
+        assert fence.check_origin("test boundary", exc) is False
+    try:
+        dispatch.Workload.as_dict(None)  # raises inside probes/resolve/dispatch.py
+    except AttributeError as exc:
+        assert fence.raised_by_us(exc) and fence.check_origin("test boundary", exc) is True
+        assert fence.check_origin("test boundary", exc) is True  # one exception, one fault
+    assert [f["piece"] for f in fence.FAULTS] == ["test boundary"]
+    assert fence.check_origin("test boundary", fence.SimulationLimit("not simulated")) is False

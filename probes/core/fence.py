@@ -76,8 +76,39 @@ def _tb(exc: BaseException) -> list[str]:
     return traceback.format_exception(type(exc), exc, exc.__traceback__)[-12:]
 
 
+#: marks an exception already recorded as a fault (one exception crossing several boundaries is one fault)
+_RECORDED = "__serving_truth_fault__"
+#: the probes package: a frame in a file under it is the harness's own code
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def raised_by_us(exc: BaseException) -> bool:
+    """Whether the innermost frame of *exc*'s traceback is the harness's own code (the probes package)."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_OURS)
+
+
+def check_origin(piece: str, exc: BaseException) -> bool:
+    """At a boundary where the harness turns an exception into evidence (a stage that stopped, a post-load step's
+    outcome, a per-call tier "not resolved"): an exception the harness's own code raised (not a limit, not a
+    deliberate protocol raise) is recorded as a fault of *piece*. True when it was one."""
+    if not isinstance(exc, Exception) or passes(exc) or not raised_by_us(exc):
+        return bool(getattr(exc, _RECORDED, False))
+    fault(piece, exc)
+    return True
+
+
 def fault(piece: str, exc: BaseException, *, where: str = "") -> None:
-    """Record a harness fault of *piece* (never raises)."""
+    """Record a harness fault of *piece* (never raises); an exception already recorded is not recorded again."""
+    if getattr(exc, _RECORDED, False):
+        return
+    try:
+        setattr(exc, _RECORDED, True)
+    except Exception:
+        pass
     try:
         FAULTS.append({"piece": piece, "where": where, "type": f"{type(exc).__module__}:{type(exc).__qualname__}",
                        "message": str(exc)[:2000], "traceback": _tb(exc), "pid": os.getpid()})
@@ -148,5 +179,5 @@ def summary() -> dict:
             "planted": sorted(_PLANTED[0])}
 
 
-__all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "PlantedFault", "SimulationLimit", "deliberate", "enter",
-           "fault", "foreign", "guard", "passes", "register", "summary"]
+__all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "PlantedFault", "SimulationLimit", "check_origin", "deliberate",
+           "enter", "fault", "foreign", "guard", "passes", "plant", "planted", "raised_by_us", "register", "summary"]

@@ -7,6 +7,7 @@ import re
 import time
 import traceback
 
+from probes.core import fence
 from probes.core.recorder import Recorder
 
 
@@ -27,6 +28,7 @@ class Stage(contextlib.AbstractContextManager):
         if ev is None:
             self.rec.emit("stage", stage=self.name, ok=True, seconds=seconds)
             return False
+        fence.check_origin(f"stage {self.name}", ev)  # the harness's own code raised: a fault, not a stop
         where = traceback.extract_tb(tb)[-1] if tb else None
         self.rec.emit("stage", stage=self.name, ok=False, seconds=seconds,
                       error={"type": f"{et.__module__}:{et.__qualname__}", "message": str(ev)[:4000],

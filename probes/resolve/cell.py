@@ -13,6 +13,7 @@ import re
 import sys
 import time
 
+from probes.core import fence
 from probes.resolve import simulate, standins
 from probes.core.install import ProbeSet
 from probes.core.patching import PostImportHooks
@@ -457,14 +458,16 @@ def _init_fake_distributed(vllm_config, rec) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     real_new_group = dist.new_group
 
+    @fence.guard("torch.distributed")
     def new_group(ranks=None, *args, **kwargs):
         kwargs["backend"] = "fake"
-        return real_new_group(ranks, *args, **kwargs)
+        return fence.foreign(real_new_group, ranks, *args, **kwargs)
 
     dist.new_group = new_group
     simulate.SIMULATED["torch.distributed"] = f"fake process group, this process is rank 0 of {world}"
     orig_init = ps.GroupCoordinator.__init__
 
+    @fence.guard("vllm GroupCoordinator")
     def coordinator_init(self, *args, **kwargs):
         import inspect
 
@@ -473,7 +476,7 @@ def _init_fake_distributed(vllm_config, rec) -> None:
             bound.arguments["use_device_communicator"] = False
         if "use_message_queue_broadcaster" in bound.arguments:
             bound.arguments["use_message_queue_broadcaster"] = False
-        orig_init(*bound.args, **bound.kwargs)
+        fence.foreign(orig_init, *bound.args, **bound.kwargs)
 
     ps.GroupCoordinator.__init__ = coordinator_init
     simulate.SIMULATED["vllm GroupCoordinator"] = (

@@ -69,6 +69,8 @@ def optional(spec: str):
 
 
 def err(exc: BaseException) -> str:
+    """An exception that leaves a tier unresolved, in a line; one the harness's own code raised is a fault too."""
+    fence.check_origin("dispatch", exc)
     return f"{type(exc).__name__}: {str(exc)[:300]}"
 
 

@@ -26,6 +26,9 @@ import json
 import os
 import re
 
+from probes.core import fence
+from probes.core.fence import foreign
+
 #: (module, function, why it is a pure function of its code, arguments and the device facts it reads)
 MEMOS: tuple[tuple[str, str, str], ...] = (
     ("humming.tune", "_get_heuristics_config",
@@ -71,11 +74,12 @@ def memoised(fn, label: str, directory: str, facts_now):
     here: dict[str, object] = {}  # this process's answers by key file (one SKU per process)
 
     @functools.wraps(fn)
+    @fence.guard(f"memo {label}")
     def call(*args, **kwargs):
         text = repr((args, sorted(kwargs.items())))
         if _ADDRESS.search(text):
             stats["uncacheable"] += 1
-            return fn(*args, **kwargs)
+            return foreign(fn, *args, **kwargs)
         path = os.path.join(directory, hashlib.sha256(f"{label}\0{code}\0{text}".encode()).hexdigest() + ".json")
         if path in here:  # the same object each time, as the function's own cache would give
             stats["reused"] += 1
@@ -92,7 +96,7 @@ def memoised(fn, label: str, directory: str, facts_now):
                 return here[path]
         READ.append({})
         try:
-            result = fn(*args, **kwargs)
+            result = foreign(fn, *args, **kwargs)
         finally:
             facts = READ.pop()
         try:
@@ -180,4 +184,5 @@ def install(hooks, directory: str | None, facts_now) -> None:
             if callable(original):
                 setattr(mod, name, memoised(original, label, directory, facts_now))
 
-        hooks.register(module, patch)
+        fence.register(f"memo {module}:{name}", "stand-in")
+        hooks.register(module, patch, piece=f"install memo {module}:{name}")

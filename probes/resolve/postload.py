@@ -37,6 +37,7 @@ import time
 import traceback
 
 from probes import models as models_probes
+from probes.core import fence
 from probes.resolve import simulate
 from probes.core.recorder import describe
 from probes.core.stages import stop_rule
@@ -65,6 +66,7 @@ def classify(exc: BaseException, *, fed_no_weights: bool = False) -> dict:
     tensors arrived is the simulation's doing (raised by the loading function itself, or naming the
     checkpoint or missing weights), never a refusal; what the loading calls besides (a finalize and its
     device check) is judged like any other step."""
+    fence.check_origin("post-load step", exc)  # the harness's own code raised: a fault, whatever the rule says
     frames = list(traceback.walk_tb(exc.__traceback__))
     inner_frame, inner_line = frames[-1] if frames else (None, 0)
     vllm_frames = [(f, n) for f, n in frames if _is_vllm_file(f.f_code.co_filename)]

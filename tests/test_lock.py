@@ -188,3 +188,12 @@ def test_a_trailing_newline_is_not_part_of_a_valid_name(write, old, new):
     path = write("images.lock", GOOD.replace(old, new, 1))
     with pytest.raises(LockError):
         lock.load(path)
+
+
+@pytest.mark.parametrize("name,why", [("gpt-oss-120b", "the model 'gpt-oss-120b'"), ("Kimi-K3", "the model 'kimi-k3'"),
+                                      ("diffs", "reports/diffs/")])
+def test_a_pin_may_not_take_the_name_of_a_model_or_a_report_folder(write, name, why):
+    with pytest.raises(LockError) as e:
+        lock.load(write("images.lock", GOOD.replace('name = "img"', f'name = "{name}"')))
+    assert e.value.line == 10 and "is reserved" in str(e.value) and why in str(e.value)
+    assert e.value.exit_code == ExitCode.USAGE

@@ -250,6 +250,10 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
         raise err("pin without a name", hint='add name = "..."')
     if not _NAME.match(name):
         raise err(f"pin name {name!r} has characters not allowed in a directory name", "name")
+    reserved = reserved_names()
+    if name.lower() in reserved:
+        raise err(f"pin name {name!r} is reserved: {reserved[name.lower()]}, so a report of this pin would be "
+                  "written into it", "name", hint="rename the pin (e.g. add a version or date to it)")
     ctx = f"pin {name!r}: "
     version = raw.get("vllm_version", "")
     if not version:
@@ -347,6 +351,21 @@ def wheel_url_problem(url: str, wheel: str) -> str:
     if last != wheel:
         return f"does not end in the pinned wheel file name ({wheel})"
     return ""
+
+
+#: folders under reports/ that are not a pin's report
+RESERVED_REPORT_FOLDERS = {"diffs": "reports/diffs/ holds the diffs between pins"}
+
+
+def reserved_names() -> dict[str, str]:
+    """Names no pin may take (lower case -> why): the folders under reports/ that are not a pin's report, and
+    every model's name (another model's reports live in reports/<model>/)."""
+    from audit.models import PROFILES  # the model registry (base layer); imported here, when a lock is read
+
+    out = dict(RESERVED_REPORT_FOLDERS)
+    out.update({m.lower(): f"it is the name of the model {m!r} (a model other than the default keeps its reports in "
+                           f"reports/<model>/)" for m in PROFILES})
+    return out
 
 
 def unsafe_path_field(pin: Pin) -> tuple[str, str] | None:

@@ -16,6 +16,20 @@ from probes.core.fence import SimulationLimit, foreign
 #: what resolve mode answers instead of a GPU (module:qualname -> what it reports)
 SIMULATED: dict[str, str] = {}
 
+#: entries of SIMULATED that are no fenced piece of Python (probes.core.fence), and why nothing of the harness
+#: can raise there unseen; every other entry is a fenced piece (tests/test_fence_vllm.py checks both ways)
+UNFENCED: dict[str, str] = {
+    "libcuda.so.1": "a C library generated at setup: it returns error codes, it raises nothing",
+    "torch.cuda.is_available": "no code of the harness: vLLM's own NVML-based check, with the variable vLLM sets",
+    "torch: device='cuda' allocations": "the default-device mode runs for every tensor operation, so it is not "
+                                        "wrapped; its body only rewrites a device argument, and what the operation "
+                                        "raises is torch's",
+    "post-load": "the harness's driver of vLLM's post-load steps: what its own code raises is caught where each step's "
+                 "outcome is classified and recorded as a fault there",
+    "post-load: checkpoint weight names": "tensors the post-load driver feeds vLLM's load_weights (no code runs "
+                                          "inside vLLM's call)",
+}
+
 
 def real_driver_present() -> bool:
     if os.path.exists("/dev/nvidiactl"):

@@ -1,0 +1,136 @@
+"""The fence on the real vLLM wheel pinned in images.lock (v0.33.0): a mutation test of the harness itself.
+
+A clean run of cells that together reach every stand-in family (SM 8.9 Marlin, SM 9.0 DP+EP Humming, SM 10.0
+TP8 + MTP and DP+EP, SM 12.0 DeepGEMM) gives the fence's registry (every fenced piece the harness installed: post-
+import hooks, stand-ins, probe bookkeeping; read from the evidence, not listed here) and which pieces ran. Then a
+raise is planted in every piece that ran, and the cells run again: each planted piece that runs records its own
+fault; pieces a planted raise kept from running are planted again in the next round. Every piece that ran must
+end as a harness fault that names it, in a cell that shows no routing; the audit through the core exits 4 and
+leaves the reports directory as it was.
+"""
+import json
+import shutil
+
+import pytest
+
+from audit.core import AuditOptions, run_audit
+from audit.errors import ExitCode, HarnessFaultError
+from audit.evidence import files as evidence
+from audit.models.kimi_k3 import KIMI_K3, LAYOUTS
+from audit.report import routing
+from audit.runtimes import RunRequest
+from audit.systems import SYSTEMS
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.vllm
+
+CELLS = [("l40s", "tp8"), ("h200_sxm", "dp8-ep"), ("b200_sxm", "tp8-mtp"), ("b200_sxm", "dp8-ep"),
+         ("rtx_pro_6000_server", "tp8")]
+#: the rounds of planting after the first; a round that makes no progress ends the loop early
+MAX_ROUNDS = 4
+
+
+def _run(vllm_env, tmp_path_factory, name, cells, plant=()):
+    rt, pin, _ = vllm_env
+    run_dir = tmp_path_factory.mktemp(name)
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in cells], run_dir=run_dir,
+                     parallel=2, plant_fault="\n".join(sorted(plant)))
+    result = rt.run(req, lambda *a, **k: None)
+    files = evidence.read_dir(result.evidence_dir)
+    r = routing.build_routing(files, KIMI_K3, pin=pin.as_provenance(), expected=list(cells), missing=result.missing)
+    return {"files": {f.cell: f for f in files if f.cell}, "cells": {(c["system"], c["layout"]): c for c in r["cells"]},
+            "missing": result.missing}
+
+
+def _fence(f) -> dict:
+    return next(r for r in f.records if r.get("kind") == "fence")
+
+
+def _ran(f) -> set[str]:
+    """The pieces that ran in a cell: counted by the fence, or (the probes' bookkeeping, which is not counted on
+    the hot path) a probe whose target left records."""
+    rec = _fence(f)
+    ran = {p for p, n in rec["calls"].items() if n}
+    targets = {r.get("target") for r in f.records if r.get("kind") in ("select", "construct", "scope", "candidates",
+                                                                     "candidate", "activation_check", "raise")}
+    ran |= {p for p in rec["pieces"] if p.startswith("probe ") and p[len("probe "):] in targets}
+    return ran
+
+
+@pytest.fixture(scope="module")
+def clean(vllm_env, tmp_path_factory):
+    run = _run(vllm_env, tmp_path_factory, "fence-clean", CELLS)
+    assert run["missing"] == {}
+    return run
+
+
+def test_a_clean_run_has_the_fences_on_and_no_fault(clean):
+    for key, cell in clean["cells"].items():
+        assert cell["status"] == "COMPLETE" and cell["harness_faults"] == [], key
+        assert cell["fence"]["on"] and cell["fence"]["pieces"] > 40, key
+
+
+def test_every_stand_in_the_ledger_lists_is_fenced_or_says_why_not(clean, vllm_env):
+    rt, pin, env = vllm_env
+    import subprocess
+
+    out = subprocess.run([str(env / "bin" / "python"), "-c",
+                          "import json, sys; sys.path.insert(0, sys.argv[1]); from probes.resolve.simulate import "
+                          "UNFENCED; print(json.dumps(UNFENCED))", str(ROOT)], capture_output=True, text=True,
+                         check=True)
+    unfenced = json.loads(out.stdout)
+    for key, f in clean["files"].items():
+        listed = set(next(r for r in f.records if r.get("kind") == "simulated")["items"])
+        pieces = set(_fence(f)["pieces"])
+        assert listed - pieces - set(unfenced) == set(), key
+        assert set(unfenced) - listed <= {"post-load: checkpoint weight names"}, key  # only MTP feeds weight names
+
+
+def test_a_raise_planted_in_every_piece_that_ran_ends_as_a_harness_fault(clean, vllm_env, tmp_path_factory):
+    ran = {key: _ran(f) for key, f in clean["files"].items()}
+    todo = set().union(*ran.values())
+    assert len(todo) > 40 and any(p.startswith("install ") for p in todo) and any(p.startswith("probe ") for p in todo)
+    seen: dict[str, set] = {}
+    for rnd in range(MAX_ROUNDS):
+        cells = [key for key in CELLS if ran[key] & todo]
+        run = _run(vllm_env, tmp_path_factory, f"fence-planted-{rnd}", cells, plant=todo)
+        faulted = set()
+        for key in cells:
+            cell = run["cells"][key]
+            pieces = {f["piece"] for f in cell["harness_faults"]}
+            # every fault in this cell is one planted, and the cell shows no routing at all
+            assert pieces and pieces <= todo | {p for p in pieces if not p.startswith(("install", "probe"))}, key
+            assert cell["status"] == "INCOMPLETE" and cell["lanes"] == {} and "harness fault" in \
+                cell["failure"]["message"], key
+            assert all(f["type"] == "probes.core.fence:PlantedFault" for f in cell["harness_faults"]
+                       if f["piece"] in todo), key
+            faulted |= pieces & todo
+            for p in pieces & todo:
+                seen.setdefault(p, set()).add(key)
+        if not faulted:
+            break
+        todo -= faulted
+        if not todo:
+            break
+    assert todo == set(), f"planted but never went off (kept from running by the other planted raises): {sorted(todo)}"
+
+
+def test_a_fault_swallowed_by_vllm_ends_the_audit_with_exit_4_and_touches_no_report(vllm_env, tmp_path):
+    """The case that made a committed report wrong: a raise inside Humming's import, which vLLM's
+    ``_has_module`` swallows and answers "not available" (the oracle then falls through to Marlin)."""
+    reports = tmp_path / "reports"
+    shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")
+    before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
+    piece = "install humming.device:DeviceInfo.__new__|DeviceInfo.__init__(index=...)"
+    with pytest.raises(HarnessFaultError) as e:
+        run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", systems=["h200_sxm"], layouts=["tp8"],
+                                          reports_dir=reports, expectations="none", baseline="none",
+                                          accepted="none", cache=False, replace=True, profile=KIMI_K3,
+                                          plant_fault=piece))
+    assert e.value.exit_code == ExitCode.RUN_FAILED == 4
+    assert piece in str(e.value) and [f["piece"] for f in e.value.faults] == [piece]
+    assert {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()} == before
+    ledger = e.value.incomplete_ledger.read_text(encoding="utf-8")
+    assert "## Harness faults" in ledger and "PlantedFault" in ledger and "HUMMING" not in ledger.split("## Harness")[0]
+    routed = json.loads((e.value.incomplete_ledger.parent / "routing.json").read_text(encoding="utf-8"))
+    assert [c["status"] for c in routed["cells"]] == ["INCOMPLETE"] and routed["cells"][0]["lanes"] == {}

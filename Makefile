@@ -105,7 +105,7 @@ verify-pins: setup
 
 reports: setup
 	$(if $(filter 1,$(FROM_RUNS)),,$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)))
-	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(filter 1,$(FROM_RUNS)),--from-runs,--drop-envs)
+	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(filter 1,$(FROM_RUNS)),--from-runs)
 
 pins: setup
 	$(BIN)/serving-truth pins --lock $(call q,$(LOCK))

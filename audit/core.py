@@ -236,7 +236,7 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
     identity = rt.cache_identity(request.pin, progress)
     write_model_dirs(request)
     plan = {"probes": request.probes, "extra_targets": plan_targets(request),
-            "model_probes": request.profile.probes, "stop_after": request.stop_after,
+            "model_probes": request.profile.probes, "model": request.profile.name, "stop_after": request.stop_after,
             "serve_args": list(request.serve_args), "slice": request.slice, "observe_install": request.observe_install,
             "postload_every_layer": request.postload_every_layer, "plant_fault": request.plant_fault,
             "draft_weights": list(request.profile.draft_weights),
@@ -429,8 +429,15 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
         plan = json.loads((run_dir / "plan.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         plan = {}
+    model = models.get(meta.get("profile")).name
+    stories: dict[tuple, list[str]] = {}
     for f in files:
         h, where = f.header, str(f.path)
+        if h.get("model") not in (None, model):
+            raise EvidenceError(f"evidence of the model {h.get('model')!r} in a run of {model}", path=where,
+                                hint="a run's evidence is of the model its run.json names: audit that model again")
+        if f.cell is not None and h.get("mode") == "resolve":
+            stories.setdefault((f.cell, h.get("role")), []).append(where)
         if h.get("mode") == "resolve" or "pin" in h:
             if h.get("pin") != pin.name:
                 raise EvidenceError(f"evidence of pin {h.get('pin')!r} in a run of {pin.name}", path=where,
@@ -447,6 +454,12 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
             if expected is not None and list(argv[3:]) != expected:
                 raise EvidenceError(f"evidence of `vllm serve` arguments {' '.join(argv[3:])!r}, not the "
                                     f"{f.cell[1]} layout's", path=where)
+    for (cell, role), paths in sorted(stories.items()):
+        if len(paths) > 1:  # one cell, one story: which file would be vLLM's answer is not for the harness to pick
+            raise EvidenceError(f"{len(paths)} evidence files of cell {cell[0]}/{cell[1]} ({role}): "
+                                + ", ".join(sorted(paths)), path=sorted(paths)[0],
+                                hint="a cell's process writes one evidence file; remove the one that is not the "
+                                     "run's (or audit again)")
 
 
 def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",

@@ -13,6 +13,7 @@ import pytest
 from audit.pins import lock as lockmod
 from audit.errors import EnvironmentModified, ExitCode, UnsafeLockPath
 from audit.runtimes.local import ENV_MARKER, LocalRuntime, find_python
+from tests.conftest import ROOT
 from tests.wheel_index_util import make_wheel, sha256_of
 
 VERSION = "0.34.0rc1.dev5+gabcdef012"
@@ -217,3 +218,29 @@ def test_unchanged_files_are_not_read_again_and_an_edit_is_still_caught(fake_env
     full.stat_memo = False
     full.ensure_env(pin, NOP)
     assert len(reads) == 6
+
+
+def test_every_pinned_wheel_ships_its_resolution_and_it_pins_every_package():
+    """A pin's environment is installed under pip's resolution for its wheel (uv alone may pick another valid set:
+    for v0.32.0 it picks cuda-python 12.6.2.post1 beside cuda-bindings 13.5.0, where cutlass-dsl fails to import)."""
+    from audit.pins import lock as lockmod
+    from audit.runtimes.environment import ENV_LOCKS
+
+    for pin in lockmod.load(ROOT / "images.lock").pins.values():
+        if not pin.wheel_sha256:
+            continue
+        text = (ENV_LOCKS / f"{pin.wheel_sha256[:16]}.txt").read_text(encoding="utf-8")
+        assert pin.wheel in text.splitlines()[0] and pin.wheel_sha256 in text.splitlines()[0]
+        pins = [l for l in text.splitlines() if l and not l.startswith("#")]
+        assert pins == sorted(pins) and all("==" in l for l in pins) and len(pins) > 150, pin.name
+        assert not any(l.startswith("vllm==") for l in pins) and any(l.startswith("torch==") for l in pins)
+
+
+def test_a_resolution_is_written_from_pips_report_without_vllm_itself():
+    from audit.runtimes.environment import resolution_text
+
+    report = {"install": [{"metadata": {"name": "vllm", "version": "0.33.0"}},
+                          {"metadata": {"name": "Torch", "version": "2.14.0"}},
+                          {"metadata": {"name": "cuda-python", "version": "13.4.4"}}]}
+    text = resolution_text(report, "vllm-0.33.0-x.whl", "ab" * 32)
+    assert text.splitlines()[2:] == ["cuda-python==13.4.4", "torch==2.14.0"] and "vllm-0.33.0-x.whl" in text

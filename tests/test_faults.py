@@ -640,3 +640,26 @@ def test_timeout_covers_building_the_environment(vllm_env, tmp_path):
     assert "building the vLLM 0.33.0 environment" in r.stderr and "timed out after 8s" in r.stderr
     assert took < 90, took  # stopped at the deadline, not after a full build
     assert not (tmp_path / "reports" / "v0.33.0").exists()
+
+
+@pytest.mark.vllm
+def test_one_cell_one_story_and_evidence_of_another_model_are_refused(run_copy, report_copy):
+    """A second evidence file for one cell (consistent on its own) is refused with both paths named, never read
+    beside the real one; evidence whose header names another model is refused; the report stays as it was."""
+    before = snapshot(report_copy)
+    ev = _evidence_of(run_copy)
+    second = ev.with_name("evidence-copied-1-abcdef.jsonl")
+    shutil.copyfile(ev, second)
+    r = cli("render", str(run_copy), "--reports", str(report_copy))
+    assert r.returncode == ExitCode.RUN_FAILED, r.stderr[-2000:]
+    assert "2 evidence files of cell b200_sxm/tp8" in r.stderr and second.name in r.stderr and ev.name in r.stderr
+    second.unlink()
+    header = json.loads(ev.read_text().splitlines()[0])
+    assert header["model"] == "kimi-k3"  # every resolve file names its model
+    good = ev.read_text()
+    ev.write_text(good.replace('"model": "kimi-k3"', '"model": "gpt-oss-120b"', 1))
+    r = cli("render", str(run_copy), "--reports", str(report_copy))
+    assert r.returncode == ExitCode.RUN_FAILED and "evidence of the model 'gpt-oss-120b' in a run of kimi-k3" in \
+        r.stderr, r.stderr[-2000:]
+    ev.write_text(good)
+    assert snapshot(report_copy) == before

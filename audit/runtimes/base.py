@@ -331,6 +331,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "probes": request.probes,
         "extra_targets": plan_targets(request),
         "model_probes": request.profile.probes,
+        "model": request.profile.name,
         "stop_after": request.stop_after,
         "serve_args": list(request.serve_args),
         "slice": request.slice,

@@ -115,6 +115,7 @@ def prepare_process(plan: dict, Stage) -> dict:
         except Exception:  # a warm-up import is an optimisation; the cell records real failures
             pass
     rec = Recorder(None, role="resolve-agent", meta={"mode": "resolve", "pin": plan.get("pin", ""),
+                                                     "model": plan.get("model") or None,
                                                      "wheel_sha256": plan.get("wheel_sha256", "")})
     rec.emit("fingerprint", **fingerprint(plan))
     shared = {"rec": rec, "error": None, "probes": None, "platform": False, "retry": None, "imported": []}

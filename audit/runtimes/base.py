@@ -49,6 +49,8 @@ class RunRequest:
     #: a fenced piece of the harness in which the agent raises a planted fault (probes.core.fence; tests of the
     #: fence itself): "" plants nothing
     plant_fault: str = ""
+    #: planted raises are caught by each piece's own fence and recorded, then the piece does its work
+    plant_survey: bool = False
     #: time.monotonic() by which the whole audit must end (``--timeout`` counted from the audit's start, so it
     #: covers building the environment too); None: from when the run starts, or no limit without timeout_s
     deadline: float | None = None
@@ -338,6 +340,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "observe_install": request.observe_install,
         "postload_every_layer": request.postload_every_layer,
         "plant_fault": request.plant_fault,
+        "plant_survey": request.plant_survey,
         # pure computations below vLLM kept across cells and audits (probes/resolve/memo.py); None: none kept
         "memo_dir": where(memo_dir) if memo_dir else None,
         "draft_weights": list(request.profile.draft_weights),

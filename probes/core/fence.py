@@ -110,8 +110,13 @@ def fault(piece: str, exc: BaseException, *, where: str = "") -> None:
     except Exception:
         pass
     try:
-        FAULTS.append({"piece": piece, "where": where, "type": f"{type(exc).__module__}:{type(exc).__qualname__}",
-                       "message": str(exc)[:2000], "traceback": _tb(exc), "pid": os.getpid()})
+        kind, message = f"{type(exc).__module__}:{type(exc).__qualname__}", str(exc)[:2000]
+        for seen in FAULTS:  # the same fault again (a piece on a path run per layer): counted, not repeated
+            if (seen["piece"], seen["type"], seen["message"]) == (piece, kind, message):
+                seen["count"] = seen.get("count", 1) + 1
+                return
+        FAULTS.append({"piece": piece, "where": where, "type": kind, "message": message, "traceback": _tb(exc),
+                       "pid": os.getpid(), "count": 1})
     except Exception:  # pragma: no cover - the record itself failed: keep a bare one
         FAULTS.append({"piece": piece, "where": where, "type": "?", "message": "unrecordable", "traceback": [],
                        "pid": os.getpid()})
@@ -123,12 +128,17 @@ def _pieces(text: str) -> frozenset:
 
 #: the pieces a planted raise goes off in (set once, before the probes install: the fence is on hot paths)
 _PLANTED = [_pieces(os.environ.get(PLANT_ENV, ""))]
+#: survey: a planted raise is caught by the piece's own fence and recorded, then the piece does its work
+_SURVEY = [False]
 
 
-def plant(pieces: str) -> None:
+def plant(pieces: str, *, survey: bool = False) -> None:
     """Make each piece named (one a line) raise :class:`PlantedFault` from inside its fence (the agent, from its
-    plan). Each piece that runs then records its own fault, so one run tests several pieces."""
+    plan). The raise propagates as the piece's own would (into vLLM, which may swallow it); with *survey* the
+    piece's fence catches it, records it and lets the piece go on, so one run reaches, and tests, every piece
+    named (a propagating raise stops whatever runs after it)."""
     _PLANTED[0] = _pieces(pieces)
+    _SURVEY[0] = bool(survey)
 
 
 def planted() -> frozenset:
@@ -138,7 +148,12 @@ def planted() -> frozenset:
 def _enter(piece: str) -> None:
     CALLS[piece] = CALLS.get(piece, 0) + 1
     if piece in _PLANTED[0]:
-        raise PlantedFault(f"planted in {piece}")
+        try:
+            raise PlantedFault(f"planted in {piece}")
+        except PlantedFault as exc:
+            if not _SURVEY[0]:
+                raise
+            fault(piece, exc)
 
 
 def guard(piece: str, what: str = "stand-in", *, swallow: bool = False):
@@ -176,7 +191,7 @@ def enter(piece: str, what: str = "probe") -> None:
 def summary() -> dict:
     """What the evidence says of the fence in this process."""
     return {"on": True, "pieces": dict(sorted(REGISTRY.items())), "calls": dict(sorted(CALLS.items())),
-            "planted": sorted(_PLANTED[0])}
+            "planted": sorted(_PLANTED[0]), "survey": _SURVEY[0]}
 
 
 __all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "PlantedFault", "SimulationLimit", "check_origin", "deliberate",

@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     watch_parent()
     from probes.core import fence
 
-    fence.plant(plan.get("plant_fault") or "")  # a test of the fence: before any piece is installed
+    # a test of the fence: before any piece is installed
+    fence.plant(plan.get("plant_fault") or "", survey=bool(plan.get("plant_survey")))
     # humming (imported by vLLM) starts two background Python processes at import to pre-build its JIT
     # launcher and NVRTC compiler; resolve mode launches no kernel, so they only cost each SM process
     # ~25 s of CPU. The variable only switches those builds (and JIT build parallelism) off; no choice

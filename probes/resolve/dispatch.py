@@ -442,8 +442,18 @@ def _graph_step(manager, w: Workload):
     """(mode name, padded tokens, uniform count) vLLM's dispatch gives a step of workload ``w``."""
     uniform_of = optional("vllm.v1.worker.utils:get_uniform_decode_token_count")
     prefill = w.phase == "prefill"
-    uniform = uniform_of(w.requests, w.tokens, w.per_request, decode_graph_eligible=not prefill) \
-        if uniform_of is not None else None
+    uniform = None
+    if uniform_of is not None:
+        import inspect
+
+        params = inspect.signature(uniform_of).parameters
+        if "decode_graph_eligible" in params:  # vLLM 0.31+
+            uniform = uniform_of(w.requests, w.tokens, w.per_request, decode_graph_eligible=not prefill)
+        elif "has_prefill" in params:  # vLLM 0.28-0.30: the same question, asked the other way round
+            uniform = uniform_of(w.requests, w.tokens, w.per_request, has_prefill=prefill)
+        else:
+            raise TypeError(f"get_uniform_decode_token_count{inspect.signature(uniform_of)} takes neither "
+                            "decode_graph_eligible nor has_prefill: the harness does not fit this vLLM")
     desc = _bind(manager.dispatch, num_reqs=w.requests, num_tokens=w.tokens, uniform_token_count=uniform,
                  num_active_loras=0, max_query_len=None if prefill else w.per_request)
     return getattr(desc.cg_mode, "name", str(desc.cg_mode)), int(desc.num_tokens), uniform

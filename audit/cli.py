@@ -518,6 +518,12 @@ def _gate_exit(gate: dict, strict: bool, outcome, err) -> int:
               f"{len(new)} new finding(s), {gate['accepted_findings']} accepted"
               + (f" ({gate['accepted_file']})" if gate["accepted_file"] else " (no accepted-findings file)"))
     only = gate["only_in_baseline"]
+    if not gate["cells_compared"]:
+        err.print(f"[red]gate failed[/red]: nothing was judged: {base} and this audit share no (system, layout) cell "
+                  f"({len(only)} cell(s) only in {base}, {len(gate['only_in_candidate'])} only here); audit the "
+                  f"cells {base} has (e.g. without --systems/--layouts) to gate against it "
+                  f"(exit {int(ExitCode.NOTHING_JUDGED)})")
+        return ExitCode.NOTHING_JUDGED
     if only:
         err.print(f"[yellow]note:[/yellow] {len(only)} cell(s) of {base} were not audited here and are not gated: "
                   + ", ".join(f"{s}/{l}" for s, l in only[:8]) + (" ..." if len(only) > 8 else ""))

@@ -338,8 +338,8 @@ def load_accepted_findings(spec: str | None, *, lock_path, profile: Profile) -> 
         path = next((p for p in places if p.exists()), None)
         if path is None:
             return set(), ""
-        return load_accepted(path), _display(path)
-    return load_accepted(spec), str(spec)
+        return load_accepted(path, model=profile.name, layouts=tuple(profile.layouts)), _display(path)
+    return load_accepted(spec, model=profile.name, layouts=tuple(profile.layouts)), str(spec)
 
 
 def accept_findings(pin_name: str, *, reports_dir: str | Path = "reports", lock_path: str | Path = "images.lock",

@@ -24,6 +24,9 @@ class ExitCode(enum.IntEnum):
     #: the pin-bump gate (an explicit --baseline): how the model is served changed against the baseline (a
     #: routed path, a per-call tier, a refusal, an activation check, a candidate's rejection, probe drift)
     SERVING_CHANGED = 6
+    #: the audit judged nothing: a gate against a baseline that shares no cell with the candidate (a pass would
+    #: say nothing was compared)
+    NOTHING_JUDGED = 7
     #: an unexpected error in the harness itself (a bug); the traceback is in a log file whose path is printed
     INTERNAL = 70
     #: the audit was interrupted (SIGINT/SIGTERM)

@@ -197,3 +197,51 @@ def test_what_moves_inside_a_deployment_refused_in_both_builds_is_not_a_serving_
     assert inside and any(c["kind"] == "path" and c["after"] == NOT_BUILT for c in inside)
     assert all(c["refused_in_both"] and not c["serving"] for c in inside)
     assert "(refused in both)" in render_diff(d)
+
+
+def test_a_gate_that_shares_no_cell_with_its_baseline_never_passes(v033):
+    """A subset audit of a layout the baseline did not audit, with every finding accepted: nothing is compared,
+    and a pass would say nothing; the gate fails with its own exit code and says why."""
+    from pathlib import Path
+
+    from audit.cli import _findings_exit
+    from audit.core import AuditOutcome
+
+    base = copy.deepcopy(v033)
+    base["cells"] = [c for c in base["cells"] if c["layout"] == "tp8"]
+    cand = copy.deepcopy(v033)
+    cand["cells"] = [c for c in cand["cells"] if c["layout"] == "tp16"]
+    g = gate.judge_gate(base, cand, {gate.finding_key(f) for f in gate.findings(cand)})
+    assert g["cells_compared"] == 0 and not g["serving_changes"] and not g["new_findings"] and not g["passed"]
+    lines = []
+
+    class Err:
+        def print(self, text, **k):
+            lines.append(text)
+
+    out = AuditOutcome(pin="p", report_dir=Path("."), ledger=None, routing_path=None, run_dir=Path("."), cells=1,
+                       incomplete=0, partial=0, drift=0, verdicts={"MATCH": 1}, gate=g)
+    assert _findings_exit(out, False, Err()) == ExitCode.NOTHING_JUDGED == 7
+    assert any("nothing was judged" in l and "share no (system, layout) cell" in l for l in lines)
+
+
+def test_an_accepted_findings_file_of_another_model_is_refused(tmp_path, v033):
+    from audit.core import load_accepted_findings
+    from audit.errors import InputFileError
+    from audit.models import PROFILES
+
+    k3, gpt = PROFILES["kimi-k3"], PROFILES["gpt-oss-120b"]
+    text = gate.accepted_text(v033, source="test")
+    assert 'model = "kimi-k3"' in text
+    path = tmp_path / "accepted.toml"
+    path.write_text(text)
+    assert load_accepted_findings(str(path), lock_path=ROOT / "images.lock", profile=k3)[0]
+    with pytest.raises(InputFileError) as e:
+        load_accepted_findings(str(path), lock_path=ROOT / "images.lock", profile=gpt)
+    assert "the accepted findings of the model 'kimi-k3', not of gpt-oss-120b" in str(e.value)
+    assert e.value.exit_code == ExitCode.USAGE and e.value.line == 5  # the model line (after three comments, schema)
+    # an older file without the model key: its findings' layouts give it away
+    path.write_text(text.replace('model = "kimi-k3"\n', ""))
+    with pytest.raises(InputFileError) as e:
+        load_accepted_findings(str(path), lock_path=ROOT / "images.lock", profile=gpt)
+    assert "which gpt-oss-120b does not have" in str(e.value) and e.value.line

@@ -66,8 +66,10 @@ def findings(routing: dict) -> list[dict]:
     return [out[k] for k in sorted(out)]
 
 
-def load_accepted(path: str | Path) -> set[tuple]:
-    """The finding keys of an accepted-findings file; bad content names the file and line."""
+def load_accepted(path: str | Path, *, model: str = "", layouts: tuple[str, ...] = ()) -> set[tuple]:
+    """The finding keys of an accepted-findings file; bad content names the file and line. With *model* and
+    *layouts* (the audited model's), a file that names another model, or accepts a finding in a layout this
+    model does not have, is refused: it is another model's file, and subtracting it would accept nothing real."""
     from audit.tomlpos import header_lines, key_line, read_toml
 
     text, data = read_toml(path, AcceptedFindingsError,
@@ -76,6 +78,12 @@ def load_accepted(path: str | Path) -> set[tuple]:
     if data.get("schema") != ACCEPTED_SCHEMA:
         raise AcceptedFindingsError(f"schema is {data.get('schema')!r}, this harness reads {ACCEPTED_SCHEMA}",
                                     path=sp, line=key_line(text, 1, "schema") or 1)
+    named = data.get("model")
+    if model and named not in (None, "", model):
+        raise AcceptedFindingsError(f"the accepted findings of the model {named!r}, not of {model}", path=sp,
+                                    line=key_line(text, 1, "model") or 1,
+                                    hint=f"name {model}'s own file (expectations/{model}.accepted.toml), or "
+                                         "`--accepted none`")
     rows = data.get("finding", [])
     if not isinstance(rows, list):
         raise AcceptedFindingsError("'finding' must be an array of tables ([[finding]])", path=sp,
@@ -96,6 +104,11 @@ def load_accepted(path: str | Path) -> set[tuple]:
             if not isinstance(raw.get(k, ""), str):
                 raise AcceptedFindingsError(f"{k!r} must be a string", path=sp,
                                             line=key_line(text, (line or 0) + 1, k) if line else None)
+        if layouts and raw["layout"] not in layouts:
+            raise AcceptedFindingsError(f"a finding in the layout {raw['layout']!r}, which {model or 'this model'} "
+                                        f"does not have (its layouts: {', '.join(layouts)}): the accepted findings "
+                                        "of another model?", path=sp,
+                                        line=key_line(text, (line or 0) + 1, "layout") if line else None)
         out.add(finding_key(raw))
     return out
 
@@ -110,7 +123,7 @@ def accepted_text(routing: dict, *, source: str, keep_notes: dict[tuple, str] | 
     lines = [f"# Findings accepted for the pin-bump gate: every failing verdict and required probe drift of {pin}",
              f"# (from {source}). The gate against a baseline fails only on findings not listed here.",
              f"# Written by `serving-truth accept {pin}`; remove a [[finding]] to stop accepting it.",
-             f"schema = {ACCEPTED_SCHEMA}", ""]
+             f"schema = {ACCEPTED_SCHEMA}", f"model = {_toml_str(str(routing.get('model') or ''))}", ""]
     for f in findings(routing):
         lines.append("[[finding]]")
         lines += [f"{k} = {_toml_str(str(f[k]))}" for k in _FINDING_KEYS]
@@ -135,4 +148,5 @@ def judge_gate(baseline: dict, routing: dict, accepted: set[tuple] | None, *, ac
             "new_findings": new, "accepted_findings": len(known), "accepted_file": accepted_path,
             "cells_compared": d["cells_compared"], "only_in_baseline": d["only_in_from"],
             "only_in_candidate": d["only_in_to"],
-            "passed": not changes and not new}
+            # a judgment has a size: a gate that compared no cell judged nothing, and never passes
+            "passed": not changes and not new and d["cells_compared"] > 0}

@@ -430,9 +430,13 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
     except (OSError, ValueError):
         plan = {}
     model = models.get(meta.get("profile")).name
+    mode = (meta.get("run") or {}).get("mode")
     stories: dict[tuple, list[str]] = {}
     for f in files:
         h, where = f.header, str(f.path)
+        if mode and h.get("mode") not in (None, mode):
+            raise EvidenceError(f"evidence of {h.get('mode')} mode in a {mode} run", path=where,
+                                hint="a run's evidence is of the mode its run.json names: audit again")
         if h.get("model") not in (None, model):
             raise EvidenceError(f"evidence of the model {h.get('model')!r} in a run of {model}", path=where,
                                 hint="a run's evidence is of the model its run.json names: audit that model again")

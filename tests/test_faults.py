@@ -663,3 +663,41 @@ def test_one_cell_one_story_and_evidence_of_another_model_are_refused(run_copy, 
         r.stderr, r.stderr[-2000:]
     ev.write_text(good)
     assert snapshot(report_copy) == before
+
+
+def _rewrite(ev: Path, keep) -> None:
+    """Rewrite an evidence file with only the records *keep* accepts, its closing record made consistent again
+    (as a careful forger would): the file is whole, only its content is poorer."""
+    from probes.core.recorder import closing
+
+    lines = [l for l in ev.read_text().splitlines() if l]
+    body = [lines[0]] + [l for l in lines[1:-1] if keep(json.loads(l))]
+    ev.write_text("\n".join(body + [json.dumps(closing(body, True), sort_keys=True)]) + "\n")
+
+
+@pytest.mark.vllm
+def test_evidence_that_can_judge_nothing_never_passes(run_copy, report_copy):
+    """Whole evidence (closing record consistent) whose selection and construction records were dropped, or that
+    holds no stage record, or that is an observe-mode file in a resolve run: never rendered as a judged cell,
+    never exit 0, the report untouched, the cause named."""
+    before = snapshot(report_copy)
+    ev = _evidence_of(run_copy)
+    good = ev.read_text()
+    for name, keep, fragment in (
+            ("no selection", lambda r: r.get("kind") not in ("select", "candidates", "candidate"),
+             "holds no select / candidates / candidate record"),
+            ("no stage", lambda r: r.get("kind") != "stage", "holds no stage record")):
+        _rewrite(ev, keep)
+        r = cli("render", str(run_copy), "--reports", str(report_copy))
+        assert r.returncode == ExitCode.RUN_FAILED, (name, r.stderr[-2000:])
+        ledger = next((run_copy / "incomplete-report").rglob("ledger.md")).read_text()
+        assert fragment in ledger, name
+        ev.write_text(good)
+    lines = good.splitlines()
+    header = json.loads(lines[0])
+    header["mode"] = "observe"
+    ev.write_text("\n".join([json.dumps(header, sort_keys=True)] + lines[1:]) + "\n")
+    r = cli("render", str(run_copy), "--reports", str(report_copy))
+    assert r.returncode == ExitCode.RUN_FAILED and "evidence of observe mode in a resolve run" in r.stderr, r.stderr
+    ev.write_text(good)
+    assert snapshot(report_copy) == before

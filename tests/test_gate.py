@@ -245,3 +245,13 @@ def test_an_accepted_findings_file_of_another_model_is_refused(tmp_path, v033):
     with pytest.raises(InputFileError) as e:
         load_accepted_findings(str(path), lock_path=ROOT / "images.lock", profile=gpt)
     assert "which gpt-oss-120b does not have" in str(e.value) and e.value.line
+
+
+def test_a_baseline_whose_cells_lack_fields_is_bad_input_before_any_work(tmp_path, v033):
+    base = copy.deepcopy(v033)
+    del base["cells"][2]["lanes"]
+    (tmp_path / "v0.32.0").mkdir()
+    (tmp_path / "v0.32.0" / "routing.json").write_text(json.dumps(base))
+    r = _cli("audit", "v0.33.0", "--baseline", "v0.32.0", "--reports", str(tmp_path), "--expectations", "none")
+    assert r.returncode == ExitCode.USAGE, r.stderr[-2000:]
+    assert "cell 3 has no valid 'lanes'" in r.stderr and "Traceback" not in r.stderr

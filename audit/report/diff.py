@@ -306,6 +306,14 @@ def load_routing(reports_dir: Path, pin: str) -> dict:
                          "'pin' and 'cells')", hint=f"audit it again: make audit PIN={pin}")
     from audit.report.routing import ROUTING_SCHEMA
 
+    for i, cell in enumerate(data["cells"]):  # what the diff and the gate read of every cell
+        missing = [k for k, t in (("system", str), ("layout", str), ("status", str), ("lanes", dict))
+                   if not isinstance(cell, dict) or not isinstance(cell.get(k), t)]
+        if missing:
+            raise UsageError(f"{path}: cell {i + 1} has no valid {', '.join(repr(k) for k in missing)}: not a "
+                             "routing.json this harness wrote, or one edited since",
+                             hint=f"render it again from its run (serving-truth regenerate --pins {pin} --from-runs) "
+                                  f"or audit it again: make audit PIN={pin}")
     if data.get("schema") != ROUTING_SCHEMA:
         raise UsageError(f"{path} has routing schema {data.get('schema')!r}; this harness reads {ROUTING_SCHEMA}",
                          hint=f"render it again from its newest run (no vLLM needed): serving-truth regenerate "

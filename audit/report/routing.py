@@ -560,6 +560,27 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     }
 
 
+#: what the probes record in every cell whose construction finished: a selection of some kind, and the modules
+#: built (a resolve cell that finished construction without them recorded nothing a claim could be judged on)
+BUILT_CELL_RECORDS = (("select", "candidates", "candidate"), ("construct", "scope"))
+
+
+def _unjudgeable(f: EvidenceFile, cell: dict) -> str:
+    """Why a cell's evidence can judge nothing although it is whole (closing record consistent), or "": no stage
+    record at all, or a construction that finished with no selection or no construction record."""
+    if f.header.get("mode") != "resolve":
+        return ""
+    if not cell["stages"]:
+        return ("evidence damaged: it holds no stage record (every resolve cell records how far it went), so "
+                "nothing in it can be judged")
+    if "construct" in {s["stage"] for s in cell["stages"] if s["ok"]}:
+        for kinds in BUILT_CELL_RECORDS:
+            if not any(f.of_kind(k) for k in kinds):
+                return (f"evidence damaged: construction finished but it holds no {' / '.join(kinds)} record, which "
+                        "every built cell records; nothing in it can be judged")
+    return ""
+
+
 def harness_faults(f: EvidenceFile) -> list[dict]:
     """The harness faults an evidence file records (probes.core.fence): the harness's own code raised inside
     vLLM's process (paths are made machine-independent with the rest of the cell)."""
@@ -650,6 +671,10 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
         seen = observe_files.get((system, layout))
         if f is not None:
             cell = build_cell(f, profile)
+            unjudgeable = _unjudgeable(f, cell)
+            if unjudgeable:  # what every built cell records is missing: nothing in it could be judged
+                cells.append(incomplete_cell(system, layout, reason=unjudgeable, log_tail=""))
+                continue
             if cell["harness_faults"]:  # never vLLM's decision: the cell is INCOMPLETE, its fault named
                 faulty = incomplete_cell(system, layout, reason=fault_reason(cell["harness_faults"]), log_tail="")
                 for key in ("harness_faults", "fence", "standin_fit", "availability", "availability_why",

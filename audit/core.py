@@ -251,7 +251,7 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
         keys[(system.name, layout.name)] = (key, inputs)
         if not use:
             continue
-        entry, why = evcache.check(rt.root, key, (system.name, layout.name))
+        entry, why = evcache.check(rt.root, key, (system.name, layout.name), request.profile.name)
         if why:
             evcache.discard(rt.root, key)
             discarded.append([system.name, layout.name, why])

@@ -202,3 +202,21 @@ def test_a_store_replaces_an_existing_entry(tmp_path, monkeypatch):
     assert evcache.store(tmp_path, "k1", cell, run="new", date="d", inputs={}, info={})
     assert evcache.lookup(tmp_path, "k1")["run"] == "new"
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["k1"]
+
+
+def test_an_entry_of_another_model_is_a_miss_and_a_faulted_cell_is_never_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(tmp_path / "c"))
+    cell = _cell(tmp_path)
+    ev = cell / "evidence-h-1-abc.jsonl"
+    header = json.loads(ev.read_text().splitlines()[0])
+    ev.write_text(json.dumps({**header, "model": "gpt-oss-120b"}) + "\n" + '{"kind": "x"}\n')
+    assert evcache.store(tmp_path, "k1", cell, run="r1", date="2026-12-04", inputs={}, info={})
+    entry, why = evcache.check(tmp_path, "k1", ("b200_sxm", "tp8"), "kimi-k3")
+    assert entry is None and "the evidence of the model 'gpt-oss-120b', not kimi-k3" in why
+    assert evcache.check(tmp_path, "k1", ("b200_sxm", "tp8"), "gpt-oss-120b")[0] is not None
+    # evidence recording a harness fault is never stored: a broken harness's answer is never served again
+    faulted = _cell(tmp_path, name="faulted")
+    with open(faulted / "evidence-h-1-abc.jsonl", "a") as fh:
+        fh.write(json.dumps({"kind": "harness_fault", "piece": "p", "type": "t", "message": "m"}) + "\n")
+    assert not evcache.store(tmp_path, "k2", faulted, run="r2", date="2026-12-04", inputs={}, info={})
+    assert evcache.lookup(tmp_path, "k2") is None

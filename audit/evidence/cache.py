@@ -85,9 +85,9 @@ def _regular(path: Path) -> bool:
         return False
 
 
-def check(root: Path, key: str, cell: tuple[str, str] | None = None) -> tuple[dict | None, str]:
+def check(root: Path, key: str, cell: tuple[str, str] | None = None, model: str = "") -> tuple[dict | None, str]:
     """``(entry, "")`` for a sound entry of *key*; ``(None, "")`` when there is none; ``(None, why)`` when one is
-    there but cannot be trusted (the seal is broken)."""
+    there but cannot be trusted (the seal is broken, or its evidence is of another cell or another *model*)."""
     d = cache_dir(root) / key
     try:
         st = os.lstat(d)
@@ -132,12 +132,14 @@ def check(root: Path, key: str, cell: tuple[str, str] | None = None) -> tuple[di
                 got = header.get("cell") or {}
                 if (got.get("system"), got.get("layout")) != tuple(cell):
                     return None, f"{name} is the evidence of {got.get('system')}/{got.get('layout')}, not {cell[0]}/{cell[1]}"
+                if model and header.get("model") != model:
+                    return None, f"{name} is the evidence of the model {header.get('model')!r}, not {model}"
     return entry, ""
 
 
-def lookup(root: Path, key: str, cell: tuple[str, str] | None = None) -> dict | None:
+def lookup(root: Path, key: str, cell: tuple[str, str] | None = None, model: str = "") -> dict | None:
     """The sound entry for *key*, or None (a damaged one is discarded: :func:`discard`)."""
-    entry, why = check(root, key, cell)
+    entry, why = check(root, key, cell, model)
     if why:
         discard(root, key)
     return entry

@@ -188,5 +188,42 @@ def test_the_memo_keys_on_source_arguments_and_the_facts_read(vllm_env, tmp_path
     ''', tmp_path)
     assert out["calls"] == [4, 4, 4]  # first, another SKU, edited source; never for a reused answer
     assert out["same_object"] and out["from_disk"] == out["first"] == "[(0, 4), {'block': (8, 16)}]"
-    assert out["stats"]["toy"] == {"computed": 3, "reused": 2, "uncacheable": 0}
+    assert out["stats"]["toy"] == {"computed": 3, "reused": 2, "uncacheable": 0, "rejected": 0}
     assert out["stats"]["opaque"]["uncacheable"] == 1
+
+
+def test_a_memo_entry_that_does_not_verify_is_recomputed_never_served(vllm_env, tmp_path):
+    """The memo is evidence too: an entry whose result was edited (its seal no longer verifies), an entry moved
+    into another key's file, and a file that is not a list of entries are each rejected and computed again; what
+    the computation returns is what it computes, never the edited value."""
+    pkg = tmp_path / "toypkg2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent('''
+        CALLS = []
+
+        def heuristics(shape):
+            CALLS.append(shape)
+            return {"block_size_m": 8 * shape}
+    '''), encoding="utf-8")
+    out = _in_env(vllm_env, '''
+        import glob, json, os, toypkg2
+        from probes.resolve import memo
+        facts = lambda fields: {}
+        f = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)
+        assert f(1) == {"block_size_m": 8} and f(2) == {"block_size_m": 16}
+        one, two = sorted(glob.glob("memo/*.json"), key=os.path.getmtime)
+        entry = json.load(open(one))
+        entry[0]["result"]["block_size_m"] = 999          # an edited result, the seal left as it was
+        json.dump(entry, open(one, "w"))
+        edited = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)
+        json.dump(json.load(open(two)), open(one, "w"))   # another key's sealed entry in this key's file
+        moved = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)
+        open(one, "w").write('{"not": "a list"}')         # a malformed file
+        malformed = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)
+        again = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)   # the rewritten entry verifies
+        print(json.dumps({"edited": edited, "moved": moved, "malformed": malformed, "again": again,
+                          "calls": toypkg2.CALLS, "stats": memo.STATS["toy"]}))
+    ''', tmp_path)
+    assert out["edited"] == out["moved"] == out["malformed"] == out["again"] == {"block_size_m": 8}
+    assert out["calls"] == [1, 2, 1, 1, 1]  # computed again after each bad entry, reused once it was rewritten
+    assert out["stats"] == {"computed": 5, "reused": 1, "uncacheable": 0, "rejected": 3}

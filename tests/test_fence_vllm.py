@@ -139,3 +139,31 @@ def test_a_fault_swallowed_by_vllm_ends_the_audit_with_exit_4_and_touches_no_rep
     assert "## Harness faults" in ledger and "PlantedFault" in ledger and "HUMMING" not in ledger.split("## Harness")[0]
     routed = json.loads((e.value.incomplete_ledger.parent / "routing.json").read_text(encoding="utf-8"))
     assert [c["status"] for c in routed["cells"]] == ["INCOMPLETE"] and routed["cells"][0]["lanes"] == {}
+
+
+def test_an_edited_memo_entry_changes_nothing_in_the_routing(vllm_env, tmp_path_factory, monkeypatch):
+    """The memo of Humming's heuristics is evidence too: every entry edited to another answer (the seal left as
+    it was) is rejected and computed again, the routing is the clean run's field by field, and the ledger says
+    how many entries did not verify."""
+    from audit.report.render import render_ledger
+
+    memo_dir = tmp_path_factory.mktemp("memo")
+    monkeypatch.setenv("SERVING_TRUTH_MEMO", str(memo_dir))
+    cell = [("h200_sxm", "tp8")]
+    clean = _run(vllm_env, tmp_path_factory, "memo-clean", cell)
+    files = sorted(memo_dir.glob("*.json"))
+    assert files, "the cell computes Humming's heuristics through the memo"
+    for path in files:
+        entries = json.loads(path.read_text())
+        for e in entries:
+            e["result"] = {"__memo_tuple__": [999]} if not isinstance(e["result"], dict) else {
+                k: 999 for k in e["result"]}
+        path.write_text(json.dumps(entries))
+    edited = _run(vllm_env, tmp_path_factory, "memo-edited", cell)
+    a, b = clean["cells"][cell[0]], edited["cells"][cell[0]]
+    assert b.get("memo_rejected", 0) >= len(files) and not a.get("memo_rejected")
+    for key in ("lanes", "dispatch", "candidates", "postload", "status"):
+        assert json.dumps(a[key], sort_keys=True) == json.dumps(b[key], sort_keys=True), key
+    r = routing.build_routing(list(edited["files"].values()), KIMI_K3, pin=vllm_env[1].as_provenance(), expected=cell)
+    assert "did not verify (edited, moved or malformed): each was computed again" in render_ledger(
+        r, profile_title="Kimi-K3", reproduce="x")

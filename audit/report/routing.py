@@ -525,7 +525,11 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
                        "type": err.get("type"), "message": err.get("message"), "through": []})
     complete = bool(stages) and all(s["ok"] for s in stages) and deepest == STAGE_ORDER[-1]
     sim = _one(f, "simulated")
-    return {
+    extra = {}
+    rejected = sum(int((v or {}).get("rejected", 0)) for v in (sim.get("memo") or {}).values())
+    if rejected:  # memo entries that did not verify: recomputed, never served (kept out of routing.json otherwise)
+        extra["memo_rejected"] = rejected
+    return {**extra,
         "system": system,
         "layout": layout,
         "evidence": f.header.get("mode") == "resolve" and "resolved" or "observed",

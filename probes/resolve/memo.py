@@ -15,8 +15,14 @@ that asks the same question:
 * entries live in the directory the host names (``plan["memo_dir"]``, under the audit cache); without one,
   nothing is kept. ``plan["postload_every_layer"]`` (the straightforward path) computes every time.
 
-The cell's evidence says how many answers were computed and how many reused (``memo`` record), and tests
-require the same routing with the memo and without it. Imported only inside the pinned environment.
+Each entry is **sealed** like evidence: it names its key (the file it belongs in) and carries the sha256 of its
+key, facts and result. An entry whose key is not its file's, whose seal does not verify or whose shape is not an
+entry's is never served: the answer is computed again and the entry replaced (counted as ``rejected``); a file
+that is not a list of entries is ignored the same way, never a failure of the computation that asked.
+
+The cell's evidence says how many answers were computed, reused and rejected (``memo`` record), and tests
+require the same routing with the memo and without it, and after an entry is edited. Imported only inside the
+pinned environment.
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ MEMOS: tuple[tuple[str, str, str], ...] = (
 
 #: facts a device stand-in answered while a memoised computation ran: {field: value}
 READ: list[dict] = []
-#: per memoised function: {"computed": n, "reused": n, "uncacheable": n}
+#: per memoised function: {"computed": n, "reused": n, "uncacheable": n, "rejected": n}
 STATS: dict[str, dict[str, int]] = {}
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
@@ -70,7 +76,7 @@ def memoised(fn, label: str, directory: str, facts_now):
     """``fn`` answered from ``directory`` when the same code, arguments and device facts were seen before.
     ``facts_now(fields)`` gives the current SKU's values for recorded fact names."""
     code = _package_digest(fn.__module__)
-    stats = STATS.setdefault(label, {"computed": 0, "reused": 0, "uncacheable": 0})
+    stats = STATS.setdefault(label, {"computed": 0, "reused": 0, "uncacheable": 0, "rejected": 0})
     here: dict[str, object] = {}  # this process's answers by key file (one SKU per process)
 
     @functools.wraps(fn)
@@ -80,11 +86,13 @@ def memoised(fn, label: str, directory: str, facts_now):
         if _ADDRESS.search(text):
             stats["uncacheable"] += 1
             return foreign(fn, *args, **kwargs)
-        path = os.path.join(directory, hashlib.sha256(f"{label}\0{code}\0{text}".encode()).hexdigest() + ".json")
+        key = hashlib.sha256(f"{label}\0{code}\0{text}".encode()).hexdigest()
+        path = os.path.join(directory, key + ".json")
         if path in here:  # the same object each time, as the function's own cache would give
             stats["reused"] += 1
             return here[path]
-        entries = _load(path)
+        entries, rejected = _load(path, key)
+        stats["rejected"] += rejected
         for entry in entries:
             try:
                 same = facts_now(list(entry["facts"])) == entry["facts"]
@@ -109,7 +117,7 @@ def memoised(fn, label: str, directory: str, facts_now):
             return result
         stats["computed"] += 1
         here[path] = result
-        _save(path, [e for e in entries if e["facts"] != facts] + [{"facts": facts, "result": stored}])
+        _save(path, [e for e in entries if e["facts"] != facts] + [seal(key, facts, stored)])
         return result
 
     return call
@@ -151,13 +159,30 @@ def _same_types(a, b) -> bool:
     return True
 
 
-def _load(path: str) -> list:
+def _digest(key: str, facts, result) -> str:
+    return hashlib.sha256(json.dumps({"key": key, "facts": facts, "result": result}, sort_keys=True).encode()).hexdigest()
+
+
+def seal(key: str, facts: dict, result) -> dict:
+    """A memo entry of *key*: its facts and result with the sha256 that seals them."""
+    return {"key": key, "facts": facts, "result": result, "sha256": _digest(key, facts, result)}
+
+
+def _load(path: str, key: str) -> tuple[list, int]:
+    """(the entries of *path* that verify, how many did not): an entry must be an object naming *key* (the file's
+    own), with a facts object, and its seal must match; anything else is dropped and counted, never served."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
-        return data if isinstance(data, list) else []
+    except FileNotFoundError:
+        return [], 0
     except (OSError, ValueError):
-        return []
+        return [], 1
+    if not isinstance(data, list):
+        return [], 1
+    good = [e for e in data if isinstance(e, dict) and e.get("key") == key and isinstance(e.get("facts"), dict)
+            and "result" in e and e.get("sha256") == _digest(key, e["facts"], e["result"])]
+    return good, len(data) - len(good)
 
 
 def _save(path: str, entries: list) -> None:

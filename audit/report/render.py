@@ -280,7 +280,6 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
               "pieces": max([(c.get("fence") or {}).get("pieces", 0) for c in evidenced] or [0]),
               "faults": len(faults),
               "planted": sorted({p for c in evidenced for p in (c.get("fence") or {}).get("planted") or []})}
-    memo_rejected = sum(int(c.get("memo_rejected", 0)) for c in cells)
     fit: dict[str, str] = {}
     for c in cells:
         for k, v in (c.get("standin_fit") or {}).items():
@@ -326,7 +325,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "harness_faults": [faults[k] for k in sorted(faults)],
         "fences": fences,
         "standin_fit": dict(sorted(fit.items())),
-        "memo_rejected": memo_rejected,
+        "memo_rejected": int((routing.get("run") or {}).get("memo_rejected", 0)),
         "simulated": simulated,
         "levels": levels,
         "level_text": EVIDENCE_LEVELS,

@@ -525,11 +525,7 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
                        "type": err.get("type"), "message": err.get("message"), "through": []})
     complete = bool(stages) and all(s["ok"] for s in stages) and deepest == STAGE_ORDER[-1]
     sim = _one(f, "simulated")
-    extra = {}
-    rejected = sum(int((v or {}).get("rejected", 0)) for v in (sim.get("memo") or {}).values())
-    if rejected:  # memo entries that did not verify: recomputed, never served (kept out of routing.json otherwise)
-        extra["memo_rejected"] = rejected
-    return {**extra,
+    return {
         "system": system,
         "layout": layout,
         "evidence": f.header.get("mode") == "resolve" and "resolved" or "observed",
@@ -594,13 +590,21 @@ def harness_faults(f: EvidenceFile) -> list[dict]:
 
 
 def _fence(f: EvidenceFile) -> dict:
-    """Whether the fence was on in the cell's process, and how many pieces it held (None: evidence from a harness
-    without one)."""
+    """Whether the fence was on in the cell's process, how many pieces it held, and any planted fault (how often
+    each piece ran stays in the evidence: it depends on what earlier runs left in the memo and caches)."""
     rec = _one(f, "fence")
     if not rec:
-        return {"on": False, "pieces": 0, "ran": 0, "planted": []}
-    return {"on": bool(rec.get("on")), "pieces": len(rec.get("pieces", {})),
-            "ran": sum(1 for v in (rec.get("calls") or {}).values() if v), "planted": list(rec.get("planted") or [])}
+        return {"on": False, "pieces": 0, "planted": []}
+    return {"on": bool(rec.get("on")), "pieces": len(rec.get("pieces", {})), "planted": list(rec.get("planted") or [])}
+
+
+def memo_rejected(files: list[EvidenceFile]) -> int:
+    """Memo entries that did not verify in this run's cells (computed again, never served)."""
+    total = 0
+    for f in files:
+        memo = _one(f, "simulated").get("memo") or {}
+        total += sum(int((v or {}).get("rejected", 0)) for v in memo.values() if isinstance(v, dict))
+    return total
 
 
 def fault_reason(faults: list[dict]) -> str:
@@ -640,7 +644,7 @@ def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> 
             "raises": [], "probe_errors": [], "drift": [], "not_reached": [], "not_applicable": [], "config": {},
             "argv": [],
             "simulated": {}, "stand_in_calls": [], "device": {}, "availability": {}, "fingerprint": {},
-            "availability_why": {}, "fence": {"on": False, "pieces": 0, "ran": 0, "planted": []}, "standin_fit": {},
+            "availability_why": {}, "fence": {"on": False, "pieces": 0, "planted": []}, "standin_fit": {},
             "harness_faults": []}
 
 
@@ -700,6 +704,10 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
             cells.append(incomplete_cell(system, layout, reason=info.get("reason", "no evidence was written"),
                                          log_tail=info.get("log_tail", "")))
     cells = scrub_paths(cells, dict(sorted((scrub or {}).items(), key=lambda kv: -len(kv[0]))))
+    run = dict(run or {})
+    rejected = memo_rejected(files)
+    if rejected:  # a fact of this run (what the memo held), like the evidence cache's hits: not of any cell
+        run["memo_rejected"] = rejected
     return {"schema": ROUTING_SCHEMA, "model": profile.name, "architecture": profile.architecture,
             "lane_titles": {lane.id: lane.title for lane in profile.lanes},
             # routing.json is written with sorted keys: the profile's lane order is kept as a list
@@ -709,4 +717,4 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
             # leaves them unread, not unbuilt
             "lanes_read_after_construction": sorted(lane.id for lane in profile.lanes
                                                     if lane.sources and all(s.kind == "module" for s in lane.sources)),
-            "pin": pin, "run": run or {}, "cells": cells}
+            "pin": pin, "run": run, "cells": cells}

@@ -18,9 +18,12 @@ PIN = {"name": "v0.30.0", "vllm_version": "0.30.0", "wheel": "w.whl", "wheel_sha
 
 def _file(system, layout, records):
     stages = [{"kind": "stage", "stage": s, "ok": True} for s in routing.STAGE_ORDER if s != "construct-draft"]
+    # what every built cell records besides (a selection, a module built): no lane here reads these two
+    built = [{"kind": "select", "target": "test.selector", "scope": "", "args": {}, "result": None},
+             {"kind": "construct", "target": "test.module", "scope": "", "cls": "x:Y", "attrs": {}}]
     return EvidenceFile(path=Path(f"{system}.jsonl"),
                         header={"kind": "header", "mode": "resolve", "cell": {"system": system, "layout": layout}},
-                        records=stages + [{"kind": "stage", "stage": "post-load", "ok": True}] + records)
+                        records=stages + built + [{"kind": "stage", "stage": "post-load", "ok": True}] + records)
 
 
 def _step(layer, outcome, **kw):

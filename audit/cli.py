@@ -173,8 +173,8 @@ def _verify_pins(args, out, err) -> int:
     for c in checks:
         out.print(f"{c.pin}: {'ok' if c.ok else 'FAILED'} ({len(c.cells)} cell(s): {', '.join(c.cells)})")
         for title, rows in (("harness fault", c.faults), ("cell did not finish", c.unfinished),
-                            ("stand-in does not fit", c.misfits), ("availability differs from a plain import",
-                                                                    c.disagreements)):
+                            ("stand-in does not fit", c.misfits), ("stand-in skipped", c.skipped),
+                            ("availability differs from a plain import", c.disagreements)):
             for row in rows:
                 out.print(f"  {title}: {row}", markup=False)
         for k, v in c.fit.items():

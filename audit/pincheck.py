@@ -5,8 +5,9 @@ For each pin with a wheel (its environment built if missing), in release order:
 * one cell per SM family (``tp8`` on the first audited system of each capability major) runs with the fences on
   (probes/core/fence.py): a harness fault, or a cell that did not finish, fails the pin;
 * each stand-in's **fit** (the shape it expects of its target: the attribute defined by the named class itself,
-  the argument in its signature) as the cells recorded it: a stand-in that does not fit a release fails the pin
-  unless it is listed in :data:`NOT_NEEDED` with why;
+  the argument in its signature, the module attributes it replaces) as the cells recorded it: a stand-in that
+  does not fit a release fails the pin unless :data:`NOT_NEEDED` says, for that package version, why nothing
+  reads it there (the skip is printed with its reason);
 * vLLM's own availability answers (``has_humming()``, ``has_deep_gemm()``, ...) beside a **plain import** of
   each package in the same environment (the stub driver loaded, nothing of the harness): where they disagree the
   pin fails, with the reason the cell recorded (a reason that runs through the harness's code is also a fault).
@@ -28,8 +29,22 @@ from audit.pins import lock as lockmod
 from audit.runtimes.base import Progress
 from audit.systems import SYSTEMS
 
-#: stand-ins that need not fit every release: "<stand-in>" -> why a misfit there changes nothing
-NOT_NEEDED: dict[str, str] = {}
+_HUMMING_DEVICE = "humming device info (csrc/device_info.cpp extension)"
+_NO_EXTENSION = ("humming-kernels before 0.1.16 has no device-info extension (it asks pynvml and torch directly); "
+                 "vLLM {} asks Humming nothing about the device to select it (HummingExperts._supports_current_device "
+                 "is has_humming() and the capability), and no audited cell builds Humming experts, so nothing reads "
+                 "it; a query that did would raise without the stand-in, a simulation limit the ledger shows")
+#: misfits that change nothing in a release: (stand-in, the package and version its fit names) -> why
+NOT_NEEDED: dict[tuple[str, str], str] = {
+    (_HUMMING_DEVICE, "humming-kernels 0.1.10"): _NO_EXTENSION.format("0.27"),
+    (_HUMMING_DEVICE, "humming-kernels 0.1.12"): _NO_EXTENSION.format("0.28-0.30"),
+}
+
+
+def not_needed(piece: str, fit: str) -> str:
+    """Why the misfit *fit* of *piece* changes nothing in this release, or ""."""
+    return next((why for (p, version), why in NOT_NEEDED.items()
+                 if p == piece and fit.startswith(f"does not fit {version}:")), "")
 
 #: what a plain import is asked about: vLLM's answer key -> module (probes.core.environment.ANSWER_MODULES)
 PLAIN_IMPORT = ("import importlib, json, sys\n"
@@ -56,6 +71,8 @@ class PinCheck:
     unfinished: list[str] = field(default_factory=list)
     fit: dict[str, str] = field(default_factory=dict)
     misfits: list[str] = field(default_factory=list)
+    #: misfits NOT_NEEDED explains (named, with why; they do not fail the pin)
+    skipped: list[str] = field(default_factory=list)
     disagreements: list[str] = field(default_factory=list)
     error: str = ""
 
@@ -143,8 +160,12 @@ def check_pin(pin_name: str, *, lock_path: str | Path = "images.lock", layout: s
         for k, v in (c.get("availability_why") or {}).items():
             why.setdefault(k, v)
     for k, v in sorted(res.fit.items()):
-        if v.startswith("does not fit") and k not in NOT_NEEDED:
-            res.misfits.append(f"{k}: {v}")
+        if v.startswith("does not fit"):
+            why = not_needed(k, v)
+            if why:
+                res.skipped.append(f"{k}: {v}; not needed: {why}")
+            else:
+                res.misfits.append(f"{k}: {v}")
     plain = plain_imports(pin, progress)
     for key, modules in sorted(_answer_modules().items()):
         said, got = answers.get(key), plain.get(key, "?")
@@ -171,4 +192,4 @@ def verify_pins(*, lock_path: str | Path = "images.lock", pins: list[str] | None
     return out
 
 
-__all__ = ["NOT_NEEDED", "PinCheck", "check_pin", "family_systems", "verify_pins"]
+__all__ = ["NOT_NEEDED", "PinCheck", "check_pin", "family_systems", "not_needed", "verify_pins"]

@@ -3,6 +3,7 @@ in test_fence_vllm.py): a raise of the harness's own code is recorded even when 
 foreign code raises, a deliberate limit and a protocol exception pass unrecorded; a planted fault goes off in
 the piece named; a post-import hook that raises never breaks the import it rides on."""
 import sys
+import types
 
 import pytest
 
@@ -11,7 +12,7 @@ from probes.core import fence, patching
 
 @pytest.fixture(autouse=True)
 def clean_fence():
-    saved = (dict(fence.REGISTRY), dict(fence.CALLS), list(fence.FAULTS), fence.planted())
+    saved = (dict(fence.REGISTRY), dict(fence.CALLS), list(fence.FAULTS), fence.planted(), dict(fence.FIT))
     fence.FAULTS.clear()
     fence.plant("")
     yield
@@ -19,6 +20,7 @@ def clean_fence():
     fence.CALLS.clear(), fence.CALLS.update(saved[1])
     fence.FAULTS[:] = saved[2]
     fence.plant("\n".join(saved[3]))
+    fence.FIT.clear(), fence.FIT.update(saved[4])
 
 
 def _library_swallows(fn, *args):
@@ -142,3 +144,27 @@ def test_a_boundary_records_what_our_code_raised_and_nothing_else():
         assert fence.check_origin("test boundary", exc) is True  # one exception, one fault
     assert [f["piece"] for f in fence.FAULTS] == ["test boundary"]
     assert fence.check_origin("test boundary", fence.SimulationLimit("not simulated")) is False
+
+
+def test_a_stand_in_target_a_release_lacks_is_a_named_misfit(tmp_path):
+    mod = types.ModuleType("fence_fit_throwaway")
+
+    class DeviceInfo:
+        def __init__(self, index):
+            pass
+
+    mod.DeviceInfo = DeviceInfo
+    assert fence.fits("test: device info", mod, "DeviceInfo.__init__")
+    assert fence.FIT["test: device info"] == "fits fence_fit_throwaway"
+    assert not fence.fits("test: extension", mod, "_get_device_info_extension", "DeviceInfo")
+    assert fence.FIT["test: extension"] == ("does not fit fence_fit_throwaway: fence_fit_throwaway has no "
+                                            "_get_device_info_extension (not applied)")
+
+
+def test_verify_pins_skips_a_misfit_only_where_it_says_why():
+    from audit.pincheck import not_needed
+
+    piece = "humming device info (csrc/device_info.cpp extension)"
+    assert "no device-info extension" in not_needed(piece, "does not fit humming-kernels 0.1.12: x (not applied)")
+    assert not_needed(piece, "does not fit humming-kernels 0.1.19: x (not applied)") == ""
+    assert not_needed("another stand-in", "does not fit humming-kernels 0.1.12: x (not applied)") == ""

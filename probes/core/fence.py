@@ -188,6 +188,43 @@ def enter(piece: str, what: str = "probe") -> None:
     _enter(piece)
 
 
+#: how each stand-in's target fitted the modules this process imported: piece -> "fits <package version> ..." or
+#: "does not fit <package version>: <what is missing> (not applied)"
+FIT: dict[str, str] = {}
+
+
+def installed_version(mod) -> str:
+    """``<distribution> <version>`` of the package a module belongs to (its top-level name when none is known)."""
+    import importlib.metadata
+
+    top = mod.__name__.split(".")[0]
+    try:
+        dists = importlib.metadata.packages_distributions().get(top, [])
+        return f"{dists[0]} {importlib.metadata.version(dists[0])}" if dists else top
+    except Exception:
+        return top
+
+
+def fits(piece: str, mod, *attrs: str) -> bool:
+    """Whether *mod* has each dotted attribute a stand-in replaces or reads (its declared shape); records the
+    answer in :data:`FIT` either way, so a target a release lacks is a named misfit, never a silent skip."""
+    missing = []
+    for path in attrs:
+        obj = mod
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is None:
+            missing.append(path)
+    version = installed_version(mod)
+    if missing:
+        FIT[piece] = (f"does not fit {version}: {mod.__name__} has no {', '.join(missing)} (not applied)")
+        return False
+    FIT.setdefault(piece, f"fits {version}")
+    return True
+
+
 def summary() -> dict:
     """What the evidence says of the fence in this process."""
     return {"on": True, "pieces": dict(sorted(REGISTRY.items())), "calls": dict(sorted(CALLS.items())),

@@ -227,7 +227,7 @@ def run_cell(plan: dict, cell: dict, rec, Stage, warm: dict) -> None:
         answers = availability()
         rec.emit("availability_why", items=answers.pop("why_not", {}))
         rec.emit("availability", **answers)
-        rec.emit("standin_fit", items=dict(sorted(standins.FIT.items())))
+        rec.emit("standin_fit", items=dict(sorted(fence.FIT.items())))
         rec.emit("simulated", items=dict(sorted(simulate.SIMULATED.items())),
                  stand_in_calls=simulate.STAND_IN_CALLS, kernel_calls=dict(sorted(standins.KERNEL_CALLS.items())),
                  memo=_memo_stats(),

@@ -378,7 +378,7 @@ def install_stand_ins(hooks, model: tuple[str, ...] = ()) -> None:
 
         def swap(mod, name=name, spec=spec):
             original = getattr(mod, name, None)
-            if isinstance(original, type):
+            if fence.fits(spec, mod, name) and isinstance(original, type):
                 setattr(mod, name, _make_stand_in(spec, original))
 
         # declared up front, so the record does not depend on which process imported the module
@@ -396,7 +396,7 @@ def install_in_process_registry(hooks) -> None:
 
     def patch(mod):
         original = getattr(mod, "_run_in_subprocess", None)
-        if original is None:
+        if not fence.fits("vllm registry model inspection", mod, "_run_in_subprocess"):
             SIMULATED["vllm registry model inspection"] = "NOT redirected: _run_in_subprocess not found"
             return
 
@@ -425,7 +425,7 @@ def install_node_topology(hooks) -> None:
 
     def patch(mod):
         original = getattr(mod, "in_the_same_node_as", None)
-        if original is None:
+        if not fence.fits(NODE_TOPOLOGY, mod, "in_the_same_node_as"):
             return
 
         @functools.wraps(original)

@@ -105,17 +105,6 @@ def fit(mod, qualname: str, arg: str) -> tuple[object, str]:
     return (owner, name, raw, sig), "fits"
 
 
-def _installed_version(mod) -> str:
-    import importlib.metadata
-
-    top = mod.__name__.split(".")[0]
-    try:
-        dists = importlib.metadata.packages_distributions().get(top, [])
-        return f"{dists[0]} {importlib.metadata.version(dists[0])}" if dists else top
-    except Exception:
-        return top
-
-
 def install_meta_device_args(hooks, model: tuple = ()) -> None:
     for module, qualnames, arg, why in tuple(model) + META_DEVICE_ARGS:
         piece = f"{module}:{qualnames}({arg}=...)"
@@ -130,10 +119,10 @@ def install_meta_device_args(hooks, model: tuple = ()) -> None:
                     break
                 misfits.append(why_not)
             else:
-                FIT[piece] = (f"does not fit {_installed_version(mod)}: " + "; ".join(misfits)
+                FIT[piece] = (f"does not fit {fence.installed_version(mod)}: " + "; ".join(misfits)
                               + " (not applied: a meta device reaches the call unchanged)")
                 return
-            FIT[piece] = f"fits {_installed_version(mod)} as {qualname}" + (
+            FIT[piece] = f"fits {fence.installed_version(mod)} as {qualname}" + (
                 f" ({'; '.join(misfits)})" if misfits else "")
             owner, name, raw, sig = found
             fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
@@ -264,9 +253,9 @@ def install_humming(hooks) -> None:
     def device_info(mod):
         from probes.core.patching import rebind
 
-        original = getattr(mod, "_get_device_info_extension", None)
-        if original is None:
+        if not fence.fits(HUMMING_DEVICE, mod, "_get_device_info_extension"):
             return
+        original = mod._get_device_info_extension
         ext = type("SimulatedDeviceInfoExtension", (), {"_DeviceInfo": SimulatedHummingDevice})
 
         @functools.wraps(original)
@@ -283,11 +272,12 @@ def install_humming(hooks) -> None:
     hooks.register("humming.utils.device", device_info, piece=f"install {HUMMING_DEVICE}")
 
     def ops(mod):
-        for name in ("repack_weight", "pack_weight", "unpack_weight", "process_mxfp4_w4a8_weight", "quant_weight",
-                     "dequant_weight"):
-            fn = getattr(mod, name, None)
-            if callable(fn):
-                setattr(mod, name, on_fake_cuda(fn, f"humming.ops.{name}", piece=HUMMING_OPS))
+        names = ("repack_weight", "pack_weight", "unpack_weight", "process_mxfp4_w4a8_weight", "quant_weight",
+                 "dequant_weight")
+        present = [n for n in names if callable(getattr(mod, n, None))]
+        fence.fits(HUMMING_OPS, mod, *(present or names[:1]))  # at least one layout op; each present one wrapped
+        for name in present:
+            setattr(mod, name, on_fake_cuda(getattr(mod, name), f"humming.ops.{name}", piece=HUMMING_OPS))
 
     fence.register(HUMMING_OPS, "stand-in")
     SIMULATED[HUMMING_OPS] = (
@@ -388,9 +378,10 @@ def install_inert_jit(hooks) -> None:
         piece = f"{module}: JIT kernel libraries"
 
         def patch(mod, generators=generators, piece=piece):
-            for gen in generators:
-                if callable(getattr(mod, gen, None)):
-                    setattr(mod, gen, fence.guard(piece)(lambda gen=gen: _InertJitSpec(f"{mod.__name__}:{gen}", piece)))
+            present = [g for g in generators if callable(getattr(mod, g, None))]
+            fence.fits(piece, mod, *(present or generators[:1]))  # at least one generator of this release
+            for gen in present:
+                setattr(mod, gen, fence.guard(piece)(lambda gen=gen: _InertJitSpec(f"{mod.__name__}:{gen}", piece)))
 
         SIMULATED[piece] = f"inert (load nothing, write nothing): {why}"
         fence.register(piece, "stand-in")
@@ -482,6 +473,8 @@ def install_deep_gemm(hooks) -> None:
 
         import torch
 
+        if not fence.fits(DEEP_GEMM, mod, "__file__"):
+            return
         archs = _compiled_archs(os.path.dirname(mod.__file__))
         fake = fence.guard(DEEP_GEMM)(functools.partial(transform_sf_meta, archs=archs))
         op = getattr(getattr(torch.ops, "deep_gemm", None), "transform_sf_into_required_layout", None)
@@ -490,13 +483,15 @@ def install_deep_gemm(hooks) -> None:
             lib.impl("transform_sf_into_required_layout", fake, "Meta")
             _LIBS.append(lib)
         original = getattr(mod, "transform_sf_into_required_layout", None)
+        if op is None and not fence.fits(DEEP_GEMM, mod, "transform_sf_into_required_layout"):
+            return  # neither a registered op nor the Python attribute: named as a misfit
         if callable(original) and op is None:  # a pybind build: the Python attribute callers reach it through
             mod.transform_sf_into_required_layout = _meta_or(original, fake)
 
     def vllm_helper(mod):  # vLLM keeps its own reference, taken when it first imports DeepGEMM
-        original = getattr(mod, "_lazy_init", None)
-        if original is None:
+        if not fence.fits(f"{DEEP_GEMM} (vllm.utils.deep_gemm)", mod, "_lazy_init"):
             return
+        original = mod._lazy_init
 
         @functools.wraps(original)
         @fence.guard(DEEP_GEMM)
@@ -537,10 +532,10 @@ def install_expert_map_on_cpu(hooks) -> None:
     piece = "vllm.model_executor.layers.fused_moe.expert_map_manager:ExpertMapManager._calculate_expert_maps"
 
     def patch(mod):
-        cls = getattr(mod, "ExpertMapManager", None)
-        original = getattr(cls, "_calculate_expert_maps", None)
-        if original is None:
+        if not fence.fits(piece, mod, "ExpertMapManager._calculate_expert_maps"):
             return
+        cls = mod.ExpertMapManager
+        original = cls._calculate_expert_maps
 
         @functools.wraps(original)
         @fence.guard(piece)

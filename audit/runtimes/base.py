@@ -194,11 +194,11 @@ CONTAINER_CACHES = {"home": "/tmp/home", "vllm_cache": "/tmp/vllm-cache", "trito
                     "xdg_cache": "/tmp/xdg"}
 
 
-def observe_env(out_dir: str, cell: str, model_probes: str = "") -> dict[str, str]:
+def observe_env(out_dir: str, cell: str, model_probes: str = "", model: str = "") -> dict[str, str]:
     """Observe mode: the probes' plugin in every vLLM process, writing into this cell's evidence directory, with the
-    served model's probes package (its profile's ``probes``)."""
+    served model's probes package (its profile's ``probes``) and its name (every evidence file names its model)."""
     return {"SERVING_TRUTH_OUT": out_dir, "SERVING_TRUTH_MODE": "observe", "SERVING_TRUTH_CELL": cell,
-            "SERVING_TRUTH_MODEL_PROBES": model_probes, "VLLM_PLUGINS": "serving_truth"}
+            "SERVING_TRUTH_MODEL_PROBES": model_probes, "SERVING_TRUTH_MODEL": model, "VLLM_PLUGINS": "serving_truth"}
 
 
 LEARNED_IMPORTS = "learned-imports.json"

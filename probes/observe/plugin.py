@@ -74,7 +74,9 @@ def register() -> None:
     _state["pid"] = os.getpid()
     try:
         meta = {"mode": os.environ.get(ENV_MODE, "observe"), "argv": [os.path.basename(a) for a in sys.argv[:6]],
-                "model_probes": os.environ.get(ENV_MODEL, "")}
+                "model_probes": os.environ.get(ENV_MODEL, ""),
+                # the model the run audits (the host refuses evidence of another model in its run)
+                "model": os.environ.get("SERVING_TRUTH_MODEL") or None}
         system, _, layout = os.environ.get("SERVING_TRUTH_CELL", "").partition("--")
         if system and layout:
             meta["cell"] = {"system": system, "layout": layout}

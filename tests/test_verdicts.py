@@ -64,7 +64,10 @@ def test_verdicts_on_the_real_v0_33_audit():
     assert not [r for r in cell if r["verdict"] == "MATCH"]
     # spec-verify does not happen without speculation
     assert {r["verdict"] for r in rows if r["lane"] == "kda.spec_verify" and r["layout"] == "tp8"} == {"NOT_EXERCISED"}
-    assert all(r["evidence"] == "resolved" for r in rows)
+    # claims without a batch size are judged at construction level, except per batch where K3's specialized decode
+    # takes some of a lane's batches (tp8-specdec: see test_one_story_per_batch...)
+    assert all(r["evidence"] == ("resolved (dispatch)" if r.get("at") else "resolved") for r in rows)
+    assert {r["layout"] for r in rows if r.get("at")} == {"tp8-specdec"}
     counts = summary(rows)
     assert counts["MATCH"] and counts["MISMATCH"] and counts["UNVERIFIED"]
 
@@ -388,3 +391,25 @@ backend = "flashinfer_trtllm_gen"
     assert {r["verdict"] for r in bf16} == {"MISMATCH"}
     assert "the claim's lane is w4a16_mxfp4" in bf16[0]["why"] and "lane w4a8_mxfp4_mxfp8" in bf16[0]["why"]
     assert verdict_of(rows, "trtllm-mxfp8", "b200_sxm", "tp8", "moe") == "MATCH"
+
+
+def test_one_story_per_batch_where_the_specialized_decode_takes_some_batches():
+    """tp8-specdec: K3's specialized decode takes decode 1-64 (vLLM's own plan), the stock path decode 256 and every
+    prefill. A claim about the KDA decode lane is judged per batch against what serves it: never a MATCH from the
+    stock kernel at a batch the specialized decode serves; the KDA prefill claim (a phase the stock path serves)
+    stays one row."""
+    exp = expectations.load(SHIPPED)
+    rows = judge(routing(), exp)
+    decode = {r.get("at"): r for r in rows if (r["claim"], r["system"], r["layout"]) ==
+              ("kda-generation-fused", "b200_sxm", "tp8-specdec")}
+    assert set(decode) == {"decode 1", "decode 8", "decode 64", "decode 256"}
+    for at in ("decode 1", "decode 8", "decode 64"):
+        assert decode[at]["verdict"] != "MATCH" and decode[at]["actual"] == "specialized_decode", at
+        assert "K3's specialized decode takes" in decode[at]["why"] and decode[at]["evidence"].endswith("(dispatch)")
+    assert decode["decode 256"]["verdict"] == "MATCH" and decode["decode 256"]["actual"] == "vllm_kernel"
+    prefill = [r for r in rows if (r["claim"], r["system"], r["layout"]) == ("kda-context-flashkda", "b200_sxm",
+                                                                              "tp8-specdec")]
+    assert [(r.get("at"), r["verdict"]) for r in prefill] == [(None, "MATCH")]
+    # where no step path takes a batch (tp8), the claim stays one row about the lane
+    assert [r.get("at") for r in rows if (r["claim"], r["system"], r["layout"]) ==
+            ("kda-generation-fused", "b200_sxm", "tp8")] == [None]

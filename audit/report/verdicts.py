@@ -25,9 +25,9 @@ GPU makes leaves the claim UNVERIFIED, never guessed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from audit.report.dispatch import serving_group, tier_choice, workload_of, workload_order
+from audit.report.dispatch import serving_group, step_path_group, tier_choice, workload_of, workload_order
 from audit.report.expectations import Expectations
 from audit.report.labels import derive
 from audit.report.routing import format_ranges, short
@@ -153,15 +153,31 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                     rows.append({**row, "claim": "", "verdict": "UNVERIFIED" if exercised else "NOT_EXERCISED",
                                  "expected": "", "why": "no claim covers this lane here" if exercised else g["value"]})
                     continue
+                split = _split_by_step_path(cell, lane, g, v)
                 for c in claims:
-                    if c.at:
-                        rows += _tier_rows(c, lane, g, row, cell, exp, v)
+                    if c.at or split:
+                        # one story per batch: where the model's own step path takes some of the lane's batches,
+                        # a claim about the lane is judged per batch against what serves each, never as a whole
+                        # against the stock kernel
+                        rows += _tier_rows(c if c.at else replace(c, at=split), lane, g, row, cell, exp, v)
                         continue
                     rows.append({**row, "claim": c.id, "expected": c.backend or c.kernel_source,
                                  **_verdict(c, lane, g, label, family, how, cell)})
         rows += _rank_disagreements(cell, exp)
     return sorted(rows, key=lambda r: (r["claim"], r["system"], r["layout"], r["lane"], r["layers"],
                                        _at_order(r.get("at", ""))))
+
+
+def _split_by_step_path(cell: dict, lane: str, group: dict, v: Judged) -> tuple[str, ...]:
+    """The workloads of *lane*'s phases this cell resolved, when the model's own step path (its profile's) takes at
+    least one of them and the stock lane serves the others; () when one kernel path serves them all."""
+    path = v.profile.step_path
+    judged = next((j for j in v.profile.judged if j.lane == lane), None)
+    if path is None or judged is None:
+        return ()
+    works = [w for w in (cell.get("dispatch") or {}).get("workloads", []) if w.split(" ")[0] in judged.workloads]
+    taken = [w for w in works if step_path_group(cell, lane, group, w, path) is not None]
+    return tuple(works) if taken else ()
 
 
 def _at_order(at: str) -> tuple:

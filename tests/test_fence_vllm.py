@@ -70,6 +70,14 @@ def test_a_clean_run_has_the_fences_on_and_no_fault(clean):
     for key, cell in clean["cells"].items():
         assert cell["status"] == "COMPLETE" and cell["harness_faults"] == [], key
         assert cell["fence"]["on"] and cell["fence"]["pieces"] > 40, key
+    # every stand-in that checked its target says how it fitted: the meta-device translations (with the
+    # alternative that fitted) and the hook-installed ones alike
+    fit = clean["cells"][("h200_sxm", "dp8-ep")]["standin_fit"]
+    assert fit["humming.device:DeviceInfo.__new__|DeviceInfo.__init__(index=...)"].startswith(
+        "fits humming-kernels") and "as DeviceInfo.__new__" in fit[
+        "humming.device:DeviceInfo.__new__|DeviceInfo.__init__(index=...)"]
+    assert fit["humming device info (csrc/device_info.cpp extension)"].startswith("fits humming-kernels")
+    assert all(v.startswith("fits ") for v in fit.values()), fit
 
 
 def test_every_stand_in_the_ledger_lists_is_fenced_or_says_why_not(clean, vllm_env):

@@ -72,8 +72,8 @@ META_DEVICE_ARGS: tuple[tuple[str, str, str, str], ...] = (
      "Humming's device-info object for the device a weight lives on: the simulated SKU answers"),
 )
 
-#: how each stand-in target fitted the modules this process imported: "module:qualname(arg)" -> "fits" or why not
-FIT: dict[str, str] = {}
+#: how each stand-in's target fitted this release: the fence's record (probes.core.fence.fits), one per process
+FIT = fence.FIT
 
 
 def fit(mod, qualname: str, arg: str) -> tuple[object, str]:

@@ -38,7 +38,8 @@ env: setup
 	$(BIN)/serving-truth env $(call q,$(PIN))
 
 # make exits 2 whenever a recipe fails, whatever the tool's code; the recipe prints the tool's own exit
-# code (0 ok, 1 findings, 2 bad input, 3 environment, 4 run failed/INCOMPLETE, 5 report not written,
+# code (0 ok, 1 findings, 2 bad input, 3 environment, 4 run failed/INCOMPLETE or a harness fault, 5 report not
+# written, 6 serving changed against --baseline, 7 nothing judged (a gate that compared no cell),
 # 70 internal error, 130 interrupted). A CI gate that needs the code calls .venv/bin/serving-truth directly.
 audit: setup
 	@$(BIN)/serving-truth audit $(call q,$(PIN)) $(if $(MODEL),--model $(call q,$(MODEL))) --runtime $(call q,$(RUNTIME)) --systems $(call q,$(SYSTEMS)) --layouts $(call q,$(LAYOUTS)) \

@@ -573,7 +573,8 @@ def _unjudgeable(f: EvidenceFile, cell: dict) -> str:
     if not cell["stages"]:
         return ("evidence damaged: it holds no stage record (every resolve cell records how far it went), so "
                 "nothing in it can be judged")
-    if "construct" in {s["stage"] for s in cell["stages"] if s["ok"]}:
+    probes_off = any(r.get("installed") is False for r in f.of_kind("probes"))  # a bare run (transparency baseline)
+    if "construct" in {s["stage"] for s in cell["stages"] if s["ok"]} and not probes_off:
         for kinds in BUILT_CELL_RECORDS:
             if not any(f.of_kind(k) for k in kinds):
                 return (f"evidence damaged: construction finished but it holds no {' / '.join(kinds)} record, which "

@@ -137,6 +137,9 @@ def test_the_fast_path_routes_exactly_as_every_layer(fast, every):
     for key in CELLS:
         a, b = copy.deepcopy(fast["cells"][key]), copy.deepcopy(every["cells"][key])
         carried, plain = a["postload"].pop("carry"), b["postload"].pop("carry")
+        # the fence is on in both; how many pieces it holds follows the path (the memo's piece exists only where
+        # the memo runs): the harness's account, not routing
+        assert a.pop("fence")["on"] and b.pop("fence")["on"], key
         assert a == b, key
         assert plain == [] and carried, key
     marlin = next(g for g in fast["cells"][("l40s", "tp8")]["postload"]["carry"] if g["role"] == "target")
@@ -213,7 +216,7 @@ def test_deep_gemm_meta_kernel_matches_the_upstream_torch_layout(vllm_env):
             standins.transform_sf_meta(torch.empty(4, 128, 8, device="meta"), 128, 256, (1, 1, 32), num_groups=4,
                                        is_sfa=False, archs=frozenset({10}))
             no_code = ""
-        except NotImplementedError as exc:
+        except RuntimeError as exc:  # a SimulationLimit: no SM code in this build is not simulated
             no_code = str(exc)
         try:
             standins.transform_sf_meta(torch.empty(4, 128, 9, device="meta"), 128, 256, (1, 1, 32), num_groups=4,

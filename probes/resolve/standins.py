@@ -293,13 +293,13 @@ def humming_facts(fields: list[str]) -> dict:
     return {f: dev._field(f) for f in fields}
 
 
-def on_fake_cuda(fn, label: str, *, piece: str):
+def on_fake_cuda(fn, label: str, *, piece: str = ""):
     """``fn`` as it runs for torch.compile's tracing: meta tensors passed as fake CUDA tensors (rank 0's
     device) of the same metadata, fake results handed back as meta tensors. The library's own shape code and
     checks run; a library that launches a kernel for a fake tensor is not one to use this for."""
 
     @functools.wraps(fn)
-    @fence.guard(piece)
+    @fence.guard(piece or label)
     def call(*args, **kwargs):
         import torch
         from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode

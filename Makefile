@@ -18,12 +18,13 @@ ACCEPTED ?=
 REPORTS ?= reports
 REPLACE ?=
 CACHE   ?= 1
+FROM    ?=
 BIN     := $(VENV)/bin
 # $(call q,VALUE): VALUE as one single-quoted shell word, whatever it holds (make audit PIN='x; rm -rf y' audits
 # a pin named "x; rm -rf y", which images.lock then refuses; nothing is run)
 q = '$(subst ','\'',$(1))'
 
-.PHONY: setup env audit render accept diff test bench pins models clean clean-containers test-image lock-resolve lock-add selftest-gpu verify-pins
+.PHONY: setup env audit render accept diff test bench pins models clean clean-containers test-image summary lock-resolve lock-add selftest-gpu verify-pins
 
 setup: $(VENV)/.installed
 
@@ -49,6 +50,12 @@ audit: setup
 		$(if $(ACCEPTED),--accepted $(call q,$(ACCEPTED))) --reports $(call q,$(REPORTS)) \
 		$(if $(filter 1,$(REPLACE)),--replace) $(if $(filter 0,$(CACHE)),--no-cache) \
 		|| { rc=$$?; echo "serving-truth audit exited $$rc (see README: exit codes)" >&2; exit $$rc; }
+
+# The pull-request summary of a pin bump (markdown to paste; the top of reports/diffs/<FROM>..<PIN>.md):
+#   make summary FROM=v0.32.0 PIN=v0.33.0
+summary: setup
+	@$(if $(FROM),,echo "make summary needs FROM=<the baseline pin>, e.g. make summary FROM=v0.32.0 PIN=v0.33.0" >&2; exit 2)
+	@$(BIN)/serving-truth summary $(call q,$(FROM)) $(call q,$(PIN)) $(if $(MODEL),--model $(call q,$(MODEL))) --reports $(call q,$(REPORTS))
 
 # On a host with one NVIDIA GPU: serve the smallest K3 slice and check that every lane's probes fired.
 selftest-gpu: setup

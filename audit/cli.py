@@ -96,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, help=f"whose reports (default: {default_model})")
     d.add_argument("--reports", default="reports")
 
+    sm = sub.add_parser("summary", help="print the pull-request summary of a pin bump (markdown, about 250 words, "
+                                        "from two audited pins' routing.json; the top of their diff)")
+    sm.add_argument("from_pin")
+    sm.add_argument("to_pin")
+    sm.add_argument("--model", default=None, help=f"whose reports (default: {default_model})")
+    sm.add_argument("--reports", default="reports")
+
     sub.add_parser("pins", help="list the pins in images.lock").add_argument("--lock", default="images.lock")
     sub.add_parser("models", help="list the models the harness audits (their profiles: audit/models/)")
 
@@ -239,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             md, _, d = write_diff(models.reports_root(args.reports, models.get(args.model)), args.from_pin, args.to_pin)
             err.print("no change" if d["empty"] else f"{len(d['changes'])} change row(s)")
             out.print(str(md))
+            return ExitCode.OK
+        if args.command == "summary":
+            from audit import models
+            from audit.report.diff import diff_routings, load_routing
+
+            root = models.reports_root(args.reports, models.get(args.model))
+            d = diff_routings(load_routing(root, args.from_pin), load_routing(root, args.to_pin))
+            out.print(d["summary"], markup=False, highlight=False, soft_wrap=True)
             return ExitCode.OK
         if args.command == "accept":
             from audit.core import accept_findings
@@ -514,8 +529,13 @@ def _gate_exit(gate: dict, strict: bool, outcome, err) -> int:
     a finding is new (not in the accepted-findings file), else OK; --strict adds UNVERIFIED lanes as before."""
     base = gate["baseline"]["pin"]
     changes, new = gate["serving_changes"], gate["new_findings"]
-    err.print(f"gate against {base}: {gate['cells_compared']} cell(s) compared; {len(changes)} serving change(s), "
-              f"{len(new)} new finding(s), {gate['accepted_findings']} accepted"
+    classes = ", ".join(f"{k} {n}" for k, n in gate.get("by_class", {}).items() if n)
+    fresh = gate.get("newly_failing", 0)
+    err.print(f"gate against {base}: {gate['cells_compared']} cell(s) compared; {len(changes)} serving change(s)"
+              + (f" ({classes})" if classes else "")
+              + f", {gate.get('information_changes', 0)} information row(s) not gated; {len(new)} new finding(s) "
+              f"({fresh} failing only now, {len(new) - fresh} failing in {base} too but not accepted), "
+              f"{gate['accepted_findings']} accepted"
               + (f" ({gate['accepted_file']})" if gate["accepted_file"] else " (no accepted-findings file)"))
     only = gate["only_in_baseline"]
     if not gate["cells_compared"]:
@@ -527,14 +547,15 @@ def _gate_exit(gate: dict, strict: bool, outcome, err) -> int:
     if only:
         err.print(f"[yellow]note:[/yellow] {len(only)} cell(s) of {base} were not audited here and are not gated: "
                   + ", ".join(f"{s}/{l}" for s, l in only[:8]) + (" ..." if len(only) > 8 else ""))
-    for c in changes[:20]:
-        where = ", ".join(f"{s}/{l}" for s, l in c["cells"][:4]) + (" ..." if len(c["cells"]) > 4 else "")
-        err.print(f"  changed: {_escape(c['title'])}: {_escape(str(c['before'])[:120])} -> "
-                  f"{_escape(str(c['after'])[:120])} ({where})")
-    if len(changes) > 20:
-        err.print(f"  ... {len(changes) - 20} more in the diff")
-    for f in new[:20]:
-        err.print(f"  new finding: {f['verdict']} {f['claim'] or '(no claim)'} {f['system']}/{f['layout']} "
+    # every serving change, grouped by kind with a count per kind (never the first N rows)
+    for klass in dict.fromkeys(c["class"] for c in changes):
+        rows = [c for c in changes if c["class"] == klass]
+        err.print(f"  {klass} ({len(rows)}):")
+        for c in rows:
+            err.print(f"    {_escape(c['title'])}: {_escape(str(c['before'])[:100])} -> {_escape(str(c['after'])[:100])} "
+                      f"[{_escape(c.get('where') or '')}]")
+    for f in new:
+        err.print(f"  new finding{'' if f.get('in_baseline') else ' (failing only now)'}: {f['verdict']} {f['claim'] or '(no claim)'} {f['system']}/{f['layout']} "
                   f"{f['lane']}{' at ' + f['at'] if f['at'] else ''}: {_escape(str(f['why'])[:160])}")
     if changes:
         err.print(f"[red]gate failed[/red]: serving changed against {base} (exit {int(ExitCode.SERVING_CHANGED)})")

@@ -75,7 +75,8 @@ def test_diff_names_moved_tiers():
         ("Latent MoE tail tier · `block_sparse_moe.experts` at decode 64", "T0", "T1", "1-3"),
         ("Latent MoE tail tier · `block_sparse_moe.experts` at prefill 8192", "T2", "T1", "1-3")]
     text = diff.render_diff(d)
-    assert "## Dispatch tiers" in text and "| Latent MoE tail tier · `block_sparse_moe.experts` at decode 64 | T0 | T1 |" in text
+    assert "## Per-call tiers (level dispatch) (2)" in text
+    assert "| Latent MoE tail tier · `block_sparse_moe.experts` at decode 64 | T0 | T1 | tp8: l40s | 1-3 |" in text
     assert diff.diff_routings(before, before)["empty"]
     assert dispatch._fold(["decode 1", "decode 8", "decode 256"], ["decode 1", "decode 8", "decode 64", "decode 256"]) \
         == "decode 1–8, decode 256"

@@ -140,7 +140,8 @@ def test_gate_exit_codes():
         return AuditOutcome(pin="p", report_dir=Path("."), ledger=None, routing_path=None, run_dir=Path("."), cells=2,
                             incomplete=0, partial=0, drift=0, verdicts=verdicts or {"MISMATCH": 4}, gate=g)
 
-    change = {"title": "Routed experts", "before": "a", "after": "b", "cells": [["b200_sxm", "tp8"]]}
+    change = {"title": "Routed experts", "before": "a", "after": "b", "cells": [["b200_sxm", "tp8"]], "class": "kernel",
+              "where": "tp8: b200_sxm"}
     finding = {"verdict": "MISMATCH", "claim": "c", "system": "b200_sxm", "layout": "tp8", "lane": "moe", "at": "",
                "why": "w"}
     assert _findings_exit(outcome([change]), False, Quiet()) == ExitCode.SERVING_CHANGED == 6
@@ -196,7 +197,7 @@ def test_what_moves_inside_a_deployment_refused_in_both_builds_is_not_a_serving_
     inside = [c for c in d["changes"] if {tuple(x) for x in c["cells"]} <= refused]
     assert inside and any(c["kind"] == "path" and c["after"] == NOT_BUILT for c in inside)
     assert all(c["refused_in_both"] and not c["serving"] for c in inside)
-    assert "(refused in both)" in render_diff(d)
+    assert "refused in both builds: serves nothing in either" in render_diff(d)
 
 
 def test_a_gate_that_shares_no_cell_with_its_baseline_never_passes(v033):

@@ -36,7 +36,13 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
 
 
 def reading_tail_fusion(facts: dict, what: str, **_) -> str | None:
-    """The latent MoE tail fusion a runner ended with (its probes package's ``runner_facts``), in the ledger's words."""
+    """The latent MoE tail fusion a runner ended with (its probes package's ``runner_facts``), in the ledger's words;
+    where K3's MoE block built no runner (MegaMoE), vLLM's attribute that decided it (``block_facts``)."""
+    if what == "moe-block" and facts.get("runner_absent_because"):
+        transform = facts.get("routed_output_transform")
+        return (f"not built: vLLM's `{facts['runner_absent_because']}` (the MegaMoE experts replace the latent MoE "
+                "runner that holds the fusion)" + (f"; the routed output transform runs unfused in "
+                                                   f"{transform.rsplit(':', 1)[-1]}" if transform else ""))
     if what != "moe-runner" or "tail_fusion_enabled" not in facts:
         return None
     if not facts["tail_fusion_enabled"]:

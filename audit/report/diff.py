@@ -22,6 +22,12 @@ def _per_layer(groups: list[dict]) -> dict[int, object]:
     return {layer: g["value"] for g in groups for layer in g["layers"]}
 
 
+def _identities(groups: list[dict]) -> dict[str, str]:
+    """value -> what of it decides serving (a group's ``identity``, written where a reading's value carries a note
+    beside the serving fact; else the value itself)."""
+    return {g["value"]: g.get("identity", g["value"]) for g in groups}
+
+
 def _tried_text(tried: list[dict]) -> str:
     return " → ".join(f"{t['cls']}{'' if t['supported'] else ' ✗ ' + str(t.get('reason') or '')}" for t in tried)
 
@@ -59,8 +65,11 @@ def diff_routings(old: dict, new: dict) -> dict:
     read_after_a = set(old.get("lanes_read_after_construction", ()))
     read_after_b = set(new.get("lanes_read_after_construction", ()))
     path_changes: dict[tuple, dict] = {}
+    note_only: set[tuple] = set()  # (lane, before, after) whose serving identity is the same on both sides
     cand_changes: dict[tuple, dict] = {}
+    chosen: dict[str, str] = {}  # a candidates text -> the candidate vLLM chose in it
     cell_changes: dict[tuple, dict] = {}
+    cell_reasons: dict[tuple, str] = {}  # a cell row -> why it is information ("" or absent: it decides serving)
     unchanged = 0
     compared = 0
 
@@ -82,8 +91,11 @@ def diff_routings(old: dict, new: dict) -> dict:
         for field in ("evidence",):
             if a.get(field) != b.get(field):
                 add(cell_changes, (field, str(a.get(field)), str(b.get(field))), cell)
-        for field, before, after in _cell_facts(a, b):
+                cell_reasons[(field, str(a.get(field)), str(b.get(field)))] = "the evidence level (the ledger says which)"
+        for field, before, after, why in _cell_facts(a, b):
             add(cell_changes, (field, before, after), cell)
+            if why:
+                cell_reasons[(field, before, after)] = why
         # where construction stops in one audit and not the other, the lanes past the stop appear or disappear:
         # each is a change of what the cell runs, shown with what it runs now (never folded into "unchanged")
         gone_a, gone_b = _absent(a), _absent(b)
@@ -91,6 +103,7 @@ def diff_routings(old: dict, new: dict) -> dict:
         blank_b = NOT_BUILT if b.get("status") != "COMPLETE" else "—"
         for lane in sorted(set(a["lanes"]) | set(b["lanes"])):
             before, after = _per_layer(a["lanes"].get(lane, [])), _per_layer(b["lanes"].get(lane, []))
+            ids = {**_identities(a["lanes"].get(lane, [])), **_identities(b["lanes"].get(lane, []))}
             if not before and gone_a:
                 before = {layer: gone_a for layer in after}
             if not after and gone_b:
@@ -107,9 +120,14 @@ def diff_routings(old: dict, new: dict) -> dict:
                 unchanged += 1
             for (va, vb), layers in moved.items():
                 add(path_changes, (lane, va, vb), cell, layers)
+                if va in ids and vb in ids and ids[va] == ids[vb]:
+                    note_only.add((lane, va, vb))
         for lane in sorted(set(a.get("candidates", {})) | set(b.get("candidates", {}))):
             before = {layer: _tried_text(g["value"]) for g in a.get("candidates", {}).get(lane, []) for layer in g["layers"]}
             after = {layer: _tried_text(g["value"]) for g in b.get("candidates", {}).get(lane, []) for layer in g["layers"]}
+            for c in (a, b):
+                for g in c.get("candidates", {}).get(lane, []):
+                    chosen[_tried_text(g["value"])] = _chosen(g["value"])
             moved = defaultdict(set)
             for layer in sorted(set(before) | set(after)):
                 va, vb = before.get(layer, blank_a), after.get(layer, blank_b)
@@ -122,21 +140,87 @@ def diff_routings(old: dict, new: dict) -> dict:
     # happens, lanes built before it) is shown, and is not a change of how the model is served
     refused_both = {cell for cell in common if refusal(old_cells[cell]) and refusal(new_cells[cell])}
 
+    # --- dispatch tiers (audit/report/dispatch.py): a per-call choice that moved at some token counts ---
+    dispatch_changes: dict[tuple, dict] = {}
+    for cell in common:
+        da, db = old_cells[cell].get("dispatch"), new_cells[cell].get("dispatch")
+        # a cell one audit built and the other did not (construction stopped there): its tiers appear or go,
+        # compared against "not built"; an audit that resolved no tiers anywhere (an older report) says nothing
+        if da is None and db and old_cells[cell].get("status") != "COMPLETE" and _has_dispatch(old):
+            da = {"workloads": db.get("workloads", []), "lanes": {}, "absent": NOT_BUILT}
+        if db is None and da and new_cells[cell].get("status") != "COMPLETE" and _has_dispatch(new):
+            db = {"workloads": da.get("workloads", []), "lanes": {}, "absent": NOT_BUILT}
+        for what, before, after, layers in dispatch.diff_cells(da, db, new.get("model")):
+            add(dispatch_changes, (what, before, after), cell, layers)
+
+    def information(kind: str, key: tuple) -> str:
+        """Why a change row is information (not a change of which kernel serves), or "" for a serving change."""
+        field, before, after = key
+        if kind == "verdict":
+            return "verdict"
+        if kind == "path":
+            if (field, before, after) in note_only:
+                return "the same serving value; only its note differs"
+            if before == "—" and _inactive(after):
+                return "a lane newly read that takes nothing"
+            if after == "—" and _inactive(before):
+                return "a lane no longer read that took nothing"
+            return ""
+        if kind == "candidates":
+            if chosen.get(before) and chosen.get(before) == chosen.get(after):
+                return f"the same candidate chosen ({chosen[before]}); only the others or their reasons differ"
+            return ""
+        if kind == "dispatch":
+            if before == "—" and _inactive(after):
+                return "a per-call lane newly read that takes nothing"
+            if after.startswith(before + ": ") and _inactive(after[len(before) + 2:]):
+                return "the same step; newly annotated with a path that does not take it"
+            return ""
+        return cell_reasons.get(key, "")
+
     def rows(bucket, kind):
         out = []
         for key, row in bucket.items():
             cells = sorted(row["cells"])
             lane_like = kind in ("path", "candidates")
-            serving = decides_serving(kind, "" if lane_like else key[0]) and not set(cells) <= refused_both
+            in_both = set(cells) <= refused_both
+            why = "refused in both builds: serves nothing in either" if in_both else information(kind, key)
             out.append({"kind": kind, "lane": key[0] if lane_like else "", "field": "" if lane_like else key[0],
                         "title": titles.get(key[0], key[0]) if lane_like else key[0],
                         "before": key[1], "after": key[2],
                         "cells": [list(c) for c in cells],
+                        "where": where(cells),
                         "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
                         "layers": _ranges(row["layers"]) if row["layers"] else "",
-                        "serving": serving,
-                        "refused_in_both": set(cells) <= refused_both})
+                        "class": "information" if why else _klass(kind, key[0]),
+                        "information": why,
+                        "serving": not why,
+                        "refused_in_both": in_both})
         return sorted(out, key=lambda r: (r["lane"] or r["field"], r["before"], r["after"]))
+
+    audited = [f"{s}/{l}" for s, l in sorted(set(old_cells) | set(new_cells))]
+
+    def where(cells) -> str:
+        """The cells a row touched, by layout (never a systems x layouts product): a whole SM reads "SM 10.0"."""
+        from audit.report.render import collapse_cells
+
+        return collapse_cells([f"{s}/{l}" for s, l in cells], audited,
+                              _layout_order(new.get("model") or old.get("model")))
+
+    # the availability answers a cell changed count as serving where something in that cell changed serving
+    # with them (the answer decided a selection); alone they are information
+    availability_only = {key for key in cell_changes if key[0].startswith("vLLM availability: ")}
+    changes = (rows(path_changes, "path") + rows(cand_changes, "candidates")
+               + rows({k: v for k, v in cell_changes.items() if k not in availability_only}, "cell")
+               + rows(dispatch_changes, "dispatch"))
+    served_cells = {tuple(c) for r in changes if r["serving"] for c in r["cells"]}
+    for r in rows({k: v for k, v in cell_changes.items() if k in availability_only}, "cell"):
+        if r["serving"] and not {tuple(c) for c in r["cells"]} & served_cells:
+            r.update({"serving": False, "class": "information",
+                      "information": "an availability answer that changed no selection in its cells"})
+        changes.append(r)
+        if r["serving"]:
+            served_cells.update(tuple(c) for c in r["cells"])
 
     # verdict changes (when both audits were judged), one row per (claim, lane, before, after)
     verdict_changes: dict[tuple, dict] = {}
@@ -150,23 +234,37 @@ def diff_routings(old: dict, new: dict) -> dict:
             before, after = va.get(key, "—"), vb.get(key, "—")
             if before != after:
                 add(verdict_changes, (key[0] or "(no claim)", before, after), cell)
-    # --- dispatch tiers (audit/report/dispatch.py): a per-call choice that moved at some token counts ---
-    dispatch_changes: dict[tuple, dict] = {}
-    for cell in common:
-        for what, before, after, layers in dispatch.diff_cells(old_cells[cell].get("dispatch"),
-                                                               new_cells[cell].get("dispatch"), new.get("model")):
-            add(dispatch_changes, (what, before, after), cell, layers)
+    verdict_rows = rows(verdict_changes, "verdict")
+    for r in verdict_rows:
+        was, now = _failing(r["before"]), _failing(r["after"])
+        r["turn"] = ("newly failing" if now and not was else "no longer failing" if was and not now else "")
+        moved_here = {tuple(c) for c in r["cells"]} & served_cells
+        if r["turn"] == "no longer failing":
+            # a claim that passes now because serving changed under it is no fix of the claim: say so
+            r["because"] = ("claim now true because serving changed" if moved_here else
+                            "serving did not change in these cells: the claim or the harness changed")
+        elif r["turn"] == "newly failing":
+            r["because"] = ("serving changed" if moved_here else
+                            "serving did not change in these cells: the claim or the harness changed")
+    changes += verdict_rows
+    changes.sort(key=lambda r: ({"path": 0, "candidates": 1, "cell": 2, "verdict": 3, "dispatch": 4}[r["kind"]],
+                                r["lane"] or r["field"], r["before"], r["after"]))
     only_old = sorted(set(old_cells) - set(new_cells))
     only_new = sorted(set(new_cells) - set(old_cells))
-    changes = (rows(path_changes, "path") + rows(cand_changes, "candidates") + rows(cell_changes, "cell")
-               + rows(verdict_changes, "verdict") + rows(dispatch_changes, "dispatch"))
-    return {
+    serving = [c for c in changes if c["serving"]]
+    d = {
         "schema": DIFF_SCHEMA,
         # whose routings these are (the newer one's): the rendered diff names the model and orders its layouts
         "model": new.get("model") or old.get("model"),
         "from": _build(old), "to": _build(new),
         "changes": changes,
-        "serving_changes": sum(1 for c in changes if c["serving"]),
+        "serving_changes": len(serving),
+        "serving_cells": len({tuple(c) for r in serving for c in r["cells"]}),
+        "by_class": {k: sum(1 for c in serving if c["class"] == k) for k in SERVING_CLASSES},
+        "information_changes": sum(1 for c in changes if not c["serving"] and c["kind"] != "verdict"),
+        "newly_failing": sum(1 for c in verdict_rows if c["turn"] == "newly failing"),
+        "no_longer_failing": sum(1 for c in verdict_rows if c["turn"] == "no longer failing"),
+        "now_true_by_serving": sum(1 for c in verdict_rows if c.get("because") == "claim now true because serving changed"),
         "unchanged_lanes": unchanged,
         "compared_lanes": compared,
         "cells_compared": len(common),
@@ -174,23 +272,60 @@ def diff_routings(old: dict, new: dict) -> dict:
         "only_in_to": [list(c) for c in only_new],
         "empty": not changes and not only_old and not only_new,
     }
+    from audit.report.summary import pr_summary
+
+    d["summary"] = pr_summary(d, old, new)
+    return d
 
 
-#: cell facts that are information, not a change of how the model is served: the packages installed (they
-#: move with every build; what they change shows in the rows that do decide) and the evidence level
-INFORMATION_FIELDS = ("package: ", "evidence")
+#: the kinds of serving change, in the order the gate and the diff list them
+SERVING_CLASSES = ("kernel", "refusal", "tier", "availability", "probe")
+#: lane values (our own vocabulary) that say the lane takes nothing: no kernel serves through it
+INACTIVE = ("not requested", "not taken", "not exercised", "stock path (")
 
 
-def decides_serving(kind: str, field: str) -> bool:
-    """Whether a change row is a change of how the model is served (what the pin-bump gate fails on): a routed
-    path, a candidate tried or its rejection, a per-call tier, construction or post-load (a refusal, a stop), an
-    activation check, the attention candidates, vLLM's availability answers, probe drift or errors. Verdict rows
-    are judged as findings, package versions and evidence levels are information."""
-    if kind in ("path", "candidates", "dispatch"):
-        return True
-    if kind == "cell":
-        return not field.startswith(INFORMATION_FIELDS)
-    return False
+def _layout_order(model: str | None) -> list[str]:
+    from audit import models
+
+    try:
+        return list(models.get(model).layouts)
+    except Exception:  # a routing of a model this harness no longer has: alphabetical
+        return []
+
+
+def _inactive(value: str) -> bool:
+    return value.startswith(INACTIVE)
+
+
+def _failing(verdict_text: str) -> bool:
+    from audit.report.verdicts import FAILING
+
+    return verdict_text.split(" ", 1)[0] in FAILING
+
+
+def _has_dispatch(routing: dict) -> bool:
+    return any(c.get("dispatch") for c in routing.get("cells", []))
+
+
+def _chosen(tried: list[dict]) -> str:
+    """The candidate vLLM chose: the first it tried that was supported."""
+    return next((str(t["cls"]) for t in tried if t.get("supported")), "")
+
+
+def _klass(kind: str, field: str) -> str:
+    """Which kind of serving change a row is: a kernel (a lane's class or backend, a candidate), a refusal (how far
+    construction or post-load went), a per-call tier, an availability answer, or the probes (drift, errors)."""
+    if kind in ("path", "candidates"):
+        return "kernel"
+    if kind == "dispatch":
+        return "tier"
+    if field.startswith("vLLM availability"):
+        return "availability"
+    if field.startswith("probe"):
+        return "probe"
+    if field == "attention candidates":
+        return "kernel"
+    return "refusal"
 
 
 def _build(routing: dict) -> dict:
@@ -219,7 +354,10 @@ def _postload_state(cell: dict) -> str:
     if not post.get("ran"):
         err = post.get("error") or {}
         return f"did not run: {err.get('type', '')}: {err.get('message', '')}"
-    return f"ran to the end ({post.get('steps', 0)} steps)"
+    return f"{POSTLOAD_RAN} ({post.get('steps', 0)} steps)"
+
+
+POSTLOAD_RAN = "ran to the end"
 
 
 def _absent(cell: dict) -> str:
@@ -237,9 +375,10 @@ def _text(value) -> str:
 
 
 def _cell_facts(a: dict, b: dict):
-    """(field, before, after) for everything else a reviewer cares about in a cell: the attention backends
-    vLLM considered and why it rejected them, drifted probe targets, probe errors, vLLM's availability
-    answers and the package versions of the environment."""
+    """(field, before, after, why) for everything else a reviewer cares about in a cell: the attention backends
+    vLLM considered and why it rejected them, how far post-load went, drifted probe targets, probe errors, vLLM's
+    availability answers and the package versions of the environment. *why* says what makes a row information
+    ("" where it decides serving)."""
     def attention(c):
         ac = c.get("attention_candidates") or {}
         valid = ", ".join(f"{v['backend']}" for v in ac.get("valid", []))
@@ -247,16 +386,25 @@ def _cell_facts(a: dict, b: dict):
         return " | ".join(x for x in (f"valid: {valid}" if valid else "", f"rejected: {rejected}" if rejected else "")
                           if x) or "—"
 
+    def valid(c):
+        return [v["backend"] for v in (c.get("attention_candidates") or {}).get("valid", [])]
+
     if attention(a) != attention(b):
-        yield "attention candidates", attention(a), attention(b)
-    if _postload_state(a) != _postload_state(b):
-        yield "post-load", _postload_state(a), _postload_state(b)
+        # vLLM takes the first valid backend in its priority order: the same valid list chooses the same one
+        same = valid(a) and valid(a) == valid(b)
+        yield ("attention candidates", attention(a), attention(b),
+               "the same valid backends in the same order; only the rejected ones or their reasons differ" if same
+               else "")
+    pa, pb = _postload_state(a), _postload_state(b)
+    if pa != pb:
+        counts = pa.startswith(POSTLOAD_RAN) and pb.startswith(POSTLOAD_RAN)
+        yield "post-load", pa, pb, "the count of post-load steps only" if counts else ""
     for field, get in (("probe drift", lambda c: sorted(d["target"] for d in c.get("drift", []))),
                        ("probe errors", lambda c: sorted(f"{e.get('where')}: {(e.get('error') or {}).get('type')}: "
                                                          f"{(e.get('error') or {}).get('message')}"
                                                          for e in c.get("probe_errors", [])))):
         if get(a) != get(b):
-            yield field, _text(get(a)) if get(a) else "—", _text(get(b)) if get(b) else "—"
+            yield field, _text(get(a)) if get(a) else "—", _text(get(b)) if get(b) else "—", ""
     for group, title in (("availability", "vLLM availability"), ("fingerprint", "package")):
         da, db = a.get(group) or {}, b.get(group) or {}
         if group == "fingerprint":
@@ -268,9 +416,8 @@ def _cell_facts(a: dict, b: dict):
         keys = set(da) & set(db) if group == "availability" else set(da) | set(db)
         for key in sorted(keys):
             if da.get(key) != db.get(key):
-                yield f"{title}: {key}", _text(da.get(key)), _text(db.get(key))
-
-
+                yield (f"{title}: {key}", _text(da.get(key)), _text(db.get(key)),
+                       "" if group == "availability" else "a package version (what it changes shows in the other rows)")
 
 
 def _worst_verdicts(routing: dict) -> dict[tuple, str]:

@@ -192,7 +192,7 @@ def diff_cells(a: dict | None, b: dict | None, model: str | None = None):
     pa, pb = per_layer(a), per_layer(b)
     moved: dict[tuple, set] = {}
     for key in sorted(set(pa) | set(pb), key=str):
-        before, after = pa.get(key, "—"), pb.get(key, "—")
+        before, after = pa.get(key, a.get("absent", "—")), pb.get(key, b.get("absent", "—"))
         if before != after:
             lane, role, group, layer, workload = key
             moved.setdefault((lane, role, group, workload, before, after), set()).add(layer)
@@ -263,6 +263,24 @@ def step_path_group(cell: dict, lane: str, group: dict, workload: str, path: Ste
     return {"layers": group["layers"], "ranges": group.get("ranges", ""), "level": "resolved (dispatch)",
             "value": f"{path.name} ({part}): {detail}",
             "raw": {"source": STEP_PATH_SOURCE, "fields": [part]}}
+
+
+def taken_by_step_path(cell: dict, lane: str, path: StepPath | None) -> list[str]:
+    """The workloads of *cell* at which the model's own step path serves *lane*'s work instead of the lane's
+    kernels (vLLM's graph dispatch and the path's prepared batch sizes decide; read off the serving-path tiers)."""
+    if path is None or lane not in path.parts:
+        return []
+    return [w for w in (cell.get("dispatch") or {}).get("workloads", [])
+            if (serving_path(cell, w) or "").endswith(f": {path.name}")]
+
+
+def step_path_mark(cell: dict, lane: str, path: StepPath | None) -> str:
+    """What a lane's row adds where the model's step path takes some of its batches: which batches, and what serves
+    them ("" where it takes none)."""
+    taken = taken_by_step_path(cell, lane, path)
+    if not taken:
+        return ""
+    return f" · at {_fold(taken, list((cell.get('dispatch') or {}).get('workloads', [])))}: {path.owner} serves instead"
 
 
 def serving_group(cell: dict, lane: str, group: dict, workload: str,

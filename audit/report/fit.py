@@ -19,6 +19,8 @@ MAX_CELL = 200
 WIDTH = 400
 #: the head a moved cell keeps (at most), before its footnote reference
 HEAD = 60
+#: a cell shorter than this is never moved to a footnote (a wide row of short cells stays wide)
+MIN_MOVED = 80
 
 _ROW = re.compile(r"^\|.*\|\s*$")
 _SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
@@ -129,7 +131,7 @@ def _fit_row(row: str, notes: _Notes, max_cell: int, width: int) -> str:
     # still too wide: move the longest cells, then shorten the heads of the moved ones, until it fits
     for head in (HEAD, 24, 12, 0):  # a bare reference only when nothing else fits
         while len(line) > width:
-            movable = [i for i, c in enumerate(original) if len(c) > head + 8
+            movable = [i for i, c in enumerate(original) if len(c) > max(head + 8, MIN_MOVED - 1)
                        and (moved[i] is None or moved[i] > head)]
             if not movable:
                 break

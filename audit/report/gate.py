@@ -142,9 +142,14 @@ def judge_gate(baseline: dict, routing: dict, accepted: set[tuple] | None, *, ac
     d = diff_routings(baseline, routing)
     changes = [c for c in d["changes"] if c["serving"]]
     accepted = accepted or set()
-    new = [f for f in findings(routing) if finding_key(f) not in accepted]
+    before = {finding_key(f) for f in findings(baseline)}
+    new = [{**f, "in_baseline": finding_key(f) in before} for f in findings(routing) if finding_key(f) not in accepted]
     known = [f for f in findings(routing) if finding_key(f) in accepted]
     return {"baseline": d["from"], "candidate": d["to"], "serving_changes": changes,
+            "by_class": d["by_class"], "information_changes": d["information_changes"],
+            # new findings split the one way that keeps the counts consistent: failing only now, or failing in the
+            # baseline too but not in the accepted-findings file
+            "newly_failing": sum(1 for f in new if not f["in_baseline"]),
             "new_findings": new, "accepted_findings": len(known), "accepted_file": accepted_path,
             "cells_compared": d["cells_compared"], "only_in_baseline": d["only_in_from"],
             "only_in_candidate": d["only_in_to"],

@@ -43,8 +43,8 @@ def _env(layout_order: list[str] | None = None) -> jinja2.Environment:
 
 
 def collapse_cells(cells: list[str], audited: list[str] | None = None, layout_order: list[str] | None = None) -> str:
-    """``system/layout`` ids, shortened: grouped by layout; a layout on every audited system that has it reads
-    "every audited system", a whole SM (all audited systems of one capability) reads "SM 10.0"; layouts with the same
+    """``system/layout`` ids, shortened: grouped by layout; a layout on every system of the audit reads "every
+    audited system" (never a subset: a layout only some systems have names their SMs), a whole SM (all audited systems of one capability) reads "SM 10.0"; layouts with the same
     systems share one entry ("tp8, tp16: SM 10.0, h100_sxm")."""
     cells = [c for c in cells if c != "—/—"]  # a claim judged in no cell of this run (the row says why)
     if not cells:
@@ -57,6 +57,7 @@ def collapse_cells(cells: list[str], audited: list[str] | None = None, layout_or
     for c in audited or cells:
         system, _, layout = c.partition("/")
         audited_by.setdefault(layout, set()).add(system)
+    everyone = {c.partition("/")[0] for c in audited or cells}
     order = {name: i for i, name in enumerate(SYSTEMS)}
     if layout_order is None:
         from audit import models
@@ -66,7 +67,7 @@ def collapse_cells(cells: list[str], audited: list[str] | None = None, layout_or
 
     def systems_text(layout: str, systems: set[str]) -> str:
         present = audited_by.get(layout, systems)
-        if systems == present and len(systems) > 1:
+        if systems == everyone and len(systems) > 1:
             return "every audited system"
         parts, done = [], set()
         for name in sorted(systems, key=lambda n: order.get(n, 99)):
@@ -222,7 +223,8 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                     row.append("INCOMPLETE")
                 else:
                     row.append(_lane_summary(c["lanes"].get(lane, []), c,
-                                             lane in routing.get("lanes_read_after_construction", ())))
+                                             lane in routing.get("lanes_read_after_construction", ()))
+                               + dispatch.step_path_mark(c, lane, profile.step_path))
             rows.append(row)
         levels = sorted(set().union(*[_levels(by[(s.name, layout.name)]) for s in systems
                                       if (s.name, layout.name) in by]))
@@ -237,8 +239,9 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 continue
             lanes = []
             for lane in lane_ids:
+                mark = dispatch.step_path_mark(c, lane, profile.step_path)
                 for g in c["lanes"].get(lane, []):
-                    lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"],
+                    lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"] + mark,
                                   "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g
                                   else (f"{c['evidence']}, {g['level']}" if g.get("level") else c["evidence"])})
             entries.append({"layout": layout, "cell": c, "lanes": lanes})

@@ -379,12 +379,41 @@ def _postload_level(post: dict, layer: int, role: str = "target") -> str:
     return "post-load"
 
 
+def _no_runner(facts: dict) -> str:
+    """What a model's MoE block that built no MoE runner says about why (its probes package's ``block_facts``)."""
+    return f"none: no MoE runner is built (vLLM's `{facts['runner_absent_because']}`)"
+
+
+def _dispatch_combine(facts: dict) -> str:
+    """How experts that are a module of their own (no MoE runner around them) dispatch and combine, from what they
+    hold: a prepare/finalize object, or none (the experts kernel does it over its own buffers)."""
+    if facts.get("prepare_finalize"):
+        return f"dispatch/combine: {short(facts['prepare_finalize'])}"
+    kernel = f"DeepGEMM `{facts['kernel']}`" if facts.get("kernel") else "the experts' own kernel"
+    text = f"dispatch/combine inside {kernel}"
+    if facts.get("symm_buffer_cache"):
+        text += f" over a symmetric-memory buffer (class cache `{facts['symm_buffer_cache']}`, filled at the first forward)"
+    text += "; no prepare/finalize object" + ("" if facts.get("has_moe_config") else ", no MoE config")
+    if facts.get("all2all_manager"):
+        text += (f"; all2all backend {facts.get('all2all_backend')}: its {short(facts['all2all_manager'])} exists on "
+                 "the EP group, these experts hold no reference to it")
+    return text
+
+
 def _reading_kernel(facts: dict, what: str, **_) -> str | None:
+    if what == "moe-block":
+        return None  # the block's experts are read on their own module
     if what == "mega-moe":
         if "transformed" not in facts:
-            return f"{short(facts.get('experts'))} keeps no post-load state"
-        return ("DeepGEMM MegaMoE weights transformed" if facts["transformed"] else
-                "MegaMoE weights not transformed")
+            state = f"{short(facts.get('experts'))} keeps no post-load state"
+        else:
+            state = ("DeepGEMM MegaMoE weights transformed" if facts["transformed"] else
+                     "MegaMoE weights not transformed")
+        if "has_moe_config" not in facts:  # evidence from before the harness read how they dispatch
+            return state
+        # identity: the post-load state and who dispatches (a prepare/finalize class, or the experts kernel)
+        who = short(facts["prepare_finalize"]) if facts.get("prepare_finalize") else f"in {facts.get('kernel') or 'kernel'}"
+        return f"{state}; {_dispatch_combine(facts)}", f"{state}; dispatch/combine {who}"
     if facts.get("moe_kernel") is None:
         return "no kernel object built"
     fused = short(facts.get("fused_experts") or facts.get("moe_kernel"))
@@ -395,13 +424,18 @@ def _reading_kernel(facts: dict, what: str, **_) -> str | None:
 
 
 def _reading_activation(facts: dict, what: str, checks: dict, **_) -> str | None:
+    if what == "moe-block":
+        return None
     if what == "mega-moe":
         act = facts.get("activation") or "none"
         allowed = facts.get("format_activations")
+        # (value, identity): the identity is what decides serving; whether vLLM records a check is a note,
+        # unless the experts declare activations that leave this one out
         if allowed is None:
-            return f"{act} (MegaMoE; vLLM records no kernel-support check)"
+            return f"{act} (MegaMoE; vLLM records no kernel-support check)", f"{act} (MegaMoE)"
         ok = "in" if act in allowed else "NOT in"
-        return f"{act} (MegaMoE; {ok} the experts' declared activations {', '.join(allowed)})"
+        return (f"{act} (MegaMoE; {ok} the experts' declared activations {', '.join(allowed)})",
+                f"{act} (MegaMoE)" if ok == "in" else f"{act} (MegaMoE; NOT declared)")
     act = short(facts.get("layer_activation"))
     kernel = facts.get("fused_experts") or facts.get("experts_cls")
     asked = checks.get(short(kernel)) if kernel else None
@@ -415,6 +449,8 @@ def _reading_activation(facts: dict, what: str, checks: dict, **_) -> str | None
 
 
 def _reading_deferred(facts: dict, what: str, **_) -> str | None:
+    if what == "moe-block" and facts.get("runner_absent_because"):
+        return _no_runner(facts)
     if what != "moe-runner" or "defer_requested" not in facts:
         return None
     if not facts.get("defer_requested"):
@@ -467,8 +503,9 @@ def _postload_values(f: EvidenceFile, reading: str, post: dict, readings: dict, 
             continue
         value = fn(r.get("facts") or {}, r.get("what", ""), checks=checks.get(layer, {}))
         if value is not None:
+            value, identity = value if isinstance(value, tuple) else (value, value)
             out[layer] = {"value": value, "level": _postload_level(post, layer, r.get("role", "target")), "raw": [],
-                          "source": f"postload.{reading}"}
+                          "source": f"postload.{reading}", **({"identity": identity} if identity != value else {})}
     return out
 
 
@@ -496,8 +533,11 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         levels = {k: v.get("level", lane.level) for k, v in per_layer.items()}
         groups = collapse({k: (v["value"], levels[k]) for k, v in per_layer.items()},
                           raw={k: {"source": v.get("source", ""), "fields": v["raw"]} for k, v in per_layer.items()})
+        identity = {v["value"]: v["identity"] for v in per_layer.values() if "identity" in v}
         for g in groups:  # each row says how far the simulation went for it
             g["value"], g["level"] = g["value"]
+            if g["value"] in identity:  # what of the value decides serving, where the value also carries a note
+                g["identity"] = identity[g["value"]]
             if g["layers"] == [-1]:  # a model-wide answer
                 g["ranges"] = "model"
         lanes[lane.id] = groups

@@ -22,6 +22,8 @@ only one model has comes from its package, in two parts:
                               the stock forward (the serving-path lane asks it per step);
     ``postload_steps(lm)``    steps the worker runs once the weights are loaded, after vLLM's loader steps;
     ``runner_facts(runner)``  what the model's MoE runners left behind at post-load, merged into each runner's facts;
+    ``block_facts(module)``   for a module of the model's own that holds its MoE (its MoE block): which MoE path it
+                              built, read off vLLM's attributes (a ``moe-block`` record), else None;
     ``model_facts(lm)``       the model-level reading after post-load (a ``postload-model`` record), or None;
     ``check_phase(rec, session, model, vllm_config)``  observe mode's phase attribution checked on the built model.
 

@@ -348,12 +348,18 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
     manager = _all2all_manager()
     own = models_probes.current()
     own_runner_facts = own.hook("runner_facts")
+    own_block_facts = own.hook("block_facts")
+    pc = getattr(vllm_config, "parallel_config", None)
     experts_modules = ("DeepGemmMegaMoEExperts",) + own.experts_modules
     for name, module in model.named_modules():
         layer = _layer(name)
         if layer is None:
             continue
         facts: dict = {}
+        block = own_block_facts(module) if own_block_facts is not None else None
+        if block is not None:  # the model's own MoE block: which MoE path it built, read off vLLM's attributes
+            rec.emit("postload-module", role=role, name=name, layer=layer, what="moe-block", facts=block)
+            continue
         if hasattr(module, "routed_experts") and hasattr(module, "moe_config"):  # an MoE runner
             facts["runner"] = _cls(module)
             if own_runner_facts is not None:  # what the model's own runner left behind (K3: its latent tail fusion)
@@ -392,8 +398,18 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
                 facts["format_activations"] = sorted(fmt.activations)
             if hasattr(module, "_transformed_l1_weights"):  # classes that transform their weights after load
                 facts["transformed"] = getattr(module, "_transformed_l1_weights", None) is not None
+            # how these experts dispatch and combine: the DeepGEMM kernel their weight format names, whether they hold
+            # a prepare/finalize or an MoE config (the shared path's objects), the symmetric-memory buffer cache their
+            # class keeps (filled at the first forward), and the EP group's all2all manager beside them
+            kernel_name = getattr(fmt, "kernel", None) if fmt is not None else None
+            facts["kernel"] = kernel_name if isinstance(kernel_name, str) else None
+            facts["prepare_finalize"] = _cls(getattr(module, "prepare_finalize", None))
+            facts["has_moe_config"] = hasattr(module, "moe_config")
+            facts["symm_buffer_cache"] = next((n for n in ("_symm_buffers", "_kimi_symm_buffer_cache")
+                                               if hasattr(type(module), n)), None)
+            facts["all2all_manager"] = _cls(manager)
+            facts["all2all_backend"] = getattr(pc, "all2all_backend", None)
             rec.emit("postload-module", role=role, name=name, layer=layer, what="mega-moe", facts=facts)
-    pc = getattr(vllm_config, "parallel_config", None)
     rec.emit("postload-comm", role=role, all2all_backend=getattr(pc, "all2all_backend", None),
              all2all_manager=_cls(manager))
     own_model_facts = own.hook("model_facts")

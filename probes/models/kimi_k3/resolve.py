@@ -50,6 +50,23 @@ def runner_facts(module) -> dict:
     return facts
 
 
+def block_facts(module) -> dict | None:
+    """K3's MoE block (``KimiMoE``): whether it built the MegaMoE experts in place of the latent MoE runner. vLLM
+    decides it once, at construction, into ``use_mega_moe`` (from the MoE backend the layout asks for); that
+    attribute is read, not re-derived. With it set there is no runner, so no latent tail fusion and no deferred
+    finalize: the routed output transform runs as its own module."""
+    if not hasattr(module, "use_mega_moe") or not hasattr(module, "experts"):
+        return None
+    mega = bool(module.use_mega_moe)
+    transform = getattr(module, "routed_output_transform", None)
+    facts = {"block": describe(type(module)), "use_mega_moe": mega,
+             "experts": describe(type(getattr(module, "experts", None))),
+             "routed_output_transform": None if transform is None else describe(type(transform))}
+    if mega:
+        facts["runner_absent_because"] = f"{type(module).__qualname__}.use_mega_moe is True"
+    return facts
+
+
 def model_facts(lm) -> dict | None:
     """The specialized decode: whether the layout asked for it, its config, and what was built."""
     if not hasattr(lm, "specialized_decode_config"):

@@ -1,0 +1,203 @@
+"""The pull-request summary of a pin bump: at most about 250 words of markdown a reviewer pastes into the PR.
+
+Generated from the two audits' ``routing.json`` and their diff (``audit/report/diff.py``), deterministic, and
+self-contained: every sentence is true as written, without another section to qualify it. It says
+
+* the gate's answer and the count of serving changes by kind;
+* what now serves what, in the perf database's words (its lane, backend family and kernel source, from
+  ``audit/report/perflabels.py``), per cell group and batch size: these are the rows a perf database must
+  re-measure;
+* the other kernel-level changes (lanes no perf label covers) and the per-call tiers that moved;
+* refusals that appeared or went away;
+* claims newly failing and no longer failing (a claim true now only because serving changed says so);
+* the caveats for the changed rows: the evidence level, post-load stops at a simulation limit, choices only a
+  GPU can make ("needs GPU").
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from audit.report.dispatch import workload_order
+from audit.report.perflabels import build_labels, refusal
+
+#: the word budget; bullet lists are cut (with a count of what was left out and where it is) to keep within it
+WORDS = 250
+
+
+def _label_points(labels: dict) -> dict[tuple, dict[str, tuple]]:
+    """(system, layout, harness lane) -> {batch: (perf lane, backend, kernel source)}; "all" where the row has no
+    per-batch split."""
+    out: dict[tuple, dict[str, tuple]] = defaultdict(dict)
+    for r in labels["rows"]:
+        key = (r["system"], r["layout"], r["harness_lane"])
+        out[key]["all"] = (r["lane"], r["backend"], r["kernel_source"])
+        for t in r.get("by_tokens") or []:
+            out[key][t["tokens"]] = (r["lane"], t.get("backend", "unknown"), t.get("kernel_source", "unknown"))
+    return out
+
+
+def label_changes(old: dict, new: dict) -> list[dict]:
+    """The perf-database rows whose label moved between two audits: one entry per (harness lane, before, after)
+    with the cells and batch sizes it covers. A batch one audit splits out and the other does not compares against
+    the other's whole-lane label."""
+    a, b = _label_points(build_labels(old)), _label_points(build_labels(new))
+    moved: dict[tuple, dict] = {}
+    for key in sorted(set(a) & set(b)):
+        pa, pb = a[key], b[key]
+        batches = sorted((set(pa) | set(pb)) - {"all"}, key=workload_order)
+        points = batches or ["all"]
+        for t in points:
+            before, after = pa.get(t, pa.get("all")), pb.get(t, pb.get("all"))
+            if before is None or after is None or before == after:
+                continue
+            row = moved.setdefault((key[2], before, after), {"cells": set(), "batches": set()})
+            row["cells"].add(key[:2])
+            row["batches"].add(t)
+    out = []
+    for (lane, before, after), row in sorted(moved.items()):
+        out.append({"harness_lane": lane, "perf_lane": after[0], "before": before, "after": after,
+                    "cells": sorted(row["cells"]), "batches": sorted(row["batches"], key=workload_order)})
+    return out
+
+
+def _batches(batches: list[str], every: set[str]) -> str:
+    if batches == ["all"] or set(batches) >= every:
+        return "every batch"
+    by_phase: dict[str, list[str]] = defaultdict(list)
+    for b in batches:
+        phase, _, size = b.partition(" ")
+        by_phase[phase].append(size)
+    return "; ".join(f"{phase} {', '.join(sizes)}" for phase, sizes in by_phase.items())
+
+
+def _pair(before: tuple, after: tuple) -> str:
+    """before -> after in the perf database's words: the backend family, and the kernel source where the family
+    stays the same (a new class inside one family)."""
+    if before[1] == after[1]:
+        return f"{before[1]}: `{before[2]}` → `{after[2]}`"
+    return f"{before[1]} → {after[1]}"
+
+
+def _lane_title(titles: dict, lane: str) -> str:
+    """A lane's title without its parenthesized detail ("KDA kernel by batch type (decode, ...)" reads
+    "KDA kernel by batch type")."""
+    return titles.get(lane, lane).split(" (")[0]
+
+
+def pr_summary(d: dict, old: dict, new: dict) -> str:
+    """The PR summary for the diff *d* of the routings *old* -> *new* (markdown, about 250 words at most)."""
+    from audit import models
+    from audit.report.render import collapse_cells
+
+    profile = models.get(new.get("model"))
+    order = list(profile.layouts)
+    audited = [f"{c['system']}/{c['layout']}" for c in new["cells"]]
+    titles = new.get("lane_titles", {})
+
+    def where(cells) -> str:
+        return collapse_cells([f"{s}/{l}" for s, l in cells], audited, order)
+
+    every = {w for c in new["cells"] for w in (c.get("dispatch") or {}).get("workloads", [])}
+    serving = [c for c in d["changes"] if c["serving"]]
+    kinds = ", ".join(f"{k} {n}" for k, n in d["by_class"].items() if n)
+    levels = sorted({str(c.get("evidence", "")) for c in new["cells"]} - {""})
+    pins = "" if (d["from"]["pin"], d["to"]["pin"]) == (f"v{d['from']['vllm_version']}", f"v{d['to']['vllm_version']}") \
+        else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
+    head = (f"**{profile.title}, vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}**{pins}: "
+            f"{d['cells_compared']} cells compared, evidence "
+            f"{' and '.join(levels) or 'none'}. ")
+    if not d["cells_compared"]:
+        head += "**Nothing was judged**: the two audits share no cell."
+    elif serving:
+        head += (f"**The pin-bump gate fails** on {d['serving_changes']} serving change(s) in {d['serving_cells']} "
+                 f"cell(s) ({kinds}); {d['information_changes']} row(s) change no kernel and do not gate.")
+    else:
+        head += f"**No serving change**; {d['information_changes']} row(s) change no kernel."
+    blocks = [head]
+
+    moved = label_changes(old, new)
+    grouped: dict[tuple, list[dict]] = defaultdict(list)  # the lanes that moved in the same cells at the same batches
+    for m in moved:
+        grouped[(where(m["cells"]), _batches(m["batches"], every))].append(m)
+    lines = [f"- {cells}, {batches}: " + "; ".join(
+        f"{_lane_title(titles, m['harness_lane'])} (`{m['perf_lane']}`) {_pair(m['before'], m['after'])}" for m in ms)
+        for (cells, batches), ms in grouped.items()]
+    blocks.append(("**Now serving (re-measure these perf-db rows):**", lines) if lines else
+                  "**Perf-db labels:** none moved; no row needs re-measuring.")
+
+    labelled = {m["harness_lane"] for m in moved}
+    judged = {j.lane for j in profile.judged}
+    other = [c for c in serving if c["class"] == "kernel" and c["kind"] == "path"
+             and not (c["lane"] in judged and c["lane"] in labelled)]
+    if other:
+        blocks.append(("**Other kernel-level changes:**",
+                       [f"- {_lane_title(titles, c['lane'])}, {c['where']}: {_short(c['before'])} → {_short(c['after'])}"
+                        for c in other]))
+    tiers: dict[str, set] = defaultdict(set)
+    for c in serving:
+        if c["class"] == "tier":
+            tiers[c["title"].split(" · ")[0].split(" (")[0]].update(tuple(x) for x in c["cells"])
+    if tiers:
+        blocks.append("**Per-call tiers moved:** " + "; ".join(f"{t} ({where(cells)})" for t, cells in tiers.items())
+                      + ".")
+
+    old_cells = {(c["system"], c["layout"]): c for c in old["cells"]}
+    appeared = [(c["system"], c["layout"]) for c in new["cells"]
+                if (c["system"], c["layout"]) in old_cells and refusal(c) and not refusal(old_cells[(c["system"], c["layout"])])]
+    gone = [(c["system"], c["layout"]) for c in new["cells"]
+            if (c["system"], c["layout"]) in old_cells and not refusal(c) and refusal(old_cells[(c["system"], c["layout"])])]
+    ref = []
+    if appeared:
+        ref.append(f"vLLM now refuses {where(appeared)}")
+    if gone:
+        ref.append(f"vLLM no longer refuses {where(gone)}")
+    blocks.append("**Refusals:** " + ("; ".join(ref) if ref else "none appeared or went away") + ".")
+
+    verdicts = [c for c in d["changes"] if c["kind"] == "verdict" and c.get("turn")]
+    claims = [f"`{c['field']}` {c['turn']} ({c['before']} → {c['after']}; {c['where']})"
+              + ("; true now only because serving changed under it" if c.get("because", "").startswith("claim now")
+                 else "") for c in verdicts]
+    blocks.append("**Claims:** " + ("; ".join(claims) if claims else "none newly failing, none newly passing") + ".")
+
+    caveats = []
+    changed_cells = {tuple(x) for c in serving for x in c["cells"]}
+    stops = sorted((c["system"], c["layout"]) for c in new["cells"] if (c["system"], c["layout"]) in changed_cells
+                   and ((c.get("postload") or {}).get("limits")))
+    if stops:
+        caveats.append(f"post-load stopped at a simulation limit in {where(stops)} (what it builds at load is "
+                       "unknown)")
+    gpu = sorted({tuple(x) for c in serving for x in c["cells"] if "needs GPU" in str(c["after"])})
+    if gpu:
+        caveats.append(f"the new rows of {where(gpu)} name choices made on the device (needs GPU)")
+    if "resolved" in " ".join(levels):
+        caveats.append("resolved: vLLM's selection code ran on a simulated platform; no kernel ran")
+    blocks.append("**Caveats:** " + "; ".join(caveats) + "." if caveats else "**Caveats:** none.")
+    return _fit(blocks)
+
+
+def _short(text: str, n: int = 10) -> str:
+    words = str(text).split()
+    return " ".join(words[:n]) + (" …" if len(words) > n else "")
+
+
+def _fit(blocks: list) -> str:
+    """Join the blocks within the word budget: bullet lists are cut from the end, each cut list saying how many
+    entries the diff's tables hold beyond it."""
+    def text(bs) -> str:
+        out = []
+        for b in bs:
+            out.append(b if isinstance(b, str) else "\n".join([b[0], *b[1]]))
+        return "\n\n".join(out)
+
+    blocks = [b if isinstance(b, str) else (b[0], list(b[1])) for b in blocks]
+    cut = {i: 0 for i, b in enumerate(blocks) if not isinstance(b, str)}
+    while len(text(blocks).split()) > WORDS:
+        longest = max((i for i in cut if len(blocks[i][1]) - (1 if cut[i] else 0) > 1),
+                      key=lambda i: len(blocks[i][1]), default=None)
+        if longest is None:
+            break
+        head, lines = blocks[longest]
+        kept = lines[:-2] if cut[longest] else lines[:-1]
+        cut[longest] += 1
+        blocks[longest] = (head, kept + [f"- … and {cut[longest]} more: see the tables below"])
+    return text(blocks)

@@ -136,3 +136,117 @@ def test_the_written_diff_names_its_model(tmp_path):
     md, js, d = write_diff(tmp_path, "v0.30.0", "v0.33.0")
     assert json.loads(js.read_text(encoding="utf-8"))["model"] == "kimi-k3" == d["model"]
     assert md.read_text(encoding="utf-8") == render_diff(d)
+
+
+# --- serving or information: what the gate fails on ---------------------------------------------------------------
+
+def _rows(d, **match):
+    return [c for c in d["changes"] if all(c.get(k) == v for k, v in match.items())]
+
+
+def _cell(r, system, layout):
+    return next(c for c in r["cells"] if (c["system"], c["layout"]) == (system, layout))
+
+
+def test_a_kernel_change_is_serving_and_a_count_or_a_newly_read_idle_lane_is_information():
+    r = load("v0.33.0")
+    changed = copy.deepcopy(r)
+    b200 = _cell(changed, "b200_sxm", "tp8")
+    b200["lanes"]["mla.prefill"][0]["value"] = "SomeNewPrefillBackend"  # a kernel
+    b200["postload"]["steps"] = b200["postload"].get("steps", 0) + 1  # a count
+    old = copy.deepcopy(r)
+    _cell(old, "b200_sxm", "tp8")["lanes"].pop("decode.specialized", None)  # an audit that did not read the lane
+    d = diff_routings(old, changed)
+    kernel = _rows(d, lane="mla.prefill")
+    assert len(kernel) == 1 and kernel[0]["serving"] and kernel[0]["class"] == "kernel"
+    count = _rows(d, field="post-load")
+    assert len(count) == 1 and not count[0]["serving"] and "count" in count[0]["information"]
+    idle = _rows(d, lane="decode.specialized")
+    assert len(idle) == 1 and idle[0]["before"] == "—" and idle[0]["after"] == "not requested"
+    assert not idle[0]["serving"] and idle[0]["information"] == "a lane newly read that takes nothing"
+    assert d["serving_changes"] == 1 and d["by_class"]["kernel"] == 1 and d["serving_cells"] == 1
+    # the same lane newly read and *requested* is a change of what serves
+    on = copy.deepcopy(changed)
+    _cell(on, "b200_sxm", "tp8")["lanes"]["decode.specialized"][0]["value"] = "built: SpecializedDecode"
+    assert _rows(diff_routings(old, on), lane="decode.specialized")[0]["serving"]
+
+
+def test_a_note_beside_an_unchanged_serving_value_is_information_and_a_changed_identity_is_not():
+    r = load("v0.33.0")
+    lane, cell = "moe.activation", ("b200_sxm", "dep8")
+    old, new = copy.deepcopy(r), copy.deepcopy(r)
+    g_old, g_new = _cell(old, *cell)["lanes"][lane][0], _cell(new, *cell)["lanes"][lane][0]
+    g_old.update(value="situ (MegaMoE; vLLM records no kernel-support check)", identity="situ (MegaMoE)")
+    g_new.update(value="situ (MegaMoE; in the experts' declared activations situ, swiglu)", identity="situ (MegaMoE)")
+    row = _rows(diff_routings(old, new), lane=lane)
+    assert len(row) == 1 and not row[0]["serving"] and "only its note differs" in row[0]["information"]
+    g_new.update(value="situ (MegaMoE; NOT in the experts' declared activations swiglu)",
+                 identity="situ (MegaMoE; NOT declared)")
+    row = _rows(diff_routings(old, new), lane=lane)
+    assert len(row) == 1 and row[0]["serving"] and row[0]["class"] == "kernel"
+
+
+def test_an_availability_answer_gates_only_where_a_selection_in_its_cell_moved():
+    r = load("v0.33.0")
+    changed = copy.deepcopy(r)
+    for c in changed["cells"]:
+        c["availability"]["deep_ep"] = True
+    d = diff_routings(r, changed)
+    row = _rows(d, field="vLLM availability: deep_ep")
+    assert len(row) == 1 and not row[0]["serving"] and "changed no selection" in row[0]["information"]
+    assert d["serving_changes"] == 0
+    _cell(changed, "b200_sxm", "dp8-ep")["lanes"]["moe"][0]["value"] = "DEEPEP / SomeExperts"
+    d = diff_routings(r, changed)
+    gating = [c for c in _rows(d, field="vLLM availability: deep_ep") if c["serving"]]
+    assert gating and gating[0]["class"] == "availability" and ["b200_sxm", "dp8-ep"] in gating[0]["cells"]
+
+
+def test_candidates_with_the_same_choice_and_a_newly_rejected_attention_backend_are_information():
+    r = load("v0.33.0")
+    changed = copy.deepcopy(r)
+    cell = next(c for c in changed["cells"] if len((c.get("attention_candidates") or {}).get("valid", [])) > 1)
+    cell["attention_candidates"]["rejected"].append({"backend": "NEW_MLA", "reasons": ["not on this device"]})
+    d = diff_routings(r, changed)
+    row = _rows(d, field="attention candidates")
+    assert len(row) == 1 and not row[0]["serving"] and "same valid backends" in row[0]["information"]
+    cell["attention_candidates"]["valid"] = list(reversed(cell["attention_candidates"]["valid"]))
+    assert _rows(diff_routings(r, changed), field="attention candidates")[0]["serving"]
+
+
+def test_rows_name_the_cells_they_touched_not_a_product_of_systems_and_layouts():
+    r = load("v0.33.0")
+    changed = copy.deepcopy(r)
+    for system, layout in (("b200_sxm", "tp8"), ("h100_sxm", "tp16")):
+        _cell(changed, system, layout)["lanes"]["mla.prefill"][0]["value"] = "SomeNewPrefillBackend"
+    row = _rows(diff_routings(r, changed), lane="mla.prefill")[0]
+    assert row["where"] == "tp8: b200_sxm; tp16: h100_sxm"
+
+
+def test_a_claim_that_passes_only_because_serving_moved_under_it_says_so():
+    r = load("v0.33.0")
+    failing = next(v for v in r["verdicts"]["rows"] if v["verdict"] == "MISMATCH")
+    cell = (failing["system"], failing["layout"])
+    changed = copy.deepcopy(r)
+    for v in changed["verdicts"]["rows"]:
+        if (v["claim"], v["system"], v["layout"], v["lane"]) == (failing["claim"], *cell, failing["lane"]):
+            v["verdict"] = "MATCH"
+    d = diff_routings(r, changed)
+    turn = [c for c in _rows(d, kind="verdict") if c["turn"] == "no longer failing"]
+    assert turn and "the claim or the harness changed" in turn[0]["because"]  # nothing served differently
+    for g in _cell(changed, *cell)["lanes"][failing["lane"]]:
+        g["value"] = "SomethingElse"
+    d = diff_routings(r, changed)
+    turn = [c for c in _rows(d, kind="verdict") if c["turn"] == "no longer failing"]
+    assert turn[0]["because"] == "claim now true because serving changed" and d["now_true_by_serving"] == 1
+    assert "true now only because serving changed" in d["summary"]
+
+
+def test_the_pr_summary_is_short_deterministic_and_names_what_now_serves():
+    old, new = load("v0.30.0"), load("v0.33.0")
+    d = diff_routings(old, new)
+    text = d["summary"]
+    assert len(text.split()) <= 260 and text == diff_routings(copy.deepcopy(old), copy.deepcopy(new))["summary"]
+    assert text.startswith("**Kimi-K3, vLLM 0.30.0 → 0.33.0**") and "**The pin-bump gate fails**" in text
+    assert "tp8, tp16, tp8-mtp: SM 9.0, every batch: Routed experts" in text and "marlin → humming" in text
+    assert render_diff(d).split("## Summary for the pull request\n\n", 1)[1].startswith(text)
+    assert "**No serving change**" in diff_routings(new, copy.deepcopy(new))["summary"]

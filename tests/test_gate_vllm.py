@@ -58,6 +58,17 @@ REGRESSIONS = {
 }
 
 
+#: the kind of serving change each regression is (the gate groups its terminal lines and the diff its tables by it)
+CLASSES = {"device check relaxed": "refusal", "support check failing quietly": "kernel",
+           "activation check rejecting SiTU": "kernel", "dispatch bound moved": "tier",
+           "selector support narrowed": "kernel"}
+#: an availability answer that moves while no selection in the audited cells depends on it: information
+AVAILABILITY_ONLY = [("vllm.utils.import_utils", [('    """Whether the optional `deep_ep` package is available."""\n'
+                                                   '    return _has_module("deep_ep")\n',
+                                                   '    """Whether the optional `deep_ep` package is available."""\n'
+                                                   '    return True\n')])]
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "audit.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=1800)
@@ -140,3 +151,21 @@ def test_each_regression_fails_the_gate_naming_its_change(name, shipped, regress
         "selector support narrowed": "fused_recurrent_kda_packed_decode",
     }[name]
     assert expected in text, (name, rows)
+    # the row is of its kind, the terminal groups it under that kind with a count, the PR summary says the gate fails
+    klass = CLASSES[name]
+    assert any(c["class"] == klass for c in rows), (name, [(c["class"], c["title"]) for c in rows])
+    assert f"  {klass} (" in r.stderr, r.stderr[-3000:]
+    assert "**The pin-bump gate fails**" in diff["summary"], diff["summary"]
+
+
+def test_an_availability_answer_that_decides_nothing_is_information(shipped, vllm_env, tmp_path_factory, tmp_path):
+    """vLLM now says deep_ep is available; neither audited cell selects anything by it (no expert-parallel
+    all2all in either): the diff shows the answer as information with its reason, and the gate passes."""
+    run = _run(vllm_env, tmp_path_factory, "availability-only", AVAILABILITY_ONLY)
+    r, diff = _gate(shipped, run, tmp_path / "reports")
+    rows = [c for c in diff["changes"] if c["field"] == "vLLM availability: deep_ep"]
+    assert rows and all(not c["serving"] and c["class"] == "information" for c in rows), diff["changes"]
+    assert rows[0]["before"] == "False" and rows[0]["after"] == "True"
+    assert "changed no selection" in rows[0]["information"]
+    assert r.returncode == ExitCode.OK, r.stderr[-3000:]
+    assert diff["serving_changes"] == 0 and "**No serving change**" in diff["summary"]

@@ -61,7 +61,7 @@ def label_changes(old: dict, new: dict) -> list[dict]:
 
 
 def _batches(batches: list[str], every: set[str]) -> str:
-    if batches == ["all"] or set(batches) >= every:
+    if batches == ["all"] or (every and set(batches) >= every):
         return "every batch"
     by_phase: dict[str, list[str]] = defaultdict(list)
     for b in batches:
@@ -97,7 +97,13 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
     def where(cells) -> str:
         return collapse_cells([f"{s}/{l}" for s, l in cells], audited, order)
 
-    every = {w for c in new["cells"] for w in (c.get("dispatch") or {}).get("workloads", [])}
+    workloads = {(c["system"], c["layout"]): set((c.get("dispatch") or {}).get("workloads", [])) for c in new["cells"]}
+
+    def every(cells) -> set:
+        """The workloads every one of *cells* was audited at."""
+        sets = [workloads.get(tuple(c), set()) for c in cells]
+        return set.intersection(*sets) if sets else set()
+
     serving = [c for c in d["changes"] if c["serving"]]
     kinds = ", ".join(f"{k} {n}" for k, n in d["by_class"].items() if n)
     levels = sorted({str(c.get("evidence", "")) for c in new["cells"]} - {""})
@@ -118,11 +124,13 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
     moved = label_changes(old, new)
     grouped: dict[tuple, list[dict]] = defaultdict(list)  # the lanes that moved in the same cells at the same batches
     for m in moved:
-        grouped[(where(m["cells"]), _batches(m["batches"], every))].append(m)
+        grouped[(where(m["cells"]), _batches(m["batches"], every(m["cells"])))].append(m)
+    # the widest changes first (most cells)
+    ordered = sorted(grouped.items(), key=lambda kv: (-max(len(m["cells"]) for m in kv[1]), kv[0]))
     lines = [f"- {cells}, {batches}: " + "; ".join(
         f"{_lane_title(titles, m['harness_lane'])} (`{m['perf_lane']}`) {_pair(m['before'], m['after'])}" for m in ms)
-        for (cells, batches), ms in grouped.items()]
-    blocks.append(("**Now serving (re-measure these perf-db rows):**", lines) if lines else
+        for (cells, batches), ms in ordered]
+    blocks.append(("**Now serving (re-measure these perf-db rows):**", lines, 3) if lines else
                   "**Perf-db labels:** none moved; no row needs re-measuring.")
 
     labelled = {m["harness_lane"] for m in moved}
@@ -132,14 +140,13 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
     if other:
         blocks.append(("**Other kernel-level changes:**",
                        [f"- {_lane_title(titles, c['lane'])}, {c['where']}: {_short(c['before'])} → {_short(c['after'])}"
-                        for c in other]))
+                        for c in sorted(other, key=lambda c: -len(c["cells"]))], 1))
     tiers: dict[str, set] = defaultdict(set)
     for c in serving:
         if c["class"] == "tier":
             tiers[c["title"].split(" · ")[0].split(" (")[0]].update(tuple(x) for x in c["cells"])
     if tiers:
-        blocks.append("**Per-call tiers moved:** " + "; ".join(f"{t} ({where(cells)})" for t, cells in tiers.items())
-                      + ".")
+        blocks.append(("**Per-call tiers moved:**", [f"- {t}: {where(cells)}" for t, cells in tiers.items()], 2))
 
     old_cells = {(c["system"], c["layout"]): c for c in old["cells"]}
     appeared = [(c["system"], c["layout"]) for c in new["cells"]
@@ -181,23 +188,23 @@ def _short(text: str, n: int = 10) -> str:
 
 
 def _fit(blocks: list) -> str:
-    """Join the blocks within the word budget: bullet lists are cut from the end, each cut list saying how many
-    entries the diff's tables hold beyond it."""
+    """Join the blocks within the word budget. A list block is (head, lines, priority); lists are cut from the end,
+    the least important first, each cut list saying how many entries the diff's tables hold beyond it."""
     def text(bs) -> str:
         out = []
         for b in bs:
             out.append(b if isinstance(b, str) else "\n".join([b[0], *b[1]]))
         return "\n\n".join(out)
 
-    blocks = [b if isinstance(b, str) else (b[0], list(b[1])) for b in blocks]
+    blocks = [b if isinstance(b, str) else (b[0], list(b[1]), b[2]) for b in blocks]
     cut = {i: 0 for i, b in enumerate(blocks) if not isinstance(b, str)}
     while len(text(blocks).split()) > WORDS:
-        longest = max((i for i in cut if len(blocks[i][1]) - (1 if cut[i] else 0) > 1),
-                      key=lambda i: len(blocks[i][1]), default=None)
-        if longest is None:
+        open_ = [i for i in cut if len(blocks[i][1]) - (1 if cut[i] else 0) > 1]
+        if not open_:
             break
-        head, lines = blocks[longest]
-        kept = lines[:-2] if cut[longest] else lines[:-1]
-        cut[longest] += 1
-        blocks[longest] = (head, kept + [f"- … and {cut[longest]} more: see the tables below"])
+        i = min(open_, key=lambda k: (blocks[k][2], -k))
+        head, lines, prio = blocks[i]
+        kept = lines[:-2] if cut[i] else lines[:-1]
+        cut[i] += 1
+        blocks[i] = (head, kept + [f"- … and {cut[i]} more: see the tables below"], prio)
     return text(blocks)

@@ -190,3 +190,25 @@ def test_the_dispatch_stand_ins_are_listed_under_what_was_simulated():
     simulated = simulated[:simulated.index("Simulated device per system")]
     assert "kda_batch" in simulated and "KimiK3DeltaAttention._forward's inputs and callees" in simulated
     assert "SpecializedDecode.plan's inputs" in simulated and "gather_initial_states" in simulated
+
+
+def test_tables_mark_the_batches_the_models_step_path_takes():
+    """tp8-specdec: K3's specialized decode serves decode 1-64 (vLLM's graph dispatch and the path's prepared batch
+    sizes decide); the stock lanes it replaces say so in the summary and per-system tables, a lane that serves no
+    batch there (spec-verify without speculative decoding) does not."""
+    import json
+
+    from audit.report.render import render_ledger
+
+    from tests.conftest import ROOT
+
+    r = json.loads((ROOT / "tests" / "data" / "routing-v0.33.0.json").read_text(encoding="utf-8"))
+    text = render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    marked = [line for line in text.split("\n") if "K3's specialized decode serves instead" in line]
+    assert any(line.startswith("| KDA decode |") and "| native · at decode 1–64: K3's specialized decode serves "
+               "instead |" in line for line in marked)
+    assert any("FlashInferMLABackend / FlashInferMLAImpl · at decode 1–64" in line for line in marked)
+    assert not any("not exercised" in line for line in marked)
+    # no other layout's row is marked: the path is requested in tp8-specdec only
+    tp8 = text.split("### ")[1]
+    assert "serves instead" not in tp8

@@ -270,6 +270,8 @@ def taken_by_step_path(cell: dict, lane: str, path: StepPath | None) -> list[str
     kernels (vLLM's graph dispatch and the path's prepared batch sizes decide; read off the serving-path tiers)."""
     if path is None or lane not in path.parts:
         return []
+    if all(str(g.get("value", "")).startswith("not exercised") for g in cell.get("lanes", {}).get(lane, [])):
+        return []  # the lane serves no batch in this cell (no speculative decoding): nothing is taken from it
     return [w for w in (cell.get("dispatch") or {}).get("workloads", [])
             if (serving_path(cell, w) or "").endswith(f": {path.name}")]
 

@@ -205,6 +205,15 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     counts = (routing.get("verdicts") or {}).get("summary", {})
 
     lane_levels = routing.get("lane_levels", {})
+    backend_kernels = profile.backend_labels.kernels if profile.backend_labels is not None else {}
+
+    def named(lane: str, groups: list[dict]) -> list[dict]:
+        """A backend string (one word that names a different kernel per lane, e.g. K3's KDA ``native``) shown as
+        the kernel it enters in this lane, the string beside it: one name per kernel across lanes."""
+        kernels = backend_kernels.get(lane) or {}
+        return [{**g, "value": f"{kernels[g['value']]} ({g['value']})"} if isinstance(g.get("value"), str)
+                and g["value"] in kernels else g for g in groups]
+
     matrices = []
     for layout in known_layouts:
         rows = []
@@ -222,7 +231,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 elif c["status"] == "INCOMPLETE":
                     row.append("INCOMPLETE")
                 else:
-                    row.append(_lane_summary(c["lanes"].get(lane, []), c,
+                    row.append(_lane_summary(named(lane, c["lanes"].get(lane, [])), c,
                                              lane in routing.get("lanes_read_after_construction", ()))
                                + dispatch.step_path_mark(c, lane, profile.step_path))
             rows.append(row)
@@ -240,7 +249,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
             lanes = []
             for lane in lane_ids:
                 mark = dispatch.step_path_mark(c, lane, profile.step_path)
-                for g in c["lanes"].get(lane, []):
+                for g in named(lane, c["lanes"].get(lane, [])):
                     lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"] + mark,
                                   "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g
                                   else (f"{c['evidence']}, {g['level']}" if g.get("level") else c["evidence"])})
@@ -305,6 +314,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "systems": systems,
         "sm_families": _sm_families(systems),
         "value_kernels": _value_kernels(profile, lane_titles),
+        "claim_words": _claim_words(routing),
         "layouts": known_layouts,
         "matrices": matrices,
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],
@@ -388,6 +398,20 @@ def _sm_families(systems) -> list[dict]:
     for s in systems:
         out.setdefault(tuple(s.capability), []).append(s.name)
     return [{"family": "SM " + ".".join(str(x) for x in k), "systems": v} for k, v in sorted(out.items())]
+
+
+def _claim_words(routing: dict) -> str:
+    """The perf database's words (the claims' backend families) mapped to the kernels this ledger names, in one
+    line: family -> its kernel sources here (from labels.json's rows, per batch where a step path serves)."""
+    from audit.report.perflabels import build_labels
+
+    words: dict[str, set[str]] = {}
+    for r in build_labels(routing)["rows"]:
+        for entry in [r, *(r.get("by_tokens") or [])]:
+            family, source = entry.get("backend"), entry.get("kernel_source")
+            if family and source and family != "unknown":
+                words.setdefault(family, set()).add(source)
+    return "; ".join(f"`{f}`: {', '.join(f'`{k}`' for k in sorted(ks))}" for f, ks in sorted(words.items()))
 
 
 def _value_kernels(profile, lane_titles: dict) -> list[dict]:

@@ -192,7 +192,7 @@ def diff_routings(old: dict, new: dict) -> dict:
                         "where": where(cells),
                         "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
                         "layers": _ranges(row["layers"]) if row["layers"] else "",
-                        "class": "information" if why else _klass(kind, key[0]),
+                        "class": "information" if why else _klass(kind, key[0], key[1], key[2]),
                         "information": why,
                         "serving": not why,
                         "refused_in_both": in_both})
@@ -279,7 +279,7 @@ def diff_routings(old: dict, new: dict) -> dict:
 
 
 #: the kinds of serving change, in the order the gate and the diff list them
-SERVING_CLASSES = ("kernel", "refusal", "tier", "availability", "probe")
+SERVING_CLASSES = ("kernel", "refusal", "stop", "tier", "availability", "probe")
 #: lane values (our own vocabulary) that say the lane takes nothing: no kernel serves through it
 INACTIVE = ("not requested", "not taken", "not exercised", "stock path (")
 
@@ -312,9 +312,11 @@ def _chosen(tried: list[dict]) -> str:
     return next((str(t["cls"]) for t in tried if t.get("supported")), "")
 
 
-def _klass(kind: str, field: str) -> str:
-    """Which kind of serving change a row is: a kernel (a lane's class or backend, a candidate), a refusal (how far
-    construction or post-load went), a per-call tier, an availability answer, or the probes (drift, errors)."""
+def _klass(kind: str, field: str, *sides: str) -> str:
+    """Which kind of serving change a row is: a kernel (a lane's class or backend, a candidate), a refusal
+    (construction or post-load refused on one side, or construction got another way), a stop (post-load reached
+    a simulation limit on one side: what lies past it is not known, so it gates), a per-call tier, an
+    availability answer, or the probes (drift, errors)."""
     if kind in ("path", "candidates"):
         return "kernel"
     if kind == "dispatch":
@@ -325,6 +327,8 @@ def _klass(kind: str, field: str) -> str:
         return "probe"
     if field == "attention candidates":
         return "kernel"
+    if field == "post-load" and not any(POSTLOAD_REFUSED in side for side in sides):
+        return "stop"  # how far post-load got moved (a simulation limit), no refusal on either side
     return "refusal"
 
 
@@ -344,7 +348,7 @@ def _postload_state(cell: dict) -> str:
         return "not run" + (" (construction did not finish)" if cell.get("status") != "COMPLETE" else "")
     refused = post.get("refused_at")
     if refused:
-        return (f"refused at {refused.get('step')}: {refused.get('function')} raised "
+        return (f"{POSTLOAD_REFUSED} {refused.get('step')}: {refused.get('function')} raised "
                 f"{str(refused.get('type', '')).rsplit(':', 1)[-1]}: {refused.get('message')}")
     limits = post.get("limits") or []
     if limits:
@@ -358,6 +362,7 @@ def _postload_state(cell: dict) -> str:
 
 
 POSTLOAD_RAN = "ran to the end"
+POSTLOAD_REFUSED = "refused at"
 
 
 def _absent(cell: dict) -> str:

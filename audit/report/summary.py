@@ -40,7 +40,7 @@ def label_changes(old: dict, new: dict) -> list[dict]:
     """The perf-database rows whose label moved between two audits: one entry per (harness lane, before, after)
     with the cells and batch sizes it covers. A batch one audit splits out and the other does not compares against
     the other's whole-lane label."""
-    a, b = _label_points(build_labels(old)), _label_points(build_labels(new))
+    a, b = (_label_points(build_labels(r, (r.get("verdicts") or {}).get("label_map") or {})) for r in (old, new))
     moved: dict[tuple, dict] = {}
     for key in sorted(set(a) & set(b)):
         pa, pb = a[key], b[key]
@@ -74,8 +74,8 @@ def _pair(before: tuple, after: tuple) -> str:
     """before -> after in the perf database's words: the backend family, and the kernel source where the family
     stays the same (a new class inside one family)."""
     if before[1] == after[1]:
-        return f"{before[1]}: `{before[2]}` → `{after[2]}`"
-    return f"{before[1]} → {after[1]}"
+        return f"{before[1]}, class `{before[2]}` → `{after[2]}`"
+    return f"{before[1]} → {after[1]} (`{after[2]}`)"
 
 
 def _lane_title(titles: dict, lane: str) -> str:
@@ -93,6 +93,7 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
     order = list(profile.layouts)
     audited = [f"{c['system']}/{c['layout']}" for c in new["cells"]]
     titles = new.get("lane_titles", {})
+    diff_name = f"{d['from']['pin']}..{d['to']['pin']}.md"
 
     def where(cells) -> str:
         return collapse_cells([f"{s}/{l}" for s, l in cells], audited, order)
@@ -106,19 +107,22 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
 
     serving = [c for c in d["changes"] if c["serving"]]
     kinds = ", ".join(f"{k} {n}" for k, n in d["by_class"].items() if n)
-    levels = sorted({str(c.get("evidence", "")) for c in new["cells"]} - {""})
+    levels = sorted({str(c.get("evidence", "")).split(" ")[0] for c in new["cells"]} - {""})
     pins = "" if (d["from"]["pin"], d["to"]["pin"]) == (f"v{d['from']['vllm_version']}", f"v{d['to']['vllm_version']}") \
         else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
+    evidence = {"resolved": "resolved (vLLM's own selection code on a simulated platform; no kernel ran)",
+                "observed": "observed (kernel entries hit on a real GPU)"}
     head = (f"**{profile.title}, vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}**{pins}: "
-            f"{d['cells_compared']} cells compared, evidence "
-            f"{' and '.join(levels) or 'none'}. ")
+            f"{d['cells_compared']} cells (one system in one layout each) compared; evidence "
+            f"{', '.join(evidence.get(x, x) for x in levels) or 'none'}. ")
     if not d["cells_compared"]:
         head += "**Nothing was judged**: the two audits share no cell."
     elif serving:
-        head += (f"**The pin-bump gate fails** on {d['serving_changes']} serving change(s) in {d['serving_cells']} "
-                 f"cell(s) ({kinds}); {d['information_changes']} row(s) change no kernel and do not gate.")
+        head += (f"**The pin-bump gate fails** (exit 6) on "
+                 f"{d['serving_changes']} serving change rows in {d['serving_cells']} cells ({kinds}); "
+                 f"{d['information_changes']} other rows change no kernel (versions, counts, notes).")
     else:
-        head += f"**No serving change**; {d['information_changes']} row(s) change no kernel."
+        head += f"**No serving change**; {d['information_changes']} rows change no kernel (versions, counts, notes)."
     blocks = [head]
 
     moved = label_changes(old, new)
@@ -127,26 +131,35 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
         grouped[(where(m["cells"]), _batches(m["batches"], every(m["cells"])))].append(m)
     # the widest changes first (most cells)
     ordered = sorted(grouped.items(), key=lambda kv: (-max(len(m["cells"]) for m in kv[1]), kv[0]))
-    lines = [f"- {cells}, {batches}: " + "; ".join(
-        f"{_lane_title(titles, m['harness_lane'])} (`{m['perf_lane']}`) {_pair(m['before'], m['after'])}" for m in ms)
-        for (cells, batches), ms in ordered]
-    blocks.append(("**Now serving (re-measure these perf-db rows):**", lines, 3) if lines else
-                  "**Perf-db labels:** none moved; no row needs re-measuring.")
+    def moved_text(ms: list[dict]) -> str:
+        # several lanes that now go to one backend family (a step path taking them all) read as one arrow
+        if len(ms) > 1 and len({m["after"][1] for m in ms}) == 1 and all(m["before"][1] != m["after"][1] for m in ms):
+            return (", ".join(f"{_lane_title(titles, m['harness_lane'])} (`{m['perf_lane']}`: {m['before'][1]})"
+                              for m in ms) + f" → {ms[0]['after'][1]}")
+        return "; ".join(f"{_lane_title(titles, m['harness_lane'])} (`{m['perf_lane']}`) "
+                         f"{_pair(m['before'], m['after'])}" for m in ms)
+
+    lines = [f"- {cells}, {batches}: {moved_text(ms)}" for (cells, batches), ms in ordered]
+    if any("verify" in line for line in lines):
+        lines.append("- (verify N (RxT): R requests × T tokens)")
+    blocks.append(("**Perf-db rows whose kernel changed (re-measure them):**", lines, 3) if lines else
+                  "**Perf-db rows:** no label moved; none needs re-measuring.")
 
     labelled = {m["harness_lane"] for m in moved}
     judged = {j.lane for j in profile.judged}
     other = [c for c in serving if c["class"] == "kernel" and c["kind"] == "path"
              and not (c["lane"] in judged and c["lane"] in labelled)]
     if other:
-        blocks.append(("**Other kernel-level changes:**",
-                       [f"- {_lane_title(titles, c['lane'])}, {c['where']}: {_short(c['before'])} → {_short(c['after'])}"
-                        for c in sorted(other, key=lambda c: -len(c["cells"]))], 1))
+        blocks.append(("**Kernel-level changes no perf-db row covers:**",
+                       [f"- {_lane_title(titles, c['lane'])}, {c['where']}: {_side(c['before'], d['from'])} → "
+                        f"{_side(c['after'], d['to'])}" for c in sorted(other, key=lambda c: -len(c["cells"]))], 1))
     tiers: dict[str, set] = defaultdict(set)
     for c in serving:
         if c["class"] == "tier":
             tiers[c["title"].split(" · ")[0].split(" (")[0]].update(tuple(x) for x in c["cells"])
     if tiers:
-        blocks.append(("**Per-call tiers moved:**", [f"- {t}: {where(cells)}" for t, cells in tiers.items()], 2))
+        blocks.append(("**Per-call choices that moved** (vLLM's dispatch at a batch size; before/after in the diff):",
+                       [f"- {t}: {where(cells)}" for t, cells in tiers.items()], 2))
 
     old_cells = {(c["system"], c["layout"]): c for c in old["cells"]}
     appeared = [(c["system"], c["layout"]) for c in new["cells"]
@@ -158,28 +171,37 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
         ref.append(f"vLLM now refuses {where(appeared)}")
     if gone:
         ref.append(f"vLLM no longer refuses {where(gone)}")
-    blocks.append("**Refusals:** " + ("; ".join(ref) if ref else "none appeared or went away") + ".")
+    blocks.append("**Refusals** (vLLM's own check says no): " + ("; ".join(ref) if ref else "none appeared or went away")
+                  + ".")
 
     verdicts = [c for c in d["changes"] if c["kind"] == "verdict" and c.get("turn")]
-    claims = [f"`{c['field']}` {c['turn']} ({c['before']} → {c['after']}; {c['where']})"
+    claims = [f"`{c['field']}` {c['turn']} ({c['before'] if c['before'] != '—' else 'no such verdict in ' + d['from']['vllm_version']}"
+              f" → {c['after']}; {c['where']})"
               + ("; true now only because serving changed under it" if c.get("because", "").startswith("claim now")
                  else "") for c in verdicts]
     blocks.append("**Claims:** " + ("; ".join(claims) if claims else "none newly failing, none newly passing") + ".")
 
     caveats = []
     changed_cells = {tuple(x) for c in serving for x in c["cells"]}
-    stops = sorted((c["system"], c["layout"]) for c in new["cells"] if (c["system"], c["layout"]) in changed_cells
-                   and ((c.get("postload") or {}).get("limits")))
-    if stops:
-        caveats.append(f"post-load stopped at a simulation limit in {where(stops)} (what it builds at load is "
-                       "unknown)")
+    stops: dict[str, list] = defaultdict(list)
+    for c in new["cells"]:
+        for g in (c.get("postload") or {}).get("limits") or []:
+            if (c["system"], c["layout"]) in changed_cells:
+                stops[str(g.get("raised_in", "")).rsplit(":", 1)[0]].append((c["system"], c["layout"]))
+    for raised_in, cells in sorted(stops.items()):
+        caveats.append(f"in {where(cells)} post-load stopped at a simulation limit ({raised_in} needs a GPU): "
+                       "what is built at load there is not known")
     gpu = sorted({tuple(x) for c in serving for x in c["cells"] if "needs GPU" in str(c["after"])})
     if gpu:
-        caveats.append(f"the new rows of {where(gpu)} name choices made on the device (needs GPU)")
-    if "resolved" in " ".join(levels):
-        caveats.append("resolved: vLLM's selection code ran on a simulated platform; no kernel ran")
+        caveats.append(f"in {where(gpu)} some new choices are made on the device (needs GPU): an observe run "
+                       "there confirms them")
     blocks.append("**Caveats:** " + "; ".join(caveats) + "." if caveats else "**Caveats:** none.")
-    return _fit(blocks)
+    return _fit(blocks, f"see the diff, {diff_name}")
+
+
+def _side(text: str, build: dict) -> str:
+    """One side of a change in a sentence: "—" (no value in that audit) reads "absent in <version>"."""
+    return f"absent in {build['vllm_version']}" if str(text) == "—" else _short(text)
 
 
 def _short(text: str, n: int = 10) -> str:
@@ -187,24 +209,30 @@ def _short(text: str, n: int = 10) -> str:
     return " ".join(words[:n]) + (" …" if len(words) > n else "")
 
 
-def _fit(blocks: list) -> str:
+def _fit(blocks: list, more: str) -> str:
     """Join the blocks within the word budget. A list block is (head, lines, priority); lists are cut from the end,
     the least important first, each cut list saying how many entries the diff's tables hold beyond it."""
     def text(bs) -> str:
         out = []
-        for b in bs:
-            out.append(b if isinstance(b, str) else "\n".join([b[0], *b[1]]))
+        for i, b in enumerate(bs):
+            if isinstance(b, str):
+                out.append(b)
+            elif len(b[1]) == 1 and cut.get(i):  # cut to nothing: one line saying how many and where
+                out.append(f"{b[0]} {cut[i]}: {more}.")
+            else:
+                out.append("\n".join([b[0], *b[1]]))
         return "\n\n".join(out)
 
     blocks = [b if isinstance(b, str) else (b[0], list(b[1]), b[2]) for b in blocks]
-    cut = {i: 0 for i, b in enumerate(blocks) if not isinstance(b, str)}
+    cut: dict[int, int] = {}
+    cut.update({i: 0 for i, b in enumerate(blocks) if not isinstance(b, str)})
     while len(text(blocks).split()) > WORDS:
-        open_ = [i for i in cut if len(blocks[i][1]) - (1 if cut[i] else 0) > 1]
+        open_ = [i for i in cut if len(blocks[i][1]) - (1 if cut[i] else 0) > (1 if blocks[i][2] >= 3 else 0)]
         if not open_:
             break
         i = min(open_, key=lambda k: (blocks[k][2], -k))
         head, lines, prio = blocks[i]
         kept = lines[:-2] if cut[i] else lines[:-1]
         cut[i] += 1
-        blocks[i] = (head, kept + [f"- … and {cut[i]} more: see the tables below"], prio)
+        blocks[i] = (head, kept + [f"- … and {cut[i]} more: {more}"], prio)
     return text(blocks)

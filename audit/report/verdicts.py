@@ -426,6 +426,9 @@ def attach(routing: dict, exp: Expectations, *, display_path: str) -> dict:
     rows = judge(routing, exp)
     rows += unjudgeable(routing, exp, rows)
     routing["verdicts"] = {"expectations": display_path, "summary": summary(rows), "rows": rows,
+                           # the claims' label map (kernel source -> backend family): labels.json and the PR
+                           # summary read a kernel in the claims' words from routing.json alone
+                           "label_map": dict(sorted(exp.label_map.items())),
                            "claims": [{"id": c.id, "lane": c.lane, "layouts": list(c.layouts),
                                        "systems": list(c.systems), "kernel_source": c.kernel_source,
                                        "backend": c.backend, "forbidden": list(c.forbidden), "source": c.source,

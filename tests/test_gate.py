@@ -4,6 +4,7 @@ release owner needs (lanes a construction stop hid, a verdict that stays the sam
 both builds' hashes). The gate on a real regressed build of the pinned wheel is in tests/test_gate_vllm.py."""
 import copy
 import json
+from pathlib import Path
 import subprocess
 import sys
 import time
@@ -256,3 +257,37 @@ def test_a_baseline_whose_cells_lack_fields_is_bad_input_before_any_work(tmp_pat
     r = _cli("audit", "v0.33.0", "--baseline", "v0.32.0", "--reports", str(tmp_path), "--expectations", "none")
     assert r.returncode == ExitCode.USAGE, r.stderr[-2000:]
     assert "cell 3 has no valid 'lanes'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_terminal_lists_every_serving_change_grouped_by_kind_with_consistent_counts():
+    """v0.30.0 -> v0.33.0 has dozens of serving changes: the closing lines group all of them by kind with a count
+    per kind (never the first N), and the headline's finding counts add up (failing only now + failing before)."""
+    from audit.cli import _gate_exit
+    from audit.core import AuditOutcome
+    from audit.report.gate import judge_gate
+
+    class Lines:
+        def __init__(self):
+            self.out = []
+
+        def print(self, text="", *a, **k):
+            self.out.append(str(text))
+
+    old, new = json.loads((DATA / "routing-v0.30.0.json").read_text()), json.loads((DATA / "routing-v0.33.0.json").read_text())
+    gate = judge_gate(old, new, set())
+    out = AuditOutcome(pin="v0.33.0", report_dir=Path("."), ledger=None, routing_path=None, run_dir=Path("."),
+                       cells=44, incomplete=0, partial=0, drift=0, verdicts={}, gate=gate)
+    lines = Lines()
+    assert _gate_exit(gate, False, out, lines) == ExitCode.SERVING_CHANGED
+    text = "\n".join(lines.out)
+    changes = gate["serving_changes"]
+    assert len(changes) > 20 and "more in the diff" not in text
+    for klass, n in gate["by_class"].items():
+        if n:
+            assert f"  {klass} ({n}):" in text
+    assert sum(1 for line in lines.out if line.startswith("    ")) == len(changes)
+    head = lines.out[0]
+    fresh = gate["newly_failing"]
+    assert (f"{len(gate['new_findings'])} new finding(s) ({fresh} failing only now, "
+            f"{len(gate['new_findings']) - fresh} failing in v0.30.0 too but not accepted)") in head
+    assert fresh == sum(1 for f in gate["new_findings"] if not f["in_baseline"])

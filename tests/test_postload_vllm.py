@@ -140,8 +140,19 @@ def test_no_refusal_where_the_check_passes(probed):
     assert post["limit"] == 0 and post["ok"] == post["steps"] and post["limits"] == []
     assert not any(v["verdict"] == "REFUSED" for v in probed["routing"]["verdicts"]["rows"]
                    if v["system"] == "b200_sxm")
-    assert {(g["value"], g["level"]) for g in cell["lanes"]["moe.kernel"]} == {
-        ("DeepGEMM MegaMoE weights transformed", "post-load")}
+    # how the MegaMoE experts dispatch and combine, read off what they hold (no prepare/finalize, no MoE config;
+    # the symmetric buffer cache their class keeps) beside the EP group's all2all manager they do not reference
+    kernel = cell["lanes"]["moe.kernel"]
+    assert {(g["level"], g["identity"]) for g in kernel} == {
+        ("post-load", "DeepGEMM MegaMoE weights transformed; dispatch/combine in kernel")}
+    text = kernel[0]["value"]
+    assert text.startswith("DeepGEMM MegaMoE weights transformed; dispatch/combine inside the experts' own kernel")
+    assert "no prepare/finalize object, no MoE config" in text and "AgRsAll2AllManager" in text
+    # the latent tail fusion and deferred finalize: not built, and vLLM's attribute that decided it
+    decided = "vLLM's `KimiMoE.use_mega_moe is True`"
+    assert {g["value"].split(" (the MegaMoE")[0] for g in cell["lanes"]["moe.tail_fusion"]} == {f"not built: {decided}"}
+    assert {g["value"] for g in cell["lanes"]["moe.deferred_finalize"]} == {
+        f"none: no MoE runner is built ({decided})"}
     assert {g["value"] for g in cell["lanes"]["moe.activation"]} == {
         "situ (MegaMoE; vLLM records no kernel-support check)"}
     # the stand-in that made the transform's output exist is listed, and it ran

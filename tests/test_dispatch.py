@@ -80,3 +80,23 @@ def test_diff_names_moved_tiers():
     assert diff.diff_routings(before, before)["empty"]
     assert dispatch._fold(["decode 1", "decode 8", "decode 256"], ["decode 1", "decode 8", "decode 64", "decode 256"]) \
         == "decode 1–8, decode 256"
+
+
+def test_a_cell_built_only_in_the_newer_audit_shows_its_tiers_in_the_diff():
+    """A cell whose construction stopped in the older audit (no tiers there) and finished in the newer one: its
+    per-call tiers appear in the diff against "not built", not silently left out."""
+    from audit.report import diff
+
+    before, after = load(), load()
+    cell = next(i for i, c in enumerate(after["cells"]) if c.get("dispatch"))
+    before["cells"][cell].update(status="PARTIAL", dispatch=None,
+                                 failure={"stage": "construct", "type": "builtins:NotImplementedError", "message": "x"})
+    d = diff.diff_routings(before, after)
+    rows = [c for c in d["changes"] if c["kind"] == "dispatch"]
+    assert rows and all(c["before"] == diff.NOT_BUILT for c in rows)
+    assert all(c["cells"] == [[after["cells"][cell]["system"], after["cells"][cell]["layout"]]] for c in rows)
+    assert all(c["serving"] and c["class"] == "tier" for c in rows)
+    # an audit that resolved no tiers anywhere (older than the dispatch stage) still says nothing
+    for c in before["cells"]:
+        c["dispatch"] = None
+    assert not [c for c in diff.diff_routings(before, after)["changes"] if c["kind"] == "dispatch"]

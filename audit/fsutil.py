@@ -167,17 +167,24 @@ class DirLock:
     """An exclusive advisory lock on ``<parent>/.<name>.lock`` while a report is rendered and replaced, so
     two audits of one pin never interleave their writes (the later one waits)."""
 
-    def __init__(self, target: str | Path):
+    def __init__(self, target: str | Path, on_wait=None):
+        """*on_wait*: called once, before blocking, when another process holds the lock (a progress line)."""
         target = Path(target)
         self.path = target.parent / f".{target.name}.lock"
         self._fd = None
+        self._on_wait = on_wait
 
     def __enter__(self):
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_umask())
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if self._on_wait is not None:
+                self._on_wait()
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc):

@@ -244,3 +244,53 @@ def test_a_resolution_is_written_from_pips_report_without_vllm_itself():
                           {"metadata": {"name": "cuda-python", "version": "13.4.4"}}]}
     text = resolution_text(report, "vllm-0.33.0-x.whl", "ab" * 32)
     assert text.splitlines()[2:] == ["cuda-python==13.4.4", "torch==2.14.0"] and "vllm-0.33.0-x.whl" in text
+
+
+def test_concurrent_audits_build_one_environment_once_and_a_dead_build_is_never_taken_for_one(fake_env, monkeypatch):
+    """Two audits that need an environment nobody has built yet: the first builds it under the environment's
+    lock, the second says it is waiting, then uses what the first built (one build). A build that dies leaves no
+    marker, so the next audit builds again instead of using a half-made environment."""
+    import threading
+
+    rt, pin, env, site = fake_env
+    marker = (env / ENV_MARKER).read_text()
+    (env / ENV_MARKER).unlink()
+    builds, started = [], threading.Event()
+
+    def slow_build(self, env_, pin_, progress):
+        builds.append(env_)
+        started.set()
+        time.sleep(1.0)
+        (env_ / ENV_MARKER).write_text(marker)  # written last, as the real build does
+        return env_
+
+    monkeypatch.setattr(LocalRuntime, "_build_env", slow_build)
+    said: dict[str, list] = {"first": [], "second": []}
+    results = {}
+
+    def audit(name):
+        results[name] = LocalRuntime(root=rt.root).ensure_env(pin, lambda kind, **k: said[name].append(k.get("text")))
+
+    first = threading.Thread(target=audit, args=("first",))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=audit, args=("second",))
+    second.start()
+    first.join(20)
+    second.join(20)
+    assert results == {"first": env, "second": env} and len(builds) == 1
+    assert any("waiting for another audit building the vLLM" in (t or "") for t in said["second"]), said
+    assert LocalRuntime(root=rt.root).ensure_env(pin, NOP) == env and len(builds) == 1  # the next audit: no build
+
+    # a build that dies half way: no marker, so it is built again, never used as it is
+    (env / ENV_MARKER).unlink()
+
+    def dying_build(self, env_, pin_, progress):
+        builds.append(env_)
+        raise RuntimeError("killed during uv pip install")
+
+    monkeypatch.setattr(LocalRuntime, "_build_env", dying_build)
+    with pytest.raises(RuntimeError):
+        LocalRuntime(root=rt.root).ensure_env(pin, NOP)
+    monkeypatch.setattr(LocalRuntime, "_build_env", slow_build)
+    assert LocalRuntime(root=rt.root).ensure_env(pin, NOP) == env and len(builds) == 3

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from audit.errors import DownloadHashMismatch, EnvironmentBuildError, EnvironmentModified, UnsafeLockPath, \
     WheelHashMismatch
-from audit.fsutil import cache_root, load_memo, memo_hash, save_memo, sha256_file, write_atomic
+from audit.fsutil import DirLock, cache_root, load_memo, memo_hash, save_memo, sha256_file, write_atomic
 from audit.pins.fetch import download
 from audit.pins.lock import Pin, contained, unsafe_path_field
 from audit.pins.wheelcache import WheelCache
@@ -219,19 +219,38 @@ class PinEnvironments:
                                         hint="free disk space or fix the permissions of the cache "
                                              "(SERVING_TRUTH_CACHE moves it), then audit again") from None
 
+    def _ready(self, env: Path, pin: Pin, progress: Progress) -> bool:
+        """Whether *env* is a finished build of *pin*'s wheel and resolution (its marker is written last, so a
+        build that died is never taken for one); verified against the wheel's RECORD once per runtime."""
+        marker = env / ENV_MARKER
+        if not marker.is_file():
+            return False
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            info = {}
+        lock = self.resolution_file(pin)
+        if info.get("wheel_sha256") != pin.wheel_sha256 or (lock is not None and info.get("resolution") != sha256_file(lock)):
+            return False
+        if self.verified.get(str(env), {}).get("sha256") != pin.wheel_sha256:  # once per runtime (audit)
+            self.verify_env(env, pin, self.wheel_path(pin, progress), progress)
+        return True
+
     def _ensure_env(self, pin: Pin, progress: Progress) -> Path:
         env = self.env_dir(pin)  # validated: a direct child of <cache>/envs, not a symbolic link
-        marker = env / ENV_MARKER
-        if marker.is_file():
-            try:
-                info = json.loads(marker.read_text())
-            except (OSError, ValueError):
-                info = {}
-            lock = self.resolution_file(pin)
-            if info.get("wheel_sha256") == pin.wheel_sha256 and (lock is None or info.get("resolution") == sha256_file(lock)):
-                if self.verified.get(str(env), {}).get("sha256") != pin.wheel_sha256:  # once per runtime (audit)
-                    self.verify_env(env, pin, self.wheel_path(pin, progress), progress)
+        if self._ready(env, pin, progress):
+            return env
+        # one build per environment: a second audit that needs it waits for the first, then uses what it built
+        env.parent.mkdir(parents=True, exist_ok=True)
+        waiting = lambda: progress("stage", text=f"waiting for another audit building the vLLM {pin.vllm_version} "  # noqa: E731
+                                                 f"environment ({env.name})")
+        with DirLock(env, on_wait=waiting):
+            if self._ready(env, pin, progress):
                 return env
+            return self._build_env(env, pin, progress)
+
+    def _build_env(self, env: Path, pin: Pin, progress: Progress) -> Path:
+        marker = env / ENV_MARKER
         wheel = self.wheel_path(pin, progress)
         python = find_python(pin.python)
         progress("stage", text=f"building the vLLM {pin.vllm_version} environment (once; several minutes)")

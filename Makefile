@@ -24,7 +24,7 @@ BIN     := $(VENV)/bin
 # a pin named "x; rm -rf y", which images.lock then refuses; nothing is run)
 q = '$(subst ','\'',$(1))'
 
-.PHONY: setup env audit render accept diff test bench pins models clean clean-containers test-image summary lock-resolve lock-add selftest-gpu verify-pins
+.PHONY: setup env envs audit render accept diff test bench pins models clean clean-containers test-image summary lock-resolve lock-add selftest-gpu verify-pins
 
 setup: $(VENV)/.installed
 
@@ -37,6 +37,12 @@ $(VENV)/.installed: pyproject.toml
 # Build (once, cached under ~/.cache/serving-truth) the environment holding the pinned vLLM wheel.
 env: setup
 	$(BIN)/serving-truth env $(call q,$(PIN))
+
+# Every pin's environment (they share one copy of torch and CUDA through uv's cache), then list them:
+# size, bytes shared, last use. Prune with: .venv/bin/serving-truth envs --prune unpinned|unfinished|all
+envs: setup
+	@for p in $$($(BIN)/serving-truth pins --lock $(call q,$(LOCK)) --names); do $(BIN)/serving-truth env "$$p" --lock $(call q,$(LOCK)) >/dev/null || exit $$?; done
+	$(BIN)/serving-truth envs --lock $(call q,$(LOCK))
 
 # make exits 2 whenever a recipe fails, whatever the tool's code; the recipe prints the tool's own exit
 # code (0 ok, 1 findings, 2 bad input, 3 environment, 4 run failed/INCOMPLETE or a harness fault, 5 report not

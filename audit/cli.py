@@ -103,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--model", default=None, help=f"whose reports (default: {default_model})")
     sm.add_argument("--reports", default="reports")
 
-    sub.add_parser("pins", help="list the pins in images.lock").add_argument("--lock", default="images.lock")
+    pp = sub.add_parser("pins", help="list the pins in images.lock")
+    pp.add_argument("--lock", default="images.lock")
+    pp.add_argument("--names", action="store_true", help="only the names, one per line, in release order (scripts)")
     sub.add_parser("models", help="list the models the harness audits (their profiles: audit/models/)")
 
     c = sub.add_parser("clean-containers", help="remove containers left by serving-truth runs whose harness died")
@@ -167,6 +169,14 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
     e.add_argument("pin")
     e.add_argument("--lock", default="images.lock")
+    es = sub.add_parser("envs", help="list the pins' environments in the cache (size, shared bytes, last use, pins), "
+                                     "or prune them")
+    es.add_argument("--lock", default="images.lock")
+    es.add_argument("--prune", choices=("unpinned", "unfinished", "all"), default=None,
+                    help="remove environments no pin in the lock uses (unpinned), builds that died (unfinished), "
+                         "or every one")
+    es.add_argument("--unused-days", type=int, default=None,
+                    help="with --prune: only those no audit used for this many days")
     return p
 
 
@@ -268,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.OK
         if args.command == "env":
             return _env(args, out, err)
+        if args.command == "envs":
+            return _envs(args, out, err)
         if args.command == "verify-pins":
             return _verify_pins(args, out, err)
         if args.command == "regenerate":
@@ -388,6 +400,10 @@ def _pins(args, out) -> int:
     from audit.pins.lock import sorted_pins
 
     lock = load(args.lock)
+    if getattr(args, "names", False):
+        for pin in sorted_pins(lock):
+            out.print(pin.name, markup=False, highlight=False)
+        return ExitCode.OK
     t = Table("pin", "vLLM", "runtimes", "wheel sha256 / image", "from")
     for pin in sorted_pins(lock):  # release order; builds from branches without a release tag last
         t.add_row(pin.name, pin.vllm_version, ", ".join(pin.runtimes),
@@ -403,6 +419,43 @@ def _pin_source(pin) -> str:
 
         return "wheel URL (" + (urlsplit(pin.wheel_url).netloc or "local file") + ")"
     return "PyPI" if pin.wheel_source == "pypi" else ("registry" if pin.image else "image file")
+
+
+def _envs(args, out, err) -> int:
+    import time
+
+    from audit.pins.lock import load
+    from audit.runtimes.local import LocalRuntime
+
+    pins = list(load(args.lock).pins.values())
+    rt = LocalRuntime()
+    listing = rt.list_envs(list(pins))
+    rows = listing["envs"]
+    now = time.time()
+
+    def gb(n: int) -> str:
+        return f"{n / 1e9:.1f} GB"
+
+    prune = []
+    if args.prune:
+        for r in rows:
+            old_enough = args.unused_days is None or r["last_used"] is None or \
+                now - r["last_used"] >= args.unused_days * 86400
+            wanted = {"unpinned": not r["pins"], "unfinished": not r["finished"], "all": True}[args.prune]
+            if wanted and old_enough:
+                prune.append(r)
+    for r in rows:
+        used = "never" if r["last_used"] is None else time.strftime("%Y-%m-%d %H:%M", time.gmtime(r["last_used"]))
+        state = "" if r["finished"] else " (unfinished build)"
+        out.print(f"{r['name']}{state}  pins: {', '.join(r['pins']) or '(none in the lock)'}  own {gb(r['own_bytes'])}, "
+                  f"shared {gb(r['shared_bytes'])}  last used {used}", markup=False, highlight=False)
+    err.print(f"{len(rows)} environment(s) in {rt.root / 'envs'} take {gb(listing['unique_bytes'])} on disk together "
+              f"(a file hard-linked into several environments, or from uv's cache, {rt.root / 'uv-cache'}, counted "
+              "once)")
+    for r in prune:
+        rt.remove_env(r["name"])
+        err.print(f"removed {r['name']} ({gb(r['own_bytes'])} of its own)")
+    return ExitCode.OK
 
 
 def _env(args, out, err) -> int:

@@ -294,3 +294,30 @@ def test_concurrent_audits_build_one_environment_once_and_a_dead_build_is_never_
         LocalRuntime(root=rt.root).ensure_env(pin, NOP)
     monkeypatch.setattr(LocalRuntime, "_build_env", slow_build)
     assert LocalRuntime(root=rt.root).ensure_env(pin, NOP) == env and len(builds) == 3
+
+
+def test_environments_are_listed_with_their_pins_and_pruned_only_inside_the_cache(fake_env):
+    """`serving-truth envs`: each environment with the pins it serves, its own and shared bytes and last use;
+    pruning removes what it names (a build that died, one no pin uses) and nothing else."""
+    import os
+
+    rt, pin, env, site = fake_env
+    other = lockmod.Pin(name="elsewhere", vllm_version=VERSION, wheel=pin.wheel, wheel_sha256="b" * 64)
+    dead = rt.env_dir(other)  # a build that died: the directory without a marker
+    (dead / "bin").mkdir(parents=True)
+    (dead / "bin" / "python").write_text("x")
+    twin = site / "vllm" / "engine.py"
+    os.link(twin, dead / "engine-link.py")  # a file shared by two environments (uv hard-links from its cache)
+    rt.ensure_env(pin, NOP)  # an audit uses the pinned one: its last use is recorded
+    listing = rt.list_envs([pin])
+    rows = {r["name"]: r for r in listing["envs"]}
+    assert rows[env.name]["pins"] == ["nightly"] and rows[env.name]["finished"] and rows[env.name]["last_used"]
+    assert rows[dead.name]["pins"] == [] and not rows[dead.name]["finished"] and rows[dead.name]["last_used"] is None
+    assert rows[env.name]["shared_bytes"] == twin.stat().st_size == rows[dead.name]["shared_bytes"]
+    total = sum(r["own_bytes"] + r["shared_bytes"] for r in rows.values())
+    assert listing["unique_bytes"] == total - twin.stat().st_size  # the shared file once
+    with pytest.raises(ValueError):
+        rt.remove_env("../outside")
+    rt.remove_env(dead.name)
+    assert not dead.exists() and env.exists() and twin.read_text() == "ENGINE = 1\n"
+    assert [r["name"] for r in rt.list_envs([pin])["envs"]] == [env.name]

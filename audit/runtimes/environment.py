@@ -234,7 +234,64 @@ class PinEnvironments:
             return False
         if self.verified.get(str(env), {}).get("sha256") != pin.wheel_sha256:  # once per runtime (audit)
             self.verify_env(env, pin, self.wheel_path(pin, progress), progress)
+        self.touch_used(env)
         return True
+
+    def touch_used(self, env: Path) -> None:
+        """Record that an audit used *env* now (``serving-truth envs`` lists it; kept beside the environments, never
+        inside one, so the RECORD check sees nothing new)."""
+        stamp = env.parent / ".used" / env.name
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+
+    def list_envs(self, pins: list[Pin]) -> dict:
+        """Every environment under the cache (``envs``): its name, the pins of *pins* it serves, its size (the
+        bytes only it holds, and the bytes it shares with other environments or uv's cache through hard links),
+        when an audit last used it, and whether it is a finished build (a build that died has no marker); and
+        ``unique_bytes``, what all of them take on disk together (each hard-linked file once)."""
+        envs = self.root / "envs"
+        if not envs.is_dir():
+            return {"envs": [], "unique_bytes": 0}
+        seen: set[tuple[int, int]] = set()
+        unique = 0
+        by_dir: dict[str, list[str]] = {}
+        for pin in pins:
+            try:
+                by_dir.setdefault(self.env_dir(pin).name, []).append(pin.name)
+            except Exception:  # a pin this cache cannot hold (an unsafe field): it has no environment here
+                continue
+        out = []
+        for env in sorted(p for p in envs.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            own = shared = 0
+            for dirpath, _dirs, files in os.walk(env):
+                for f in files:
+                    try:
+                        st = os.lstat(os.path.join(dirpath, f))
+                    except OSError:
+                        continue
+                    if st.st_nlink > 1:
+                        shared += st.st_size
+                    else:
+                        own += st.st_size
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        unique += st.st_size
+            stamp = envs / ".used" / env.name
+            used = stamp.stat().st_mtime if stamp.exists() else None
+            out.append({"name": env.name, "path": str(env), "pins": sorted(by_dir.get(env.name, [])),
+                        "own_bytes": own, "shared_bytes": shared, "last_used": used,
+                        "finished": (env / ENV_MARKER).is_file()})
+        return {"envs": out, "unique_bytes": unique}
+
+    def remove_env(self, name: str) -> None:
+        """Remove one environment (a direct child of ``<cache>/envs``) under its build lock."""
+        envs = self.root / "envs"
+        env = envs / name
+        if env.parent != envs or not env.is_dir() or env.is_symlink() or name.startswith("."):
+            raise ValueError(f"{name!r} is not an environment under {envs}")
+        with DirLock(env):
+            shutil.rmtree(env)
+        (envs / ".used" / name).unlink(missing_ok=True)
 
     def _ensure_env(self, pin: Pin, progress: Progress) -> Path:
         env = self.env_dir(pin)  # validated: a direct child of <cache>/envs, not a symbolic link

@@ -321,3 +321,32 @@ def test_environments_are_listed_with_their_pins_and_pruned_only_inside_the_cach
     rt.remove_env(dead.name)
     assert not dead.exists() and env.exists() and twin.read_text() == "ENGINE = 1\n"
     assert [r["name"] for r in rt.list_envs([pin])["envs"]] == [env.name]
+
+
+def test_an_edit_through_one_environment_is_refused_in_every_environment_sharing_the_file(fake_env):
+    """uv hard-links a package's files from its cache into every environment: an edit made through one
+    environment changes the same inode in the other. Each environment's RECORD check catches it (exit 3), even
+    where the file's stat memo from an earlier check would otherwise skip re-reading it."""
+    import os
+
+    rt, pin, env, site = fake_env
+    version2 = "0.34.0rc1.dev6+gfedcba987"
+    wheel2 = make_wheel(rt.root / "wheels", version2, commit="fedcba987",
+                        files={"vllm/engine.py": b"ENGINE = 1\n", "vllm/_C.abi3.so": b"\x7fELF fake\n"})
+    pin2 = lockmod.Pin(name="other", vllm_version=version2, wheel=wheel2.name, wheel_sha256=sha256_of(wheel2))
+    env2 = rt.env_dir(pin2)
+    subprocess.run([find_python(pin2.python), "-m", "venv", "--without-pip", str(env2)], check=True)
+    site2 = rt.site_packages(env2)
+    with zipfile.ZipFile(wheel2) as zf:
+        zf.extractall(site2)
+    for rel in ("vllm/engine.py", "vllm/_C.abi3.so"):  # the same bytes, one inode: what uv's hard links give
+        (site2 / rel).unlink()
+        os.link(site / rel, site2 / rel)
+    (env2 / ENV_MARKER).write_text(json.dumps({"wheel_sha256": pin2.wheel_sha256, "vllm": version2}))
+    assert rt.ensure_env(pin, NOP) == env and LocalRuntime(root=rt.root).ensure_env(pin2, NOP) == env2
+    time.sleep(0.01)
+    (site2 / "vllm" / "engine.py").write_text("ENGINE = 9\n")  # edited through the second environment
+    for p in (pin, pin2):
+        with pytest.raises(EnvironmentModified, match="modified: vllm/engine.py") as e:
+            LocalRuntime(root=rt.root).ensure_env(p, NOP)
+        assert e.value.exit_code == ExitCode.ENVIRONMENT

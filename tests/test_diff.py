@@ -245,8 +245,11 @@ def test_the_pr_summary_is_short_deterministic_and_names_what_now_serves():
     old, new = load("v0.30.0"), load("v0.33.0")
     d = diff_routings(old, new)
     text = d["summary"]
-    assert len(text.split()) <= 260 and text == diff_routings(copy.deepcopy(old), copy.deepcopy(new))["summary"]
+    from audit.report.summary import WORDS
+
+    assert len(text.split()) <= WORDS and text == diff_routings(copy.deepcopy(old), copy.deepcopy(new))["summary"]
     assert text.startswith("**Kimi-K3, vLLM 0.30.0 → 0.33.0**") and "**The pin-bump gate fails**" in text
-    assert "tp8, tp16, tp8-mtp: SM 9.0, every batch: Routed experts" in text and "marlin → humming" in text
+    assert "tp8, tp16, tp8-mtp: SM 9.0, every batch (decode 1–256, prefill 512–8192): Routed experts" in text
+    assert "marlin → humming" in text and "SM 9.0 = h100_sxm, h200_sxm" in text
     assert render_diff(d).split("## Summary for the pull request\n\n", 1)[1].startswith(text)
     assert "**No serving change**" in diff_routings(new, copy.deepcopy(new))["summary"]

@@ -92,7 +92,10 @@ def test_the_gpt_oss_ledger_renders_from_its_routing_and_fits():
     # its own key, not K3's
     assert "| sinks |" in text and "SiTU" not in text and "KDA value" not in text
     lines = text.splitlines()
-    assert max(map(len, lines)) <= 400
+    rows = [l for l in lines if l.startswith("|") and l.rstrip().endswith("|")]
+    assert max(len(l) for l in lines if l not in rows) <= 400
+    # a wider table row is one of short cells only (a cell under 80 characters is never moved to a footnote)
+    assert all(len(r) <= 400 or all(len(c.strip()) < 80 or "[^" in c for c in _cells(r)) for r in rows)
     assert max(len(c.strip()) for l in lines if l.startswith("|") and l.rstrip().endswith("|") for c in _cells(l)) <= 250
     # the committed report is this routing, rendered by this code
     committed = ROOT / "reports" / "gpt-oss-120b" / "v0.33.0"

@@ -15,13 +15,15 @@ self-contained: every sentence is true as written, without another section to qu
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from audit.report.dispatch import workload_order
 from audit.report.perflabels import build_labels, refusal
 
-#: the word budget; bullet lists are cut (with a count of what was left out and where it is) to keep within it
-WORDS = 250
+#: the word budget ("about 250 words"); bullet lists are cut (with a count of what was left out and where it is)
+#: to keep within it, the perf-db rows last
+WORDS = 270
 
 
 def _label_points(labels: dict) -> dict[tuple, dict[str, tuple]]:
@@ -61,13 +63,27 @@ def label_changes(old: dict, new: dict) -> list[dict]:
 
 
 def _batches(batches: list[str], every: set[str]) -> str:
-    if batches == ["all"] or (every and set(batches) >= every):
+    if batches == ["all"]:
         return "every batch"
+    if every and set(batches) >= every:
+        by_phase: dict[str, list[str]] = defaultdict(list)
+        for b in sorted(every, key=workload_order):
+            by_phase[b.split(" ")[0]].append(b.split(" ", 1)[1].split(" ")[0])
+        return "every batch (" + ", ".join(f"{p} {v[0]}–{v[-1]}" if len(v) > 1 else f"{p} {v[0]}"
+                                           for p, v in by_phase.items()) + ")"
     by_phase: dict[str, list[str]] = defaultdict(list)
     for b in batches:
         phase, _, size = b.partition(" ")
         by_phase[phase].append(size)
-    return "; ".join(f"{phase} {', '.join(sizes)}" for phase, sizes in by_phase.items())
+    out = []
+    for phase, sizes in by_phase.items():
+        # verify batches ("32 (8x4)"): requests of a fixed number of tokens each, said in words
+        shapes = [re.fullmatch(r"\d+ \((\d+)x(\d+)\)", size) for size in sizes]
+        if all(shapes) and len({m.group(2) for m in shapes}) == 1:
+            out.append(f"{phase} of {', '.join(m.group(1) for m in shapes)} requests × {shapes[0].group(2)} tokens")
+        else:
+            out.append(f"{phase} {', '.join(sizes)}")
+    return "; ".join(out)
 
 
 def _pair(before: tuple, after: tuple) -> str:
@@ -106,14 +122,16 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
         return set.intersection(*sets) if sets else set()
 
     serving = [c for c in d["changes"] if c["serving"]]
-    kinds = ", ".join(f"{k} {n}" for k, n in d["by_class"].items() if n)
+    words = {"kernel": "kernel", "refusal": "refusal", "stop": "simulation stop", "tier": "per-call choice",
+             "availability": "availability answer", "probe": "probe drift or error"}
+    kinds = ", ".join(f"{n} {words.get(k, k)}" for k, n in d["by_class"].items() if n)
     levels = sorted({str(c.get("evidence", "")).split(" ")[0] for c in new["cells"]} - {""})
     pins = "" if (d["from"]["pin"], d["to"]["pin"]) == (f"v{d['from']['vllm_version']}", f"v{d['to']['vllm_version']}") \
         else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
-    evidence = {"resolved": "resolved (vLLM's own selection code on a simulated platform; no kernel ran)",
+    evidence = {"resolved": "resolved (vLLM's selection code on a simulated platform, no kernel ran)",
                 "observed": "observed (kernel entries hit on a real GPU)"}
     head = (f"**{profile.title}, vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}**{pins}: "
-            f"{d['cells_compared']} cells (one system in one layout each) compared; evidence "
+            f"{d['cells_compared']} cells (system × layout) compared; evidence "
             f"{', '.join(evidence.get(x, x) for x in levels) or 'none'}. ")
     if not d["cells_compared"]:
         head += "**Nothing was judged**: the two audits share no cell."
@@ -124,6 +142,7 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
     else:
         head += f"**No serving change**; {d['information_changes']} rows change no kernel (versions, counts, notes)."
     blocks = [head]
+    body: list = []  # what follows the head; the SM families it names are spelled out after it
 
     moved = label_changes(old, new)
     grouped: dict[tuple, list[dict]] = defaultdict(list)  # the lanes that moved in the same cells at the same batches
@@ -140,9 +159,7 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
                          f"{_pair(m['before'], m['after'])}" for m in ms)
 
     lines = [f"- {cells}, {batches}: {moved_text(ms)}" for (cells, batches), ms in ordered]
-    if any("verify" in line for line in lines):
-        lines.append("- (verify N (RxT): R requests × T tokens)")
-    blocks.append(("**Perf-db rows whose kernel changed (re-measure them):**", lines, 3) if lines else
+    body.append(("**Perf-db rows whose kernel changed (re-measure them):**", lines, 3) if lines else
                   "**Perf-db rows:** no label moved; none needs re-measuring.")
 
     labelled = {m["harness_lane"] for m in moved}
@@ -150,7 +167,7 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
     other = [c for c in serving if c["class"] == "kernel" and c["kind"] == "path"
              and not (c["lane"] in judged and c["lane"] in labelled)]
     if other:
-        blocks.append(("**Kernel-level changes no perf-db row covers:**",
+        body.append(("**Kernel-level changes no perf-db row covers:**",
                        [f"- {_lane_title(titles, c['lane'])}, {c['where']}: {_side(c['before'], d['from'])} → "
                         f"{_side(c['after'], d['to'])}" for c in sorted(other, key=lambda c: -len(c["cells"]))], 1))
     tiers: dict[str, set] = defaultdict(set)
@@ -158,7 +175,7 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
         if c["class"] == "tier":
             tiers[c["title"].split(" · ")[0].split(" (")[0]].update(tuple(x) for x in c["cells"])
     if tiers:
-        blocks.append(("**Per-call choices that moved** (vLLM's dispatch at a batch size; before/after in the diff):",
+        body.append(("**Per-call choices that moved** (vLLM's dispatch at a batch size; before/after in the diff):",
                        [f"- {t}: {where(cells)}" for t, cells in tiers.items()], 2))
 
     old_cells = {(c["system"], c["layout"]): c for c in old["cells"]}
@@ -171,15 +188,24 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
         ref.append(f"vLLM now refuses {where(appeared)}")
     if gone:
         ref.append(f"vLLM no longer refuses {where(gone)}")
-    blocks.append("**Refusals** (vLLM's own check says no): " + ("; ".join(ref) if ref else "none appeared or went away")
+    body.append("**Refusals** (vLLM's own check says no): " + ("; ".join(ref) if ref else "none appeared or went away")
                   + ".")
 
     verdicts = [c for c in d["changes"] if c["kind"] == "verdict" and c.get("turn")]
-    claims = [f"`{c['field']}` {c['turn']} ({c['before'] if c['before'] != '—' else 'no such verdict in ' + d['from']['vllm_version']}"
-              f" → {c['after']}; {c['where']})"
-              + ("; true now only because serving changed under it" if c.get("because", "").startswith("claim now")
+
+    def before(c: dict) -> str:
+        """A claim judged per batch now and for the whole lane before reads "<verdict> for the whole lane"."""
+        if c["before"] != "—":
+            return c["before"]
+        whole = next((r for r in d["changes"] if r["kind"] == "verdict" and r["field"] == c["field"]
+                      and r["after"] == "—" and r["cells"] == c["cells"]), None)
+        return (f"{whole['before']} for the whole lane in {d['from']['vllm_version']}" if whole else
+                f"not judged there in {d['from']['vllm_version']}")
+
+    claims = [f"`{c['field']}` {c['turn']}: {before(c)} → {c['after']} ({c['where']})"
+              + (", true now only because serving changed under it" if c.get("because", "").startswith("claim now")
                  else "") for c in verdicts]
-    blocks.append("**Claims:** " + ("; ".join(claims) if claims else "none newly failing, none newly passing") + ".")
+    body.append("**Claims:** " + ("; ".join(claims) if claims else "none newly failing, none newly passing") + ".")
 
     caveats = []
     changed_cells = {tuple(x) for c in serving for x in c["cells"]}
@@ -188,14 +214,35 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
         for g in (c.get("postload") or {}).get("limits") or []:
             if (c["system"], c["layout"]) in changed_cells:
                 stops[str(g.get("raised_in", "")).rsplit(":", 1)[0]].append((c["system"], c["layout"]))
-    for raised_in, cells in sorted(stops.items()):
-        caveats.append(f"in {where(cells)} post-load stopped at a simulation limit ({raised_in} needs a GPU): "
-                       "what is built at load there is not known")
     gpu = sorted({tuple(x) for c in serving for x in c["cells"] if "needs GPU" in str(c["after"])})
+    for raised_in, cells in sorted(stops.items()):
+        both = set(cells) == set(gpu)
+        caveats.append(f"in {where(cells)} post-load stopped at a simulation limit ({raised_in} needs a GPU), so what "
+                       "is built at load is not known" + ("; some new choices there are made on the device (needs "
+                                                          "GPU)" if both else ""))
+        if both:
+            gpu = []
     if gpu:
-        caveats.append(f"in {where(gpu)} some new choices are made on the device (needs GPU): an observe run "
-                       "there confirms them")
-    blocks.append("**Caveats:** " + "; ".join(caveats) + "." if caveats else "**Caveats:** none.")
+        caveats.append(f"in {where(gpu)} some new choices are made on the device (needs GPU)")
+    if caveats:
+        caveats[-1] += " (an observe run confirms them)"
+    body.append("**Caveats:** " + "; ".join(caveats) + "." if caveats else "**Caveats:** none.")
+    # the SM families named above, with the audited systems each stands for (a reader counts cells with it)
+    named = sorted({f for b in body for f in re.findall(r"SM \d+\.\d+", b if isinstance(b, str) else " ".join(b[1]))})
+    from audit.systems import SYSTEMS
+
+    fams = []
+    for fam in named:
+        members = sorted({c["system"] for c in new["cells"] if c["system"] in SYSTEMS
+                          and f"SM {SYSTEMS[c['system']].sm}" == fam})
+        if members:
+            fams.append(f"{fam} = {', '.join(members)}")
+    if fams:
+        blocks[0] += f" Systems: {'; '.join(fams)}."
+    blocks += body
+    blocks.append("**To merge:** only if every change is intended: re-measure these rows, fix the claims or "
+                  "`make accept` them, confirm GPU-only choices by an observe run."
+                  if serving or claims else "**To merge:** nothing to re-measure.")
     return _fit(blocks, f"see the diff, {diff_name}")
 
 
@@ -212,27 +259,42 @@ def _short(text: str, n: int = 10) -> str:
 def _fit(blocks: list, more: str) -> str:
     """Join the blocks within the word budget. A list block is (head, lines, priority); lists are cut from the end,
     the least important first, each cut list saying how many entries the diff's tables hold beyond it."""
-    def text(bs) -> str:
+    def text(bs, cut) -> str:
         out = []
         for i, b in enumerate(bs):
             if isinstance(b, str):
                 out.append(b)
             elif len(b[1]) == 1 and cut.get(i):  # cut to nothing: one line saying how many and where
-                out.append(f"{b[0]} {cut[i]}: {more}.")
+                out.append(f"{b[0].split(' (')[0].rstrip(':*')}:** {cut[i]}; {more}.")
             else:
                 out.append("\n".join([b[0], *b[1]]))
         return "\n\n".join(out)
 
-    blocks = [b if isinstance(b, str) else (b[0], list(b[1]), b[2]) for b in blocks]
-    cut: dict[int, int] = {}
-    cut.update({i: 0 for i, b in enumerate(blocks) if not isinstance(b, str)})
-    while len(text(blocks).split()) > WORDS:
-        open_ = [i for i in cut if len(blocks[i][1]) - (1 if cut[i] else 0) > (1 if blocks[i][2] >= 3 else 0)]
+    full = [b if isinstance(b, str) else (b[0], list(b[1]), b[2]) for b in blocks]
+    cut: dict[int, int] = {i: 0 for i, b in enumerate(full) if not isinstance(b, str)}
+
+    def shown(counts: dict[int, int]) -> list:
+        """The blocks with *counts* entries cut from the end of each list (a cut list ends with how many more)."""
+        out = []
+        for i, b in enumerate(full):
+            if isinstance(b, str) or not counts.get(i):
+                out.append(b)
+            else:
+                kept = b[1][:len(b[1]) - counts[i]]
+                out.append((b[0], kept + [f"- … and {counts[i]} more: {more}"], b[2]))
+        return out
+
+    def words(counts) -> int:
+        return len(text(shown(counts), counts).split())
+
+    # cut the least important lists first, one entry at a time; the perf-db rows keep at least one line
+    while words(cut) > WORDS:
+        open_ = [i for i in cut if len(full[i][1]) - cut[i] > (1 if full[i][2] >= 3 else 0)]
         if not open_:
             break
-        i = min(open_, key=lambda k: (blocks[k][2], -k))
-        head, lines, prio = blocks[i]
-        kept = lines[:-2] if cut[i] else lines[:-1]
-        cut[i] += 1
-        blocks[i] = (head, kept + [f"- … and {cut[i]} more: {more}"], prio)
-    return text(blocks)
+        cut[min(open_, key=lambda k: (full[k][2], -k))] += 1
+    # then give back what fits, the most important lists first
+    for i in sorted(cut, key=lambda k: -full[k][2]):
+        while cut[i] and words({**cut, i: cut[i] - 1}) <= WORDS:
+            cut[i] -= 1
+    return text(shown(cut), cut)

@@ -148,12 +148,15 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                 label, family, how = derive(v.profile, lane, g, exp.label_map)
                 row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"],
                        "evidence": g.get("evidence", level)}
+                split = _split_by_step_path(cell, lane, g, v)
                 if not claims:
                     exercised = not str(g["value"]).startswith("not exercised")
+                    if exercised and split:  # one story per batch here too: what serves each, unjudged
+                        rows += _unclaimed_by_batch(split, lane, g, row, cell, exp, v)
+                        continue
                     rows.append({**row, "claim": "", "verdict": "UNVERIFIED" if exercised else "NOT_EXERCISED",
                                  "expected": "", "why": "no claim covers this lane here" if exercised else g["value"]})
                     continue
-                split = _split_by_step_path(cell, lane, g, v)
                 for c in claims:
                     if c.at or split:
                         # one story per batch: where the model's own step path takes some of the lane's batches,
@@ -178,6 +181,26 @@ def _split_by_step_path(cell: dict, lane: str, group: dict, v: Judged) -> tuple[
     works = [w for w in (cell.get("dispatch") or {}).get("workloads", []) if w.split(" ")[0] in judged.workloads]
     taken = [w for w in works if step_path_group(cell, lane, group, w, path) is not None]
     return tuple(works) if taken else ()
+
+
+def _unclaimed_by_batch(works, lane: str, group: dict, row: dict, cell: dict, exp: Expectations,
+                        v: Judged) -> list[dict]:
+    """A lane no claim covers, in a cell where the model's step path takes some of its batches: one UNVERIFIED row
+    per batch naming what serves it there (the step path's own kernel, or the stock one), never the stock kernel
+    for every batch."""
+    out = []
+    for w in works:
+        served = serving_group(cell, lane, group, w, v.profile.step_path)
+        base = {**row, "claim": "", "expected": "", "at": w, "evidence": f"{row['evidence']} (dispatch)",
+                "verdict": "UNVERIFIED"}
+        if isinstance(served, str):
+            out.append({**base, "actual": "", "label": "", "why": f"no claim covers this lane here; {served}"})
+            continue
+        slane, sgroup, note = served
+        label, family, _ = derive(v.profile, slane, sgroup, exp.label_map)
+        out.append({**base, "actual": family, "label": label, "value": sgroup["value"],
+                    "why": "no claim covers this lane here" + (f"; {note}" if note else "")})
+    return out
 
 
 def _at_order(at: str) -> tuple:

@@ -93,3 +93,36 @@ def test_a_diff_is_in_its_models_words():
         d = diff_routings(r, copy.deepcopy(r))
         assert d["model"] == model.name
         assert f"\n{model.title}, {len(r['cells'])} cells (system × layout) compared." in render_diff(d)
+
+
+def test_model_hooks_are_declared_and_a_typo_is_refused_when_the_package_loads():
+    """A resolve module's public functions are declared hooks or its listed lanes (as pytest checks hook
+    implementations against its hookspecs): a misspelt hook is an error at load, never a hook that silently
+    never runs; the shared probes can ask only for declared hooks."""
+    import types
+
+    import pytest
+
+    from probes import models as probes_models
+
+    for name in ("kimi_k3", "gpt_oss"):  # the shipped packages pass
+        probes_models.load(name, resolve=True)
+
+    def module(**functions):
+        m = types.ModuleType("probes.models.throwaway.resolve")
+        for attr, fn in functions.items():
+            fn.__module__ = m.__name__
+            fn.__name__ = attr
+            setattr(m, attr, fn)
+        return m
+
+    ok = module(runner_facts=lambda runner: {}, _helper=lambda: None, lane_x=lambda *a: iter(()))
+    ok.LANES = (("x", ok.lane_x),)
+    probes_models.check_resolve_module("throwaway", ok)
+    with pytest.raises(probes_models.UnknownModel, match=r"defines runner_fact\(\), which is no hook"):
+        probes_models.check_resolve_module("throwaway", module(runner_fact=lambda runner: {}))
+    with pytest.raises(probes_models.UnknownModel, match=r"lane_unlisted\(\)"):
+        probes_models.check_resolve_module("throwaway", module(lane_unlisted=lambda *a: iter(())))
+    with pytest.raises(KeyError, match="no declared model hook"):
+        probes_models.ModelProbes(resolve=ok).hook("runner_fact")
+    assert probes_models.ModelProbes(resolve=ok).hook("block_facts") is None

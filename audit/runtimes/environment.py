@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -332,6 +333,10 @@ class PinEnvironments:
         self.verify_env(env, pin, wheel, progress)
         marker.write_text(json.dumps({"wheel_sha256": pin.wheel_sha256, "resolution": sha256_file(resolution),
                                       **info}, sort_keys=True))
+        # one line per finished build, beside the environments: when, which, by which process
+        with open(env.parent / ".builds.log", "a", encoding="utf-8") as log:
+            log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} built {env.name} (pin {pin.name}, "
+                      f"pid {os.getpid()})\n")
         return env
 
     def resolution_file(self, pin: Pin) -> Path | None:

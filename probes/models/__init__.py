@@ -72,12 +72,40 @@ class ModelProbes:
         return getattr(self.resolve, "STEP_PATH", None)
 
     def hook(self, name: str):
-        """The resolve module's function *name*, or None."""
+        """The resolve module's function *name* (a declared hook: :data:`HOOKS`), or None where it has none."""
+        if name not in HOOKS:
+            raise KeyError(f"{name!r} is no declared model hook (hooks: {', '.join(sorted(HOOKS))})")
         return getattr(self.resolve, name, None)
 
 
 class UnknownModel(ValueError):
     pass
+
+
+#: the functions a model's resolve module may define, declared (as pytest declares its hookspecs): the shared probes
+#: call only these names, and a resolve module defining a public function that is neither one of them nor a lane
+#: listed in its ``LANES`` is refused when it loads (a typo never silently does nothing)
+HOOKS = {
+    "postload_steps": "steps the worker runs once the weights are loaded, after vLLM's loader steps",
+    "runner_facts": "what the model's MoE runners left behind at post-load",
+    "block_facts": "which MoE path the model's own MoE block built",
+    "model_facts": "the model-level reading after post-load",
+    "check_phase": "observe mode's phase attribution checked on the built model",
+}
+
+
+def check_resolve_module(name: str, module) -> None:
+    """Refuse a resolve module whose public functions are not declared hooks or its listed lanes."""
+    lanes = {getattr(fn, "__name__", "") for _lane, fn in getattr(module, "LANES", ())}
+    for attr, obj in vars(module).items():
+        if attr.startswith("_") or not callable(obj) or isinstance(obj, type):
+            continue
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue  # imported from elsewhere
+        if attr not in HOOKS and attr not in lanes:
+            raise UnknownModel(f"model probes {name!r}: {module.__name__} defines {attr}(), which is no hook and no "
+                               f"lane in its LANES (hooks: {', '.join(sorted(HOOKS))}); rename it, list it in LANES, "
+                               "or make it private (a leading underscore)")
 
 
 def load(name: str, *, resolve: bool = False) -> ModelProbes:
@@ -97,6 +125,8 @@ def load(name: str, *, resolve: bool = False) -> ModelProbes:
         except ModuleNotFoundError as exc:
             if exc.name != f"{__name__}.{name}.resolve":
                 raise
+        else:
+            check_resolve_module(name, side)
     return ModelProbes(name=name, targets=tuple(getattr(data, "TARGETS", ())),
                        kernels=tuple(getattr(data, "KERNELS", ())), scopes=tuple(getattr(data, "SCOPES", ())),
                        kernel_names=tuple(getattr(data, "KERNEL_NAMES", ())),

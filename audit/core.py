@@ -155,14 +155,14 @@ def run_audit(pin_name: str, options: AuditOptions = AuditOptions(), *,
     lay_sel = select("layout", o.layouts, profile.layouts)
     rt = get_runtime(o.runtime, RuntimeOptions(cuda_toolkit=o.cuda_toolkit, lock_dir=Path(o.lock_path).resolve().parent,
                                                pass_env=tuple(o.pass_env), cluster=o.cluster, wait=o.wait))
-    if not o.cache and hasattr(rt, "stat_memo"):
+    if not o.cache:
         rt.stat_memo = False  # --no-cache: the environment check re-reads every file it hashes too
     rt.check(pin)
     cells = cells_of(sys_sel, lay_sel)
     if not cells:
         raise UsageError("no (system, layout) pair to audit: " + ", ".join(
             f"{l.name} is for {l.scope}" for l in lay_sel if l.scope), hint="add a system the layout exists on")
-    run_dir = new_run_dir(pin, root=getattr(rt, "run_root", None), prefix=models.run_prefix(profile, pin.name))
+    run_dir = new_run_dir(pin, root=rt.run_root, prefix=models.run_prefix(profile, pin.name))
     if o.mode not in ("resolve", "observe"):
         raise UsageError(f"unknown mode {o.mode!r}", hint="resolve (no GPU) or observe (serves on real GPUs)")
     if o.slice_name and o.mode != "observe":
@@ -183,9 +183,8 @@ def run_audit(pin_name: str, options: AuditOptions = AuditOptions(), *,
     cached: dict = {}
     keys: dict = {}
     discarded: list = []
-    if hasattr(rt, "bind"):
-        rt.bind(request)  # --timeout bounds building the environment too
-    if o.mode == "resolve" and hasattr(rt, "cache_identity"):  # --no-cache looks nothing up, but refreshes
+    rt.bind(request)  # --timeout bounds building the environment too
+    if o.mode == "resolve":  # --no-cache looks nothing up, but refreshes
         keys, cached, discarded = _from_cache(rt, request, progress, use=o.cache)
     todo = [c for c in cells if (c[0].name, c[1].name) not in cached]
     try:
@@ -232,8 +231,10 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
     from audit.evidence import cache as evcache
     from audit.runtimes.base import model_dir_name, plan_targets, write_model_dirs
 
-    progress("stage", text="looking up cached evidence" if use else "computing evidence-cache keys")
     identity = rt.cache_identity(request.pin, progress)
+    if identity is None:  # this runtime keeps no evidence cache
+        return {}, {}, []
+    progress("stage", text="looking up cached evidence" if use else "computing evidence-cache keys")
     write_model_dirs(request)
     plan = {"probes": request.probes, "extra_targets": plan_targets(request),
             "model_probes": request.profile.probes, "model": request.profile.name, "stop_after": request.stop_after,

@@ -7,7 +7,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 from audit.evidence.sources import probe_sources
 from audit.fsutil import cache_root
@@ -75,14 +75,44 @@ class RunResult:
     info: dict = field(default_factory=dict)
 
 
+@runtime_checkable
 class Runtime(Protocol):
+    """Every attribute ``audit/core.py`` uses of a runtime, declared: core calls them, never ``hasattr``. A runtime
+    without a capability says so through :class:`RuntimeDefaults` (no evidence cache, the default run root)."""
+
     name: str
+    #: the cache root this runtime's caches (environments, the evidence cache) live under
+    root: Path
+    #: where run directories go (None: ``<cache>/runs``; Slurm: the cluster's shared directory)
+    run_root: Path | None
+    #: whether the environment check may skip re-hashing files whose stat is unchanged (``--no-cache`` sets False)
+    stat_memo: bool
 
     def check(self, pin: Pin) -> None:
         """Raise RuntimeUnsupportedError when this runtime cannot audit the pin."""
 
+    def bind(self, request: RunRequest) -> None:
+        """The run about to be prepared (its deadline bounds the work done before ``run``, e.g. an env build)."""
+
+    def cache_identity(self, pin: Pin, progress: Progress) -> dict | None:
+        """What identifies this runtime's environment for the evidence cache, or None: it keeps no cache."""
+
     def run(self, request: RunRequest, progress: Progress) -> RunResult:
         ...
+
+
+class RuntimeDefaults:
+    """The declared capabilities a runtime does without: runs under ``<cache>/runs``, no stat memo to turn off,
+    nothing to bind, no evidence cache."""
+
+    run_root: Path | None = None
+    stat_memo: bool = True
+
+    def bind(self, request: RunRequest) -> None:
+        return None
+
+    def cache_identity(self, pin: Pin, progress: Progress) -> dict | None:
+        return None
 
 
 def new_run_dir(pin: Pin, *, root: Path | None = None, prefix: str | None = None) -> Path:

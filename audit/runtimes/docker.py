@@ -31,7 +31,7 @@ from audit.errors import (DockerUnavailable, ImageDigestMismatch, ImageError, Pr
                       RuntimeUnsupportedError)
 from audit.fsutil import cache_root
 from audit.pins.lock import Pin
-from audit.runtimes.base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, agent_env, cell_dir_name,
+from audit.runtimes.base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, RuntimeDefaults, agent_env, cell_dir_name,
                    collect_missing, log_tail, observe_env, report_finished, stage_probes, timed_out, write_model_dirs,
                    write_plan)
 
@@ -102,7 +102,7 @@ def sweep(client=None, *, everything: bool = False, run_id: str | None = None) -
     return removed
 
 
-class DockerRuntime:
+class DockerRuntime(RuntimeDefaults):
     name = "docker"
 
     def __init__(self, root: Path | None = None, *, lock_dir: Path | None = None, pass_env: list[str] = (),

@@ -19,13 +19,13 @@ from audit.errors import EnvironmentBuildError, RuntimeUnsupportedError
 from audit.fsutil import sha256_file
 from audit.pins.lock import Pin
 from audit.runtimes import cudastub
-from audit.runtimes.base import (Progress, RunRequest, RunResult, ahead_imports, cell_dir_name, collect_missing,
+from audit.runtimes.base import (Progress, RunRequest, RunResult, RuntimeDefaults, ahead_imports, cell_dir_name, collect_missing,
                                  learn_imports, learn_shared_imports, learned_imports, log_tail, observe_env,
                                  report_finished, shared_imports, stage_probes, timed_out, write_model_dirs,
                                  write_plan)
 from audit.runtimes.environment import ENV_MARKER, PinEnvironments, find_python
 
-class LocalRuntime(PinEnvironments):
+class LocalRuntime(PinEnvironments, RuntimeDefaults):
     """Runs the probe agent in the pinned environment :class:`PinEnvironments` builds and verifies."""
 
     name = "local"

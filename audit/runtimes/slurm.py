@@ -32,9 +32,10 @@ from probes.core.lifecycle import WATCHDOG_ENV
 
 from audit.runtimes.cluster import ClusterProfile, Placement
 from audit.errors import EnvironmentBuildError, RuntimeUnsupportedError, UsageError
+from audit.fsutil import cache_root
 from audit.pins.lock import Pin
-from audit.runtimes.base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, agent_env, cell_dir_name, log_tail,
-                   observe_env, stage_probes, timed_out, write_model_dirs, write_plan)
+from audit.runtimes.base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, RuntimeDefaults, agent_env,
+                                 cell_dir_name, log_tail, observe_env, stage_probes, timed_out, write_model_dirs, write_plan)
 
 JOBS_FILE = "jobs.json"
 #: Slurm job states after which a job will not run again
@@ -134,13 +135,14 @@ def pyxis_srun_args(*, pin: Pin, placement: Placement, run_dir: Path, plan: str,
     ]
 
 
-class SlurmRuntime:
+class SlurmRuntime(RuntimeDefaults):
     name = "slurm"
 
     def __init__(self, profile: ClusterProfile, *, wait: bool = True, with_cuda_toolkit: bool = True):
         self.profile = profile
         self.wait = wait
         self.with_cuda_toolkit = with_cuda_toolkit
+        self.root = cache_root()
 
     @property
     def run_root(self) -> Path:

@@ -255,6 +255,19 @@ class ProbeRunError(AuditError):
         super().__init__(f"{cell}: {message} (exit {returncode})\n--- last output ---\n{log_tail}")
 
 
+class ProfileError(AuditError):
+    """A model profile that breaks a rule the shared code relies on (a lane name, a reference to a lane it does
+    not have): the harness's own data is wrong, so it is an internal error naming the profile and the rule."""
+
+    exit_code = ExitCode.INTERNAL
+
+    def __init__(self, profile: str, rule: str):
+        self.profile = profile
+        self.rule = rule
+        super().__init__(f"model profile {profile!r}: {rule}",
+                         hint="fix the profile in audit/models/ (README: how to add a model)")
+
+
 class RenderError(AuditError):
     exit_code = ExitCode.RUN_FAILED
 

@@ -186,6 +186,9 @@ class Profile:
     selftest_slice: str = ""
     selftest_lanes: tuple[str, ...] = ()
 
+    def __post_init__(self):
+        check_profile(self)
+
     def config_text(self) -> str:
         return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
 
@@ -213,3 +216,50 @@ class Profile:
             tmp.write_text(text, encoding="utf-8")
             tmp.replace(path)
         return directory
+
+
+#: the post-load readings of vLLM's shared MoE layers, by name (their functions: audit.report.routing's
+#: ``POSTLOAD_READINGS``, which a test keeps equal to this list)
+SHARED_POSTLOAD_READINGS = ("moe_kernel", "activation", "deferred_finalize")
+#: lanes the shared code reads by name: the routed experts lane (its candidates and precision lanes) and MLA's
+#: decode/prefill split (a short prefill chunk takes the decode path)
+MOE_LANE = "moe"
+MLA_LANES = ("mla.decode", "mla.prefill")
+
+
+def check_profile(p: "Profile") -> None:
+    """The rules the shared code relies on, checked when a profile is made (a typo or a renamed lane is an error at
+    registration, never a lane the shared code silently skips)."""
+    from audit.errors import ProfileError
+
+    ids = [lane.id for lane in p.lanes]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ProfileError(p.name, f"lane id(s) {', '.join(dup)} defined twice")
+    kinds = set(p.layer_classes.values()) | {"model"}
+    for lane in p.lanes:
+        if lane.layer_kind not in kinds:
+            raise ProfileError(p.name, f"lane {lane.id!r} is about layer kind {lane.layer_kind!r}, which no class in "
+                                       f"layer_classes maps to (kinds: {', '.join(sorted(kinds))})")
+        if lane.candidates_target and lane.layer_kind == "moe" and lane.id != MOE_LANE:
+            raise ProfileError(p.name, f"the routed experts lane (layer kind moe, with candidates) must be named "
+                                       f"{MOE_LANE!r}, not {lane.id!r}: the shared verdicts and labels read it by name")
+        if lane.layer_kind == "mla" and lane.id not in MLA_LANES:
+            raise ProfileError(p.name, f"an MLA lane must be one of {', '.join(MLA_LANES)} (MLA's decode/prefill split "
+                                       f"picks between them by name), not {lane.id!r}")
+        for src in lane.sources:
+            if src.kind == "postload":
+                known = set(SHARED_POSTLOAD_READINGS) | set(p.postload_readings) | \
+                    ({p.model_state.key} if p.model_state is not None else set())
+                if src.target not in known:
+                    raise ProfileError(p.name, f"lane {lane.id!r} reads the post-load reading {src.target!r}, which is "
+                                               f"neither shared nor the profile's (known: {', '.join(sorted(known))})")
+    refs = [("judged", [j.lane for j in p.judged]), ("perf_lanes", list(p.perf_lanes.values())),
+            ("selftest_lanes", list(p.selftest_lanes)),
+            ("step_path.parts", list(p.step_path.parts) if p.step_path is not None else []),
+            ("backend_labels.kernels", list(p.backend_labels.kernels) if p.backend_labels is not None else [])]
+    for where, lanes in refs:
+        unknown = sorted(set(lanes) - set(ids))
+        if unknown:
+            raise ProfileError(p.name, f"{where} names lane(s) {', '.join(unknown)}, which the profile does not "
+                                       f"define (lanes: {', '.join(ids)})")

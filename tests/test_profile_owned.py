@@ -126,3 +126,37 @@ def test_model_hooks_are_declared_and_a_typo_is_refused_when_the_package_loads()
     with pytest.raises(KeyError, match="no declared model hook"):
         probes_models.ModelProbes(resolve=ok).hook("runner_fact")
     assert probes_models.ModelProbes(resolve=ok).hook("block_facts") is None
+
+
+def test_a_profile_breaking_a_rule_the_shared_code_relies_on_is_refused_when_it_is_made():
+    """Naming rules nobody wrote down, now checked at registration: the routed experts lane is `moe`, MLA's lanes
+    are mla.decode/mla.prefill, every lane another field names exists, every post-load reading a lane reads exists."""
+    import dataclasses
+
+    import pytest
+
+    from audit.errors import ExitCode, ProfileError
+    from audit.models.kimi_k3 import KIMI_K3
+    from audit.profiles import SHARED_POSTLOAD_READINGS, Source
+    from audit.report.routing import POSTLOAD_READINGS
+
+    assert set(SHARED_POSTLOAD_READINGS) == set(POSTLOAD_READINGS)
+
+    def lanes_with(lane_id, **changes):
+        return tuple(dataclasses.replace(l, **changes) if l.id == lane_id else l for l in KIMI_K3.lanes)
+
+    cases = [
+        (dict(lanes=lanes_with("moe", id="experts")), "must be named 'moe'"),
+        (dict(lanes=lanes_with("mla.decode", id="mla.dec")), "an MLA lane must be one of"),
+        (dict(lanes=KIMI_K3.lanes + KIMI_K3.lanes[:1]), "defined twice"),
+        (dict(lanes=lanes_with("moe.kernel", sources=(Source("postload", "moe_kernels", ()),))),
+         "reads the post-load reading 'moe_kernels'"),
+        (dict(lanes=lanes_with("dense", layer_kind="dens")), "layer kind 'dens'"),
+        (dict(selftest_lanes=("kda.prefil",)), r"selftest_lanes names lane\(s\) kda.prefil"),
+        (dict(perf_lanes={**KIMI_K3.perf_lanes, "mla.decode": "mla.decod"}), r"perf_lanes names lane\(s\) mla.decod"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ProfileError, match=message) as e:
+            dataclasses.replace(KIMI_K3, **changes)
+        assert e.value.profile == "kimi-k3" and e.value.exit_code == ExitCode.INTERNAL
+    assert dataclasses.replace(KIMI_K3).lanes == KIMI_K3.lanes  # the shipped profile passes

@@ -232,6 +232,8 @@ def diff_routings(old: dict, new: dict) -> dict:
             if cell not in in_both:
                 continue
             before, after = va.get(key, "—"), vb.get(key, "—")
+            if not key[0] and not _failing(before) and not _failing(after):
+                continue  # a lane no claim covers, unjudged on both sides: what serves it shows in the kernel rows
             if before != after:
                 add(verdict_changes, (key[0] or "(no claim)", before, after), cell)
     verdict_rows = rows(verdict_changes, "verdict")

@@ -96,6 +96,11 @@ def test_every_stand_in_the_ledger_lists_is_fenced_or_says_why_not(clean, vllm_e
         assert set(unfenced) - listed <= {"post-load: checkpoint weight names"}, key  # only MTP feeds weight names
 
 
+#: pieces whose work vLLM caches per run (its model-info cache under the run's VLLM_CACHE_ROOT): the registry's
+#: model inspection runs in whichever cell's process inspects the model first
+ONCE_PER_RUN = {"vllm registry model inspection"}
+
+
 def test_a_raise_planted_in_every_piece_that_ran_ends_as_a_harness_fault(clean, vllm_env, tmp_path_factory):
     """Survey: a raise in every piece that ran, each caught by the piece's own fence, which records it and lets the
     piece go on (a raise that propagated would stop whatever runs after it, so one run could test only the first
@@ -107,13 +112,18 @@ def test_a_raise_planted_in_every_piece_that_ran_ends_as_a_harness_fault(clean, 
     assert len(todo) > 60 and {"install", "probe", "hook"} & kinds and any(not p.startswith(("install ", "probe "))
                                                                          for p in todo)
     run = _run(vllm_env, tmp_path_factory, "fence-survey", CELLS, plant=todo, survey=True)
+    went_off = set()
     for key in CELLS:
         cell = run["cells"][key]
         pieces = {f["piece"] for f in cell["harness_faults"]}
-        assert ran[key] <= pieces, (key, sorted(ran[key] - pieces))  # every piece that ran here went off here
+        went_off |= pieces
+        # every piece that ran here went off here, but for work vLLM caches once per run (whichever cell's process
+        # gets there first does it; the others read vLLM's cache): that goes off in some cell, checked below
+        assert ran[key] - ONCE_PER_RUN <= pieces, (key, sorted(ran[key] - ONCE_PER_RUN - pieces))
         assert pieces <= todo, (key, sorted(pieces - todo))  # and nothing but what was planted
         assert {f["type"] for f in cell["harness_faults"]} == {"probes.core.fence:PlantedFault"}, key
         assert cell["status"] == "INCOMPLETE" and cell["lanes"] == {} and "harness fault" in cell["failure"]["message"]
+    assert todo <= went_off, sorted(todo - went_off)  # every piece that ran anywhere went off somewhere
 
 
 def test_raises_that_propagate_into_vllm_end_as_harness_faults(clean, vllm_env, tmp_path_factory):

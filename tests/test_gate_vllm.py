@@ -62,11 +62,10 @@ REGRESSIONS = {
 CLASSES = {"device check relaxed": "refusal", "support check failing quietly": "kernel",
            "activation check rejecting SiTU": "kernel", "dispatch bound moved": "tier",
            "selector support narrowed": "kernel"}
-#: an availability answer that moves while no selection in the audited cells depends on it: information
-AVAILABILITY_ONLY = [("vllm.utils.import_utils", [('    """Whether the optional `deep_ep` package is available."""\n'
-                                                   '    return _has_module("deep_ep")\n',
-                                                   '    """Whether the optional `deep_ep` package is available."""\n'
-                                                   '    return True\n')])]
+#: an availability answer that moves while no selection in the audited cells depends on it: information. (Not every
+#: answer is one: vLLM told that deep_ep is available imports it at once and the cell stops at its config.)
+AVAILABILITY_ONLY = [("vllm.utils.import_utils", [('    if not _has_module_spec("tilelang"):\n        return False\n',
+                                                   '    if True:  # planted: tilelang unavailable\n        return False\n')])]
 
 
 def cli(*args):
@@ -159,13 +158,13 @@ def test_each_regression_fails_the_gate_naming_its_change(name, shipped, regress
 
 
 def test_an_availability_answer_that_decides_nothing_is_information(shipped, vllm_env, tmp_path_factory, tmp_path):
-    """vLLM now says deep_ep is available; neither audited cell selects anything by it (no expert-parallel
-    all2all in either): the diff shows the answer as information with its reason, and the gate passes."""
+    """vLLM now says tilelang is unavailable; neither audited cell selects anything by it (K3 has no layer that asks):
+    the diff shows the answer as information with its reason, and the gate passes."""
     run = _run(vllm_env, tmp_path_factory, "availability-only", AVAILABILITY_ONLY)
     r, diff = _gate(shipped, run, tmp_path / "reports")
-    rows = [c for c in diff["changes"] if c["field"] == "vLLM availability: deep_ep"]
+    rows = [c for c in diff["changes"] if c["field"] == "vLLM availability: tilelang"]
     assert rows and all(not c["serving"] and c["class"] == "information" for c in rows), diff["changes"]
-    assert rows[0]["before"] == "False" and rows[0]["after"] == "True"
+    assert rows[0]["before"] == "True" and rows[0]["after"] == "False"
     assert "changed no selection" in rows[0]["information"]
     assert r.returncode == ExitCode.OK, r.stderr[-3000:]
     assert diff["serving_changes"] == 0 and "**No serving change**" in diff["summary"]

@@ -179,12 +179,15 @@ def glance(routing: dict, changes: dict | None) -> dict:
                                               else 0, w)),
            "failing_now": sum(n for k, n in ((routing.get("verdicts") or {}).get("summary") or {}).items() if k in FAILING)}
     if changes and not changes.get("unavailable"):
+        from audit.report.verdicts import verdict_before
+
         rows = changes.get("changes", [])
         failing = lambda v: str(v).split(" ")[0] in FAILING  # noqa: E731
         verdict_rows = [r for r in rows if r["kind"] == "verdict"]
         out["since"] = {"pin": changes["from"]["pin"], "serving": [r for r in rows if r.get("serving")],
                         "serving_cells": len({tuple(c) for r in rows if r.get("serving") for c in r["cells"]}),
-                        "new_failures": [r for r in verdict_rows if failing(r["after"]) and not failing(r["before"])],
+                        "new_failures": [{**r, "before": verdict_before(changes, r)} for r in verdict_rows
+                                         if failing(r["after"]) and not failing(r["before"])],
                         "fixed": [r for r in verdict_rows if failing(r["before"]) and not failing(r["after"])]}
     return out
 

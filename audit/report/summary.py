@@ -194,13 +194,9 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
     verdicts = [c for c in d["changes"] if c["kind"] == "verdict" and c.get("turn")]
 
     def before(c: dict) -> str:
-        """A claim judged per batch now and for the whole lane before reads "<verdict> for the whole lane"."""
-        if c["before"] != "—":
-            return c["before"]
-        whole = next((r for r in d["changes"] if r["kind"] == "verdict" and r["field"] == c["field"]
-                      and r["after"] == "—" and r["cells"] == c["cells"]), None)
-        return (f"{whole['before']} for the whole lane in {d['from']['vllm_version']}" if whole else
-                f"not judged there in {d['from']['vllm_version']}")
+        from audit.report.verdicts import verdict_before
+
+        return verdict_before(d, c)
 
     claims = [f"`{c['field']}` {c['turn']}: {before(c)} → {c['after']} ({c['where']})"
               + (", true now only because serving changed under it" if c.get("because", "").startswith("claim now")

@@ -459,3 +459,14 @@ def attach(routing: dict, exp: Expectations, *, display_path: str) -> dict:
                                        **({"dispatch": dict(c.dispatch)} if c.dispatch else {})}
                                       for c in exp.claims]}
     return routing
+
+
+def verdict_before(d: dict, c: dict) -> str:
+    """A verdict row's before-value in words: a claim judged per batch now and for the whole lane before reads
+    "<verdict> for the whole lane in <version>"; one not judged there says so."""
+    if c["before"] != "—":
+        return c["before"]
+    whole = next((r for r in d["changes"] if r["kind"] == "verdict" and r["field"] == c["field"]
+                  and r["after"] == "—" and r["cells"] == c["cells"]), None)
+    version = d["from"]["vllm_version"]
+    return f"{whole['before']} for the whole lane in {version}" if whole else f"not judged there in {version}"

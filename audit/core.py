@@ -550,7 +550,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
             from audit.report.gate import judge_gate
 
             keys, shown = load_accepted_findings(accepted, lock_path=lock_path, profile=profile)
-            gate = judge_gate(base, routing, keys, accepted_path=shown)
+            gate = judge_gate(base, routing, keys, accepted_path=shown, diff=changes)
             changes["gate"] = gate
     files_out = report_files(routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"],
                              changes=changes, label_map=exp.label_map if exp is not None else None)

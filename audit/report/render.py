@@ -182,13 +182,13 @@ def glance(routing: dict, changes: dict | None) -> dict:
         from audit.report.verdicts import verdict_before
 
         rows = changes.get("changes", [])
-        failing = lambda v: str(v).split(" ")[0] in FAILING  # noqa: E731
         verdict_rows = [r for r in rows if r["kind"] == "verdict"]
+        # the diff already classed every row and every verdict turn: read them, never re-derive
         out["since"] = {"pin": changes["from"]["pin"], "serving": [r for r in rows if r.get("serving")],
-                        "serving_cells": len({tuple(c) for r in rows if r.get("serving") for c in r["cells"]}),
+                        "serving_cells": changes["serving_cells"],
                         "new_failures": [{**r, "before": verdict_before(changes, r)} for r in verdict_rows
-                                         if failing(r["after"]) and not failing(r["before"])],
-                        "fixed": [r for r in verdict_rows if failing(r["before"]) and not failing(r["after"])]}
+                                         if r.get("turn") == "newly failing"],
+                        "fixed": [r for r in verdict_rows if r.get("turn") == "no longer failing"]}
     return out
 
 

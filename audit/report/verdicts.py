@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from audit.report.dispatch import serving_group, step_path_group, tier_choice, workload_of, workload_order
+from audit.report.dispatch import serving_group, taken_by_step_path, tier_choice, workload_of, workload_order
 from audit.report.expectations import Expectations
 from audit.report.labels import derive
 from audit.report.routing import format_ranges, short
@@ -179,7 +179,7 @@ def _split_by_step_path(cell: dict, lane: str, group: dict, v: Judged) -> tuple[
     if path is None or judged is None:
         return ()
     works = [w for w in (cell.get("dispatch") or {}).get("workloads", []) if w.split(" ")[0] in judged.workloads]
-    taken = [w for w in works if step_path_group(cell, lane, group, w, path) is not None]
+    taken = set(taken_by_step_path(cell, lane, path)) & set(works)
     return tuple(works) if taken else ()
 
 

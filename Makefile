@@ -129,7 +129,7 @@ models: setup
 	$(BIN)/serving-truth models
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 bench: setup
 	$(BIN)/python benchmarks/bench_counting.py

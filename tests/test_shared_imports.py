@@ -93,16 +93,29 @@ def test_learning_names_every_module_importing_at_a_read(state, tmp_path, monkey
     monkeypatch.syspath_prepend(str(tmp_path))
     state.set_simulated(SYSTEM, 8)
     state.ImportOrder.start()
+    from probes.core.patching import PostImportHooks
+
+    hooks = PostImportHooks()
+    seen = []
+    hooks.register("st_clean", lambda module: seen.append(module.__name__))  # its finder asks ImportOrder itself
     try:
+        import importlib.util
+
+        # a probe for a package imported later (torch._dynamo asks find_spec about optional backends) places
+        # nothing: the order is the order imports start
+        assert importlib.util.find_spec("st_outer") is not None
         import st_clean  # noqa: F401
         import st_outer  # noqa: F401
     finally:
         state._State.learning = False
         sys.meta_path.remove(state.ImportOrder)
+        hooks.uninstall()
+    assert seen == ["st_clean"]
     assert sys.modules["st_inner"].MAJOR == 9
     assert state._State.readers == {"st_outer", "st_inner"}
     assert [m for m in state.ImportOrder.order if m.startswith("st_")] == ["st_clean", "st_outer", "st_inner"]
     assert state._State.reads_before_sku == []
     state.ImportOrder.order.clear()
+    state.ImportOrder._seen.clear()
     for name in ("st_outer", "st_inner", "st_clean"):
         sys.modules.pop(name, None)

@@ -127,17 +127,43 @@ class _State:
 class ImportOrder:
     """A meta-path finder that finds nothing: while ``_State.learning`` is on, it notes the order in which this
     process starts importing modules. A module that starts before the first module whose import reads the
-    device finished before that one started, so it never depends on the SKU: the host shares that prefix."""
+    device finished before that one started, so it never depends on the SKU: the host shares that prefix.
+
+    Only a real import counts: the import system's own loader asks the finders from ``_find_and_load_unlocked``.
+    ``importlib.util.find_spec`` (torch._dynamo probes optional backends such as tvm that way) asks them too, for
+    a package imported much later or never; noting it there would place it far too early. (``sys.modules``'
+    order will not do either: the import system moves each module to the end when its import finishes.) On a
+    Python whose loader is named otherwise nothing is noted, so nothing is shared: slower, never wrong."""
 
     order: list = []
     _seen: set = set()
+    _LOADER = "_find_and_load_unlocked"
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
         if _State.learning and name not in cls._seen:
-            cls._seen.add(name)
-            cls.order.append(name)
+            import sys
+
+            if cls._real_import(sys._getframe(1)):
+                cls._seen.add(name)
+                cls.order.append(name)
         return None
+
+    @classmethod
+    def _real_import(cls, frame) -> bool:
+        """Whether the finders are being asked for a real import: above this call, past the frames that only
+        pass the question on (importlib's ``_find_spec`` and any finder's ``find_spec``, such as the post-import
+        hooks' finder that asks the others itself), the asker is the import system's loader."""
+        for _ in range(8):
+            if frame is None:
+                return False
+            if frame.f_code.co_name not in ("find_spec", "_find_spec"):
+                return frame.f_code.co_name == cls._LOADER
+            if frame.f_code.co_name == "find_spec" and frame.f_code.co_filename.endswith(("importlib/util.py",
+                                                                                         "importlib\\util.py")):
+                return False  # importlib.util.find_spec: a probe
+            frame = frame.f_back
+        return False
 
     @classmethod
     def start(cls) -> None:

@@ -110,6 +110,22 @@ class StepPath:
 
 
 @dataclass(frozen=True)
+class BatchRoute:
+    """A per-call choice that says which construction lane serves a batch: the tier choice of dispatch lane
+    ``dispatch`` begins ``<path>: `` for a batch that takes a path of ``paths`` (path -> the lane whose group
+    serves it), e.g. an attention metadata builder that sends a short prefill down the decode path, or a runner
+    that builds a draft method's decode rows as speculative rows. Applies to the judged lanes in ``lanes``; where
+    ``named`` is set, every batch names a path and a choice naming none is unknown; else such a batch is served by
+    the lane itself. ``title`` names the layer kind in the note ("a decode 8 batch takes KDA's speculative
+    rows ...")."""
+    dispatch: str
+    lanes: tuple[str, ...]
+    paths: dict[str, str]
+    title: str
+    named: bool = False
+
+
+@dataclass(frozen=True)
 class ModelState:
     """What the model's worker builds once its weights are loaded (K3: its specialized decode), read model-wide after
     post-load: its probes package emits a ``postload-model`` record (``model_facts``) and runs the build as a
@@ -173,6 +189,8 @@ class Profile:
     dispatch: DispatchLanes = field(default_factory=DispatchLanes)
     #: a path of its own that serves some steps in place of the stock lanes, if any (see :class:`StepPath`)
     step_path: StepPath | None = None
+    #: per-call choices that say which construction lane serves a batch (see :class:`BatchRoute`)
+    batch_routes: tuple[BatchRoute, ...] = ()
     #: kernel labels for lanes whose value is a backend string, if any (see :class:`BackendLabels`)
     backend_labels: BackendLabels | None = None
     #: what its worker builds once the weights are loaded, if anything (see :class:`ModelState`)
@@ -224,7 +242,6 @@ SHARED_POSTLOAD_READINGS = ("moe_kernel", "activation", "deferred_finalize")
 #: lanes the shared code reads by name: the routed experts lane (its candidates and precision lanes) and MLA's
 #: decode/prefill split (a short prefill chunk takes the decode path)
 MOE_LANE = "moe"
-MLA_LANES = ("mla.decode", "mla.prefill")
 
 
 def check_profile(p: "Profile") -> None:
@@ -244,9 +261,6 @@ def check_profile(p: "Profile") -> None:
         if lane.candidates_target and lane.layer_kind == "moe" and lane.id != MOE_LANE:
             raise ProfileError(p.name, f"the routed experts lane (layer kind moe, with candidates) must be named "
                                        f"{MOE_LANE!r}, not {lane.id!r}: the shared verdicts and labels read it by name")
-        if lane.layer_kind == "mla" and lane.id not in MLA_LANES:
-            raise ProfileError(p.name, f"an MLA lane must be one of {', '.join(MLA_LANES)} (MLA's decode/prefill split "
-                                       f"picks between them by name), not {lane.id!r}")
         for src in lane.sources:
             if src.kind == "postload":
                 known = set(SHARED_POSTLOAD_READINGS) | set(p.postload_readings) | \
@@ -257,7 +271,8 @@ def check_profile(p: "Profile") -> None:
     refs = [("judged", [j.lane for j in p.judged]), ("perf_lanes", list(p.perf_lanes.values())),
             ("selftest_lanes", list(p.selftest_lanes)),
             ("step_path.parts", list(p.step_path.parts) if p.step_path is not None else []),
-            ("backend_labels.kernels", list(p.backend_labels.kernels) if p.backend_labels is not None else [])]
+            ("backend_labels.kernels", list(p.backend_labels.kernels) if p.backend_labels is not None else []),
+            ("batch_routes", [lane for r in p.batch_routes for lane in (*r.lanes, *r.paths.values())])]
     for where, lanes in refs:
         unknown = sorted(set(lanes) - set(ids))
         if unknown:

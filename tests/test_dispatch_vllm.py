@@ -143,6 +143,28 @@ def test_mtp_verify_width(probed_run):
     assert tail["tiers"]["verify 1024 (256x4)"] == "COLUMN_PARALLEL"
 
 
+def test_mtp_batches_are_built_by_vllms_runner(probed_run):
+    """Under MTP vLLM 0.33's runner makes every decode row a speculative row (MambaHybridModelState.prepare_attn,
+    then K3's KDA metadata builder): on SM 10.0 a decode batch runs FlashInfer's packed spec kernel, a prefill chunk
+    beside decodes runs two KDA launches (the spec rows' kernel, then the prefill's); without MTP the decode
+    kernel serves decodes. The draft head's lm_head sees one row per request, never the verified tokens."""
+    mtp = _cell(probed_run, "b200_sxm", "tp8-mtp")["dispatch"]["lanes"]
+    kda = _only([r for r in mtp["kda_batch"] if r["role"] == "target"])
+    assert all(kda["tiers"][k] == "speculative rows: FlashInfer packed fused KDA decode (convolution fused)"
+               for k in DECODES)
+    assert all(kda["tiers"][k] == "alone: FlashKDA prefill (after causal_conv1d_fn); with 8 decode requests: 2 launches: "
+               "FLA Triton fused_recurrent_kda (after causal_conv1d_update) for the speculative rows, then FlashKDA "
+               "prefill (after causal_conv1d_fn)" for k in PREFILLS)
+    plain = _only(_cell(probed_run, "b200_sxm", "tp8")["dispatch"]["lanes"]["kda_batch"])
+    assert all(plain["tiers"][k] == "vLLM's fused_kda_decode CUDA op (convolution fused)" for k in DECODES)
+    assert all(plain["tiers"][k].endswith("(alone or with 8 decode requests in the batch)") for k in PREFILLS)
+    draft = _only([r for r in mtp["lm_head"] if r["role"] == "draft"])
+    target = _only([r for r in mtp["lm_head"] if r["role"] == "target"])
+    for verify, requests in (("verify 4 (1x4)", 1), ("verify 32 (8x4)", 8), ("verify 1024 (256x4)", 256)):
+        assert draft["tiers"][verify].startswith(f"M={requests}: ")
+        assert target["tiers"][verify].startswith(f"M={requests * 4}: ")
+
+
 def test_planted_threshold_changes_the_tier_table(probed_run, planted_run, tmp_path):
     """Lowering the tail operator's bound in the pinned vLLM (128 -> 8) moves decode 64 off the
     fused tail (and off deferred finalize) in the tier table, routing.json and the ledger."""

@@ -68,9 +68,31 @@ def test_a_models_own_step_path_serves_only_its_steps():
         "serving_path": [{"role": "target", "layers": [], "tiers": {"decode 1": "FULL graph, 1 tokens: specialized decode"}}],
         "specialized_decode": [{"role": "target", "layers": [], "tiers": {"decode 1": "batch 1"}}]}}}
     group = {"layers": [3], "ranges": "3", "value": "x"}
-    lane, served, note = dispatch.serving_group(cell, "mla.decode", group, "decode 1", KIMI_K3.step_path)
+    lane, served, note = dispatch.serving_group(cell, "mla.decode", group, "decode 1", KIMI_K3)
     assert served["value"] == "specialized decode (mla_core): batch 1" and "K3's specialized decode takes" in note
-    assert dispatch.serving_group(cell, "moe", group, "decode 1", GPT_OSS_120B.step_path) == ("moe", group, "")
+    assert dispatch.serving_group(cell, "moe", group, "decode 1", GPT_OSS_120B) == ("moe", group, "")
+
+
+def test_a_batch_route_sends_a_batch_to_the_lane_its_choice_names():
+    """K3 under a draft method: a decode batch the runner built as speculative rows is served by the KDA
+    spec-verify group; a plain decode choice stays with the decode lane; a model without the route never moves."""
+    kda = {"layers": [0], "ranges": "0", "value": "triton"}
+    verify = {"layers": [0], "ranges": "0", "value": "flashinfer", "raw": {"source": "kda.spec_verify"}}
+    choices = {"decode 1": "speculative rows: FlashInfer packed fused KDA decode (convolution fused)",
+               "decode 8": "FLA Triton fused_recurrent_kda_packed_decode (after causal_conv1d_update)"}
+    cell = {"lanes": {"kda.decode": [kda], "kda.spec_verify": [verify]},
+            "dispatch": {"workloads": list(choices), "lanes": {"kda_batch": [
+                {"role": "target", "layers": [0], "tiers": choices, "source": "kda:KimiK3DeltaAttention._forward"}]}}}
+    lane, served, note = dispatch.serving_group(cell, "kda.decode", kda, "decode 1", KIMI_K3)
+    assert (lane, served) == ("kda.spec_verify", verify)
+    assert note == ("a decode 1 batch takes KDA's speculative rows (kda:KimiK3DeltaAttention._forward), so "
+                    "flashinfer serves it")
+    assert dispatch.serving_group(cell, "kda.decode", kda, "decode 8", KIMI_K3) == ("kda.decode", kda, "")
+    assert dispatch.serving_group(cell, "kda.decode", kda, "decode 1", GPT_OSS_120B) == ("kda.decode", kda, "")
+    assert dispatch.serving_mark(cell, "kda.decode", KIMI_K3) == " · at decode 1: the batch takes KDA's speculative rows"
+    cell["lanes"]["kda.spec_verify"] = []
+    assert "this cell has no kda.spec_verify evidence" in dispatch.serving_group(cell, "kda.decode", kda, "decode 1",
+                                                                                  KIMI_K3)
 
 
 @pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
@@ -129,15 +151,16 @@ def test_model_hooks_are_declared_and_a_typo_is_refused_when_the_package_loads()
 
 
 def test_a_profile_breaking_a_rule_the_shared_code_relies_on_is_refused_when_it_is_made():
-    """Naming rules nobody wrote down, now checked at registration: the routed experts lane is `moe`, MLA's lanes
-    are mla.decode/mla.prefill, every lane another field names exists, every post-load reading a lane reads exists."""
+    """Naming rules nobody wrote down, now checked at registration: the routed experts lane is `moe`, every lane
+    another field names exists (the judged lanes, a batch route's lanes and paths, ...), every post-load reading a
+    lane reads exists."""
     import dataclasses
 
     import pytest
 
     from audit.errors import ExitCode, ProfileError
     from audit.models.kimi_k3 import KIMI_K3
-    from audit.profiles import SHARED_POSTLOAD_READINGS, Source
+    from audit.profiles import SHARED_POSTLOAD_READINGS, BatchRoute, Source
     from audit.report.routing import POSTLOAD_READINGS
 
     assert set(SHARED_POSTLOAD_READINGS) == set(POSTLOAD_READINGS)
@@ -147,7 +170,9 @@ def test_a_profile_breaking_a_rule_the_shared_code_relies_on_is_refused_when_it_
 
     cases = [
         (dict(lanes=lanes_with("moe", id="experts")), "must be named 'moe'"),
-        (dict(lanes=lanes_with("mla.decode", id="mla.dec")), "an MLA lane must be one of"),
+        (dict(lanes=lanes_with("mla.decode", id="mla.dec")), r"names lane\(s\) mla.decode"),
+        (dict(batch_routes=(BatchRoute("kda_batch", ("kda.decode",), {"speculative rows": "kda.verify"}, "KDA"),)),
+         r"batch_routes names lane\(s\) kda.verify"),
         (dict(lanes=KIMI_K3.lanes + KIMI_K3.lanes[:1]), "defined twice"),
         (dict(lanes=lanes_with("moe.kernel", sources=(Source("postload", "moe_kernels", ()),))),
          "reads the post-load reading 'moe_kernels'"),

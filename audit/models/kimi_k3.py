@@ -7,7 +7,7 @@ both ways). Shared code reads these through the registry (:mod:`audit.models`) a
 """
 from __future__ import annotations
 
-from audit.profiles import BackendLabels, DispatchLanes, JudgedLane, Lane, ModelState, Profile, Slice, Source, StepPath
+from audit.profiles import BackendLabels, BatchRoute, DispatchLanes, JudgedLane, Lane, ModelState, Profile, Slice, Source, StepPath
 from audit.systems import Layout
 
 MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
@@ -160,6 +160,15 @@ KIMI_K3 = Profile(
         },
     ),
     # K3's latency-specialized decode (``--additional-config decode_backend``): a step it takes runs its own kernels
+    batch_routes=(
+        # vLLM's MLA metadata builder splits a batch into decode and prefill rows by query length: a short
+        # prefill chunk takes the decode path
+        BatchRoute("mla", ("mla.decode", "mla.prefill"), {"decode path": "mla.decode", "prefill path": "mla.prefill"},
+                   "MLA", named=True),
+        # under a draft method, vLLM's runner (0.32 on) builds every decode row as a speculative row, so the KDA
+        # layer serves a decode batch with its spec-verify kernel
+        BatchRoute("kda_batch", ("kda.decode",), {"speculative rows": "kda.spec_verify"}, "KDA"),
+    ),
     step_path=StepPath(name="specialized decode", lane="specialized_decode", owner="K3's specialized decode",
                        family="specialized_decode",
                        parts={"moe": "experts", "mla.decode": "mla_core", "kda.decode": "kda", "kda.spec_verify": "kda"}),

@@ -285,30 +285,61 @@ def step_path_mark(cell: dict, lane: str, path: StepPath | None) -> str:
     return f" · at {_fold(taken, list((cell.get('dispatch') or {}).get('workloads', [])))}: {path.owner} serves instead"
 
 
-def serving_group(cell: dict, lane: str, group: dict, workload: str,
-                  path: StepPath | None) -> tuple[str, dict, str] | str:
+def serving_mark(cell: dict, lane: str, profile) -> str:
+    """What a lane's row adds where another path serves some of its batches: the model's step path
+    (:func:`step_path_mark`), or a path a per-call choice routes them to (the profile's batch routes): which batches,
+    and what serves them ("" where the lane serves them all)."""
+    mark = step_path_mark(cell, lane, profile.step_path)
+    route = next((r for r in profile.batch_routes if lane in r.lanes), None)
+    judged = next((j for j in profile.judged if j.lane == lane), None)
+    if route is None or judged is None:
+        return mark
+    every = list((cell.get("dispatch") or {}).get("workloads", []))
+    skip = set(taken_by_step_path(cell, lane, profile.step_path))
+    routed: dict[str, list[str]] = {}
+    for g in cell.get("lanes", {}).get(lane, []):
+        for w in every:
+            if w.split(" ")[0] not in judged.workloads or w in skip:
+                continue
+            found = tier_choice(cell, route.dispatch, g["layers"], w)
+            taken = found[0].split(":", 1)[0] if found and ":" in found[0] else ""
+            served = route.paths.get(taken)
+            if served is not None and served != lane and w not in routed.setdefault(taken, []):
+                routed[taken].append(w)
+    for taken, works in sorted(routed.items()):
+        works.sort(key=every.index)
+        mark += f" · at {_fold(works, every)}: the batch takes {route.title}'s {taken}"
+    return mark
+
+
+def serving_group(cell: dict, lane: str, group: dict, workload: str, profile) -> tuple[str, dict, str] | str:
     """Which construction lane group serves *workload* for the layers of *group*. A step the model's own step
-    path takes (*path*, its profile's; vLLM's graph dispatch and the path's prepared batch sizes decide) is served
-    by that path's own kernels, not the lane's; for MLA the metadata builder's decode/prefill split decides (a
-    short prefill chunk can take the decode path); other lanes serve every workload with the group built. Returns
-    (lane, group, note) or a reason it is unknown."""
+    path takes (its *profile*'s; vLLM's graph dispatch and the path's prepared batch sizes decide) is served by that
+    path's own kernels, not the lane's; where a per-call choice names the path a batch takes (the profile's
+    ``batch_routes``: a short prefill chunk can take MLA's decode path; a draft method's decode rows can be
+    speculative rows), that path's lane serves it; other lanes serve every workload with the group built.
+    Returns (lane, group, note) or a reason it is unknown."""
+    path = profile.step_path
     special = step_path_group(cell, lane, group, workload, path)
     if special is not None:
         return lane, special, (f"a {workload} step replays a FULL CUDA graph that {path.owner} takes "
                                f"({serving_path(cell, workload)}), so its own kernels serve it")
-    if not lane.startswith("mla."):
+    route = next((r for r in profile.batch_routes if lane in r.lanes), None)
+    if route is None:
         return lane, group, ""
-    found = tier_choice(cell, "mla", group["layers"], workload)
+    found = tier_choice(cell, route.dispatch, group["layers"], workload)
     if found is None:
-        return "no MLA dispatch tier was resolved for these layers"
+        return (f"no {route.title} dispatch tier was resolved for these layers" if route.named else
+                (lane, group, ""))
     choice, drow = found
-    path = choice.split(":", 1)[0]
-    served = {"decode path": "mla.decode", "prefill path": "mla.prefill"}.get(path)
+    taken = choice.split(":", 1)[0] if ":" in choice else ""
+    served = route.paths.get(taken)
     if served is None:
-        return f"MLA's path for this batch is not one lane: {choice}"
+        return f"{route.title}'s path for this batch is not one lane: {choice}" if route.named else (lane, group, "")
     if served == lane:
         return lane, group, ""
     other = next((g for g in cell["lanes"].get(served, []) if set(g["layers"]) & set(group["layers"])), None)
     if other is None:
-        return f"the batch takes the {path} ({choice}), and this cell has no {served} evidence for these layers"
-    return served, other, f"a {workload} batch takes MLA's {path} ({drow.get('source', '')}), so {other['value']} serves it"
+        return f"the batch takes the {taken} ({choice}), and this cell has no {served} evidence for these layers"
+    return (served, other, f"a {workload} batch takes {route.title}'s {taken} ({drow.get('source', '')}), so "
+                           f"{other['value']} serves it")

@@ -71,7 +71,7 @@ def _by_tokens(profile, cell: dict, judged, group: dict, label_map: dict[str, st
         if workload.split(" ")[0] not in judged.workloads:
             continue
         entry: dict = {"tokens": workload}
-        serving = serving_group(cell, lane, group, workload, own)
+        serving = serving_group(cell, lane, group, workload, profile)
         if isinstance(serving, str):
             entry.update(kernel_source="unknown", backend="unknown", why=serving)
         else:

@@ -236,7 +236,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 else:
                     row.append(_lane_summary(named(lane, c["lanes"].get(lane, [])), c,
                                              lane in routing.get("lanes_read_after_construction", ()))
-                               + dispatch.step_path_mark(c, lane, profile.step_path))
+                               + dispatch.serving_mark(c, lane, profile))
             rows.append(row)
         levels = sorted(set().union(*[_levels(by[(s.name, layout.name)]) for s in systems
                                       if (s.name, layout.name) in by]))
@@ -251,7 +251,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
                 continue
             lanes = []
             for lane in lane_ids:
-                mark = dispatch.step_path_mark(c, lane, profile.step_path)
+                mark = dispatch.serving_mark(c, lane, profile)
                 for g in named(lane, c["lanes"].get(lane, [])):
                     lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"] + mark,
                                   "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from audit.report.dispatch import serving_group, taken_by_step_path, tier_choice, workload_of, workload_order
+from audit.report.dispatch import serving_group, tier_choice, workload_of, workload_order
 from audit.report.expectations import Expectations
 from audit.report.labels import derive
 from audit.report.routing import format_ranges, short
@@ -148,7 +148,7 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                 label, family, how = derive(v.profile, lane, g, exp.label_map)
                 row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"],
                        "evidence": g.get("evidence", level)}
-                split = _split_by_step_path(cell, lane, g, v)
+                split = _split_by_batch(cell, lane, g, v)
                 if not claims:
                     exercised = not str(g["value"]).startswith("not exercised")
                     if exercised and split:  # one story per batch here too: what serves each, unjudged
@@ -159,9 +159,9 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                     continue
                 for c in claims:
                     if c.at or split:
-                        # one story per batch: where the model's own step path takes some of the lane's batches,
-                        # a claim about the lane is judged per batch against what serves each, never as a whole
-                        # against the stock kernel
+                        # one story per batch: where another path serves some of the lane's batches (the model's
+                        # own step path, or the lane a per-call choice routes them to), a claim about the lane is
+                        # judged per batch against what serves each, never as a whole against the lane's kernel
                         rows += _tier_rows(c if c.at else replace(c, at=split), lane, g, row, cell, exp, v)
                         continue
                     rows.append({**row, "claim": c.id, "expected": c.backend or c.kernel_source,
@@ -171,16 +171,20 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                                        _at_order(r.get("at", ""))))
 
 
-def _split_by_step_path(cell: dict, lane: str, group: dict, v: Judged) -> tuple[str, ...]:
-    """The workloads of *lane*'s phases this cell resolved, when the model's own step path (its profile's) takes at
-    least one of them and the stock lane serves the others; () when one kernel path serves them all."""
-    path = v.profile.step_path
+def _split_by_batch(cell: dict, lane: str, group: dict, v: Judged) -> tuple[str, ...]:
+    """The workloads of *lane*'s phases this cell resolved, when another path serves at least one of them (the
+    model's own step path, or a lane a per-call choice routes the batch to: the profile's batch routes) and the
+    lane's group the others; () when the group serves them all (or where what serves a batch is unknown, which
+    the whole-lane judgment already says)."""
     judged = next((j for j in v.profile.judged if j.lane == lane), None)
-    if path is None or judged is None:
+    if judged is None or (v.profile.step_path is None and not v.profile.batch_routes):
         return ()
     works = [w for w in (cell.get("dispatch") or {}).get("workloads", []) if w.split(" ")[0] in judged.workloads]
-    taken = set(taken_by_step_path(cell, lane, path)) & set(works)
-    return tuple(works) if taken else ()
+    for w in works:
+        served = serving_group(cell, lane, group, w, v.profile)
+        if not isinstance(served, str) and (served[0] != lane or served[1] is not group):
+            return tuple(works)
+    return ()
 
 
 def _unclaimed_by_batch(works, lane: str, group: dict, row: dict, cell: dict, exp: Expectations,
@@ -190,7 +194,7 @@ def _unclaimed_by_batch(works, lane: str, group: dict, row: dict, cell: dict, ex
     for every batch."""
     out = []
     for w in works:
-        served = serving_group(cell, lane, group, w, v.profile.step_path)
+        served = serving_group(cell, lane, group, w, v.profile)
         base = {**row, "claim": "", "expected": "", "at": w, "evidence": f"{row['evidence']} (dispatch)",
                 "verdict": "UNVERIFIED"}
         if isinstance(served, str):
@@ -230,7 +234,7 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
                             "why": f"not judged: the audit resolves no {at} workload (it resolves "
                                    f"{', '.join(resolved) or 'none of that phase'})"})
             continue
-        serving = serving_group(cell, lane, group, workload, v.profile.step_path)
+        serving = serving_group(cell, lane, group, workload, v.profile)
         if isinstance(serving, str):
             out.append({**base, "verdict": "UNVERIFIED", "why": f"not judged: {serving}"})
             continue

@@ -198,7 +198,7 @@ def _plan_lane(models, works, method: str, rows_of):
             if type(qm) is not cls:
                 continue
             tiers = [_plan_choice(qm, w.tokens, skinny_ok, dsv3_ok) if rows_of is None else
-                     f"M={rows_of(w)}: {_plan_choice(qm, rows_of(w), skinny_ok, dsv3_ok)}" for w in works]
+                     f"M={rows_of(role, w)}: {_plan_choice(qm, rows_of(role, w), skinny_ok, dsv3_ok)}" for w in works]
             yield role, name, tiers, f"{cls.__module__}:{cls.__qualname__}._plan"
 
 
@@ -306,15 +306,19 @@ def lane_specialized_decode(models, vllm_config, works):
         yield role, "", tiers, "vllm.models.kimi_k3.nvidia.specialized_decode.runtime.decode:SpecializedDecode"
 
 
-def _logits_rows(w: Workload) -> int:
-    """Rows the lm_head computes for a step: one per request for a decode step, the last token of a prefill
-    chunk, every verified token (vLLM's runner gathers hidden states at its logits indices)."""
+def _logits_rows(role: str, w: Workload) -> int:
+    """Rows the lm_head computes for a step. The target's: one per request for a decode step, the last token of a
+    prefill chunk, every verified token (vLLM's runner gathers hidden states at its logits indices). A draft
+    head's: one per request at every draft step, whatever the target step was (vLLM's speculator samples each
+    request's last hidden state: ``sample_hidden_states = last_hidden_states[last_token_indices]``)."""
+    if role != "target":
+        return w.requests
     return {"decode": w.requests, "prefill": 1, "verify": w.tokens}.get(w.phase, w.tokens)
 
 
 def lane_lm_head(models, vllm_config, works):
     """The lm_head's low-latency GEMM plan (K3's per-M table, KimiK3LowLatencyEmbeddingMethod), at the number of
-    logits rows of each step."""
+    logits rows of each step, the target's and the draft head's."""
     return _plan_lane(models, works, "KimiK3LowLatencyEmbeddingMethod", _logits_rows)
 
 
@@ -394,35 +398,130 @@ _KDA_CORES = {
 MIXED_DECODES = 8
 
 
-def _kda_metadata(cls, w: Workload, decodes: int = 0):
-    """The metadata of a batch as vLLM's KDA builder describes it to the layer: how many prefill, decode and
-    verify requests and tokens, and index tensors (meta) of their shapes. It only says what the batch *is*;
-    which kernel serves it is decided by the layer's own ``_forward``."""
+def _spec_out(layer, empty, args, kwargs):
+    """What ``fused_recurrent_kda`` returns, in shape: the output (``out`` when given, else of v's shape) and the
+    final state, which K3's forward drops."""
+    out = kwargs.get("out")
+    if out is None:
+        out = empty(kwargs["v"] if "v" in kwargs else args[2])
+    return out, None
+
+
+def _verify_out(layer, empty, args, kwargs):
+    """What K3's ``_recoverssm_verify(m, mixed_qkv, g1, beta, conv_weights, cu_seqlens, out)`` returns, in shape:
+    ``out`` when given, else one row per token of the spec rows' query."""
     import torch
 
-    verify = w.phase == "verify"
-    prefills = 1 if w.phase == "prefill" else 0
-    plain = w.requests if w.phase == "decode" else decodes
-    spec = w.requests if verify else 0
-    non_spec_reqs = prefills + plain
-    i32 = torch.int32
-    md = cls(num_prefills=prefills, num_prefill_tokens=w.tokens if prefills else 0, num_decodes=plain,
-             num_decode_tokens=plain, num_spec_decodes=spec, num_spec_decode_tokens=w.tokens if verify else 0,
-             num_actual_tokens=(w.tokens if w.phase != "decode" else 0) + plain)
-    if non_spec_reqs:
-        md.non_spec_state_indices_tensor = meta(non_spec_reqs, dtype=i32)
-        md.non_spec_query_start_loc = meta(non_spec_reqs + 1, dtype=i32)
-        md.has_initial_state = meta(non_spec_reqs, dtype=torch.bool)
-    if spec:
-        md.spec_state_indices_tensor = meta(spec, w.per_request, dtype=i32)
-        md.spec_query_start_loc = meta(spec + 1, dtype=i32)
-        md.num_accepted_tokens = meta(spec, dtype=i32)
-    return md
+    out = args[6] if len(args) > 6 else kwargs.get("out")
+    if out is not None:
+        return out
+    tokens = (args[1] if len(args) > 1 else kwargs["mixed_qkv"]).shape[0]
+    return torch.empty((1, tokens, layer.local_num_heads, layer.head_dim), dtype=torch.bfloat16, device="meta")
+
+
+#: the kernels of a batch's speculative rows, which other rows of the same batch follow with a launch of their own
+_SPEC_CORES = {"fused_recurrent_kda": _spec_out, "_recoverssm_verify": _verify_out}
 
 
 #: fenced pieces (probes.core.fence): the stand-ins the KDA batch lane and the specialized decode's plan run under
-KDA_PROBE = "KDA batch probe stand-ins (forward context, short convolutions, state gather, workspace, kernel stops)"
+KDA_PROBE = ("KDA batch probe stand-ins (forward context, short convolutions, state gather, workspace, kernel stops, "
+             "the spec rows' kernel output, prefix-cache state slots, CUDA-graph staging, unpinned host copies)")
 PLAN_PROBE = "specialized decode plan stand-ins (forward context, stream capture state)"
+
+
+class _AlignedSlots:
+    """Stands in for vLLM's prefix-cache state-slot context (``MambaSpecDecodeGPUContext``, built from the
+    KV-cache block tables on the device): the aligned slot IDs of every request, in shape
+    ([groups, requests, 1 + speculative blocks]); which slot holds a state decides no kernel."""
+
+    is_initialized = True
+    per_request = 1
+
+    @fence.guard(KDA_PROBE)
+    def compute_aligned_state_indices(self, seq_lens, num_reqs):
+        import torch
+
+        return torch.empty((1, num_reqs, self.per_request), dtype=torch.int32, device="meta")
+
+
+class _Batches:
+    """KDA metadata for a batch, built the way vLLM's runner builds it for the layout: the runner's own model
+    state (``prepare_attn``: which rows are speculative under a draft method is its decision, and it changed
+    between releases) hands the layer's own metadata builder (the backend's ``get_builder_cls``) the batch. The
+    batch itself is only described: its requests' query lengths, whether each is prefilling, and each decode's
+    draft count, with index tensors on the meta device. The model state is built by vLLM's generic hybrid
+    constructor (a model's own state class may add work that has nothing to do with attention metadata: K3's
+    builds the specialized decode, which its post-load step covers); ``prepare_attn`` is the class's own."""
+
+    #: context a decode request has already computed (its tokens are in the KV cache; any positive length will do)
+    CONTEXT = 1024
+
+    def __init__(self, model, vllm_config):
+        import torch
+
+        self.torch, self.vllm_config = torch, vllm_config
+        self.k = int(getattr(vllm_config, "num_speculative_tokens", 0) or 0)
+        states = importlib.import_module("vllm.v1.worker.gpu.model_states")
+        hybrid = importlib.import_module("vllm.v1.worker.gpu.model_states.mamba_hybrid")
+        chooser = getattr(states, "resolve_model_state_cls", None)
+        self.state_cls = chooser(vllm_config, model) if chooser is not None else hybrid.MambaHybridModelState
+        if not issubclass(self.state_cls, hybrid.MambaHybridModelState):
+            raise TypeError(f"vLLM's model state for this model is {self.state_cls.__qualname__}, not a hybrid one")
+        self.state = self.state_cls.__new__(self.state_cls)
+        hybrid.MambaHybridModelState.__init__(self.state, vllm_config, model, None, torch.device("meta"))
+        self.slots = _AlignedSlots()
+        if getattr(self.state, "_align_mode", False):
+            # prefix caching keeps each request's state in aligned slots that a GPU kernel computes from the
+            # KV-cache block tables; only their shape reaches the builder
+            self.state._mamba_ctx = self.slots
+        self.cudagraph_none = hybrid.CUDAGraphMode.NONE
+        self.group_cls = importlib.import_module("vllm.v1.worker.utils").AttentionGroup
+        self.builders: dict = {}
+
+    def _group(self, layer):
+        if layer.prefix not in self.builders:
+            backend = layer.get_attn_backend()
+            spec = layer.get_kv_cache_spec(self.vllm_config)
+            builder = backend.get_builder_cls()(spec, [layer.prefix], self.vllm_config, self.torch.device("meta"))
+            self.builders[layer.prefix] = self.group_cls(backend=backend, layer_names=[layer.prefix],
+                                                         kv_cache_spec=spec, kv_cache_group_id=0,
+                                                         metadata_builders=[builder])
+        return self.builders[layer.prefix]
+
+    def rows(self, w: Workload, decodes: int = 0) -> list[tuple[int, bool, int]]:
+        """(query tokens, prefilling, drafts) per request, decode rows first as the runner orders them: a decode
+        request carries no draft; a verify request k; a prefill chunk is one prompt's first chunk."""
+        if w.phase == "prefill":
+            return [(1, False, 0)] * decodes + [(w.tokens, True, 0)]
+        if w.phase == "verify":
+            return [(w.per_request, False, w.per_request - 1)] * w.requests
+        return [(1, False, 0)] * w.requests
+
+    def metadata(self, layer, rows):
+        import numpy as np
+
+        torch = self.torch
+        R = len(rows)
+        qlens = np.array([q for q, _, _ in rows], dtype=np.int32)
+        qsl = np.zeros(R + 1, dtype=np.int32)
+        np.cumsum(qlens, out=qsl[1:])
+        T = int(qsl[-1])
+        seq = torch.tensor([q if pre else q + self.CONTEXT for q, pre, _ in rows], dtype=torch.int32)
+        width = 2 + self.k
+        batch = types.SimpleNamespace(
+            num_reqs=R, num_tokens=T, num_reqs_after_padding=R, num_tokens_after_padding=T,
+            query_start_loc_np=qsl, query_start_loc=meta(R + 1, dtype=torch.int32), max_query_len=int(qlens.max()),
+            num_scheduled_tokens=qlens, seq_lens_cpu_upper_bound=seq, seq_lens=meta(R, dtype=torch.int32),
+            is_prefilling_np=np.array([pre for _, pre, _ in rows], dtype=bool), prefill_runs_as_decode_np=None,
+            idx_mapping=meta(R, dtype=torch.int64),
+            num_draft_tokens_per_req=np.array([d for _, _, d in rows], dtype=np.int32) if self.k else None,
+            dcp_local_seq_lens=None, positions=None, prompt_lens=None)
+        group = self._group(layer)
+        self.slots.per_request = 1 + int(getattr(group.kv_cache_spec, "num_speculative_blocks", 0) or 0)
+        out = self.state_cls.prepare_attn(self.state, batch, self.cudagraph_none, [meta(R, width, dtype=torch.int32)],
+                                          [meta(T, dtype=torch.int64)], [[group]],
+                                          types.SimpleNamespace(kv_cache_groups=[group]))
+        return out[layer.prefix]
 
 
 class _KdaProbe:
@@ -445,6 +544,10 @@ class _KdaProbe:
             @guard
             def grab(*args, **kwargs):
                 self.reached.append(name)
+                if name in _SPEC_CORES and self._more_rows():
+                    # the speculative rows' kernel, with other rows in the batch: the forward goes on to theirs,
+                    # so this returns an output of the spec rows' shape instead of stopping
+                    return _SPEC_CORES[name](self.layer, empty, args, kwargs)
                 raise Stop
             return grab
 
@@ -470,6 +573,26 @@ class _KdaProbe:
         self.swaps += [(m, name, stop(name)) for m in (mod, cores) for name in _KDA_CORES if hasattr(m, name)]
         if ops is not None and hasattr(ops, "fused_kda_decode"):
             self.swaps.append((ops, "fused_kda_decode", stop("fused_kda_decode")))
+        md_mod = optional("vllm.models.kimi_k3.nvidia.kda_metadata:KimiK3KDAMetadataBuilder")
+        md_mod = importlib.import_module(md_mod.__module__) if md_mod is not None else None
+        if hasattr(md_mod, "_mamba_get_block_table_tensor"):
+            # the builder's prefix-cache slot gather (a Triton kernel on the device): the table as given, whose
+            # first columns stand for the slots (which slot holds a state decides nothing)
+            self.swaps.append((md_mod, "_mamba_get_block_table_tensor", guard(lambda table, *a, **k: table)))
+        if hasattr(md_mod, "stage_spec_decode_metadata"):
+            # copies the spec rows' indices into the builder's CUDA-graph buffers (a Triton kernel): the buffers
+            # already have their shapes
+            self.swaps.append((md_mod, "stage_spec_decode_metadata", guard(lambda *a, **k: None)))
+        for name in ("vllm.utils.torch_utils", "vllm.v1.attention.backends.utils"):
+            try:
+                host = importlib.import_module(name)
+            except Exception:
+                continue
+            # pinned host copies need a driver; unpinned ones carry the same values
+            if hasattr(host, "PIN_MEMORY"):
+                self.swaps.append((host, "PIN_MEMORY", False))
+            if hasattr(host, "is_pin_memory_available"):
+                self.swaps.append((host, "is_pin_memory_available", guard(lambda: False)))
 
     def __enter__(self):
         self.saved = [(m, name, getattr(m, name)) for m, name, _ in self.swaps if hasattr(m, name)]
@@ -481,6 +604,10 @@ class _KdaProbe:
         for m, name, fn in self.saved:
             setattr(m, name, fn)
 
+    def _more_rows(self) -> bool:
+        md = self.md
+        return bool(getattr(md, "num_prefills", 0) or getattr(md, "num_decodes", 0))
+
     def kernel(self, layer, md, states: list) -> str:
         """``states``: the layer's conv and recurrent state (meta), with a slot for every request of the batch."""
         torch = self.torch
@@ -488,6 +615,7 @@ class _KdaProbe:
         heads, dim, proj = layer.local_num_heads, layer.head_dim, layer.local_projection_size
         bf16 = torch.bfloat16
         self.reached.clear()
+        self.layer, self.md = layer, md
         self.context = types.SimpleNamespace(attn_metadata={layer.prefix: md})
         own = layer.__dict__  # plain attributes, set past nn.Module's __setattr__
         had_cache, cache = "kv_cache" in own, own.get("kv_cache")
@@ -507,35 +635,39 @@ class _KdaProbe:
             own.pop("_recoverssm_verify", None)
         if not self.reached:
             return "no KDA kernel reached (the forward returned without one)"
-        name = self.reached[0]
-        text = _KDA_CORES[name]
-        if name == "_recoverssm_verify":
-            text += " (CuTe)" if getattr(layer, "recoverssm_verify", None) is not None else " (Triton)"
-        return text
+        texts = []
+        for name in self.reached:
+            text = _KDA_CORES[name]
+            if name == "_recoverssm_verify":
+                text += " (CuTe)" if getattr(layer, "recoverssm_verify", None) is not None else " (Triton)"
+            texts.append(text)
+        if len(texts) == 1:
+            return texts[0]
+        return f"{len(texts)} launches: {texts[0]} for the speculative rows, then " + ", then ".join(texts[1:])
 
 
 def lane_kda_batch(models, vllm_config, works):
     """Which KDA kernel a batch reaches, by batch type: a pure decode batch, a prefill chunk alone and with
     MIXED_DECODES decode requests beside it (a mixed batch), and a verify batch. vLLM's KDA layer chooses in
-    its ``_forward`` from the batch's request counts and the backends it resolved at construction; this runs
-    that ``_forward`` (meta tensors) up to the kernel it calls. Like every stock lane, it says what the stock
+    its ``_forward`` from the batch's metadata and the backends it resolved at construction. The metadata is what
+    vLLM's runner builds for the layout (:class:`_Batches`: under a draft method its model state decides which
+    rows are speculative); this runs ``_forward`` (meta tensors) up to the kernel it calls, past the speculative
+    rows' kernel when other rows follow with a launch of their own. Like every stock lane, it says what the stock
     forward runs; a step K3's specialized decode takes is served by its own KDA (``serving_path``)."""
     mod = optional("vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention")
     if mod is None:
         return
     kda = importlib.import_module(mod.__module__)
-    md_cls = getattr(kda, "KimiK3KDAMetadata", None)
     with _KdaProbe(kda) as probe:
         for role, model in models:
+            batches = None
             for name, layer in model.named_modules():
                 if not isinstance(layer, mod):
                     continue
-                if md_cls is None:  # the batch's metadata class moved: the lane says so on every KDA layer
-                    yield (role, name, [not_resolved(f"{mod.__module__} has no KimiK3KDAMetadata")] * len(works),
-                           f"{mod.__module__}:{mod.__qualname__}")
-                    continue
                 tiers = []
                 try:
+                    if batches is None:
+                        batches = _Batches(model, vllm_config)
                     slots = 2 + max(w.requests for w in works) + MIXED_DECODES
                     states = [meta(slots, *shape, dtype=dt)
                               for shape, dt in zip(layer.get_state_shape(), layer.get_state_dtype())]
@@ -544,9 +676,15 @@ def lane_kda_batch(models, vllm_config, works):
                     continue
                 for w in works:
                     try:
-                        text = probe.kernel(layer, _kda_metadata(md_cls, w), states)
+                        md = batches.metadata(layer, batches.rows(w))
+                        text = probe.kernel(layer, md, states)
+                        if w.phase == "decode" and getattr(md, "num_spec_decodes", 0):
+                            # vLLM's runner built these decode rows as speculative rows (the profile's batch
+                            # route reads the prefix)
+                            text = f"speculative rows: {text}"
                         if w.phase == "prefill":
-                            mixed = probe.kernel(layer, _kda_metadata(md_cls, w, decodes=MIXED_DECODES), states)
+                            mixed = probe.kernel(layer, batches.metadata(layer, batches.rows(w, MIXED_DECODES)),
+                                                 states)
                             text = (f"{text} (alone or with {MIXED_DECODES} decode requests in the batch)"
                                     if mixed == text else f"alone: {text}; with {MIXED_DECODES} decode requests: {mixed}")
                     except Exception as exc:

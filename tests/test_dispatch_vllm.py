@@ -155,6 +155,9 @@ def test_mtp_batches_are_built_by_vllms_runner(probed_run):
     assert all(kda["tiers"][k] == "alone: FlashKDA prefill (after causal_conv1d_fn); with 8 decode requests: 2 launches: "
                "FLA Triton fused_recurrent_kda (after causal_conv1d_update) for the speculative rows, then FlashKDA "
                "prefill (after causal_conv1d_fn)" for k in PREFILLS)
+    # decodes that drafted nothing beside a verify batch are speculative rows too: one launch
+    assert kda["tiers"]["verify 32 (8x4)"] == ("FlashInfer packed fused KDA decode (convolution fused) (alone or with 8 "
+                                               "decode requests in the batch)")
     plain = _only(_cell(probed_run, "b200_sxm", "tp8")["dispatch"]["lanes"]["kda_batch"])
     assert all(plain["tiers"][k] == "vLLM's fused_kda_decode CUDA op (convolution fused)" for k in DECODES)
     assert all(plain["tiers"][k].endswith("(alone or with 8 decode requests in the batch)") for k in PREFILLS)

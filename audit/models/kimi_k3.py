@@ -132,7 +132,7 @@ KIMI_K3 = Profile(
             "low_latency_gemm": "K3 low-latency BF16 GEMMs",
             "lm_head": "lm_head low-latency GEMM (at the step's logits rows)",
             "kda_projection_overlap": "KDA input-projection stream overlap",
-            "kda_batch": "KDA kernel by batch type (decode, prefill alone or mixed, verify)",
+            "kda_batch": "KDA kernel by batch type (decode, prefill and verify alone or mixed)",
         },
         notes={
             "serving_path": ("vLLM's CUDA-graph dispatch gives the mode; where the layout has K3's specialized decode, "
@@ -143,8 +143,10 @@ KIMI_K3 = Profile(
             "specialized_decode": ("The specialized decode itself is not built in the simulation (its CuTe DSL kernels "
                                    "need a device; see the post-load stage): its MLA core per batch is vLLM's "
                                    "`core_for`, everything else is marked `needs GPU`."),
-            "kda_batch": ("vLLM's KDA `_forward` ran on meta tensors up to the kernel it calls, for each kind of batch: "
-                          "pure decode, a prefill chunk alone and with 8 decode requests beside it (mixed), verify."),
+            "kda_batch": ("vLLM's KDA `_forward` ran on meta tensors up to the kernel it calls, for each kind of batch "
+                          "as vLLM's runner builds its metadata for the layout: pure decode, a prefill chunk and a "
+                          "verify batch each alone and with 8 decode requests beside it (mixed; where the speculative "
+                          "rows' kernel is followed by another launch, both are named)."),
         },
         stand_ins={
             # the shared serving-path lane asks K3's planner (SpecializedDecode.plan) whether it takes each step

@@ -490,11 +490,12 @@ class _Batches:
 
     def rows(self, w: Workload, decodes: int = 0) -> list[tuple[int, bool, int]]:
         """(query tokens, prefilling, drafts) per request, decode rows first as the runner orders them: a decode
-        request carries no draft; a verify request k; a prefill chunk is one prompt's first chunk."""
+        request carries no draft; a verify request k; a prefill chunk is one prompt's first chunk. *decodes*:
+        decode requests beside a prefill chunk or a verify batch (a mixed batch)."""
         if w.phase == "prefill":
             return [(1, False, 0)] * decodes + [(w.tokens, True, 0)]
-        if w.phase == "verify":
-            return [(w.per_request, False, w.per_request - 1)] * w.requests
+        if w.phase == "verify":  # the drafted rows, then decodes that drafted nothing
+            return [(w.per_request, False, w.per_request - 1)] * w.requests + [(1, False, 0)] * decodes
         return [(1, False, 0)] * w.requests
 
     def metadata(self, layer, rows):
@@ -647,8 +648,8 @@ class _KdaProbe:
 
 
 def lane_kda_batch(models, vllm_config, works):
-    """Which KDA kernel a batch reaches, by batch type: a pure decode batch, a prefill chunk alone and with
-    MIXED_DECODES decode requests beside it (a mixed batch), and a verify batch. vLLM's KDA layer chooses in
+    """Which KDA kernel a batch reaches, by batch type: a pure decode batch, a prefill chunk and a verify batch,
+    each alone and with MIXED_DECODES decode requests (no drafts) beside it (a mixed batch). vLLM's KDA layer chooses in
     its ``_forward`` from the batch's metadata and the backends it resolved at construction. The metadata is what
     vLLM's runner builds for the layout (:class:`_Batches`: under a draft method its model state decides which
     rows are speculative); this runs ``_forward`` (meta tensors) up to the kernel it calls, past the speculative
@@ -682,7 +683,7 @@ def lane_kda_batch(models, vllm_config, works):
                             # vLLM's runner built these decode rows as speculative rows (the profile's batch
                             # route reads the prefix)
                             text = f"speculative rows: {text}"
-                        if w.phase == "prefill":
+                        if w.phase in ("prefill", "verify"):
                             mixed = probe.kernel(layer, batches.metadata(layer, batches.rows(w, MIXED_DECODES)),
                                                  states)
                             text = (f"{text} (alone or with {MIXED_DECODES} decode requests in the batch)"

@@ -223,15 +223,21 @@ def _specialized(model, vllm_config):
             mod.SpecializedDecode.__init__(planner, lm.model, config)
         except Stop:
             pass
+    _PLANNED[id(planner)] = (model, vllm_config)
     return planner
+
+
+#: per planner built here, the model and config it was built for, then the :class:`_Batches` built from them (its
+#: plan is asked with their runner's metadata)
+_PLANNED: dict = {}
 
 
 def _plan_takes(planner, cg: str, padded: int, w: Workload) -> bool:
     """vLLM's own answer (``SpecializedDecode.plan``) to whether the specialized decode takes a step: the step
     replayed as vLLM dispatched it (``cg``: a graph captured at ``padded`` tokens, or eager), each layer given
-    the metadata of that batch (a padded FULL graph holds whole decode or verify requests). Stand-ins make the
-    objects plan reads exist: the forward context, a stream that is capturing exactly when the step replays a
-    graph, and per layer the batch's request counts."""
+    the metadata of that batch (a padded FULL graph holds whole decode or verify requests): for KDA layers what
+    vLLM's runner builds (:class:`_Batches`), for MLA layers their request counts. Stand-ins make the objects plan
+    reads exist: the forward context, a stream that is capturing exactly when the step replays a graph."""
     import torch
 
     mod = importlib.import_module(type(planner).__module__)
@@ -240,16 +246,21 @@ def _plan_takes(planner, cg: str, padded: int, w: Workload) -> bool:
     q = w.per_request if verify else 1
     batch = Workload(w.phase, padded, max(1, padded // q), q) if w.phase != "prefill" else w
     metadata = {}
-    for layer in planner.layers:
-        attention = layer.self_attn
-        name = mod.layer_name(attention)
-        if isinstance(attention, kda.KimiK3DeltaAttention):
-            metadata[name] = _kda_metadata(kda.KimiK3KDAMetadata, batch)
-        else:  # MLA: the request counts its metadata carries (no speculative fields)
-            reqs = batch.requests if batch.phase != "prefill" else 0
-            metadata[name] = types.SimpleNamespace(
-                num_prefills=1 if batch.phase == "prefill" else 0, num_decodes=reqs,
-                num_decode_tokens=batch.tokens if batch.phase != "prefill" else 0)
+    batches = _PLANNED[id(planner)]
+    with _KdaProbe(kda):  # its stand-ins for what the metadata builder does on the device
+        for layer in planner.layers:
+            attention = layer.self_attn
+            name = mod.layer_name(attention)
+            if isinstance(attention, kda.KimiK3DeltaAttention):
+                # the KDA metadata vLLM's runner builds for this batch (:class:`_Batches`)
+                if not isinstance(batches, _Batches):
+                    batches = _PLANNED[id(planner)] = _Batches(*batches)
+                metadata[name] = batches.metadata(attention, batches.rows(batch))
+            else:  # MLA: the request counts its metadata carries (no speculative fields)
+                reqs = batch.requests if batch.phase != "prefill" else 0
+                metadata[name] = types.SimpleNamespace(
+                    num_prefills=1 if batch.phase == "prefill" else 0, num_decodes=reqs,
+                    num_decode_tokens=batch.tokens if batch.phase != "prefill" else 0)
     modes = importlib.import_module("vllm.config").CUDAGraphMode
     context = types.SimpleNamespace(attn_metadata=metadata, cudagraph_runtime_mode=getattr(modes, cg),
                                     slot_mapping=None)

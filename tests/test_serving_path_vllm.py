@@ -149,14 +149,21 @@ def test_a_planted_lm_head_plan_change_shows(stock, planted):
 
 def test_kda_kernel_by_batch_type(stock):
     """vLLM's KDA ``_forward`` picks its kernel from the batch: the fused decode op for a pure decode batch where
-    the layer resolved one (no speculation), the packed Triton decode beside MTP; the prefill kernel for a prefill
-    chunk alone or with decode requests beside it; the verify kernel the layer resolved for a verify batch."""
+    the layer resolved one (no speculation); beside MTP vLLM 0.33's runner builds decode rows as speculative rows,
+    which the verify kernel serves (the conv update + Triton recurrent kernel on SM 9.0); the prefill kernel for a
+    prefill chunk alone, and two launches (the speculative rows', then the prefill's) with MTP decodes beside it;
+    the verify kernel the layer resolved for a verify batch."""
     cells, _ = stock
     tp8, mtp = cells[("b200_sxm", "tp8")], cells[("h200_sxm", "tp8-mtp")]
     assert _tier(tp8, "kda_batch", "decode 8").startswith("vLLM's fused_kda_decode CUDA op")
     assert _tier(tp8, "kda_batch", "prefill 2048") == \
         "FlashKDA prefill (after causal_conv1d_fn) (alone or with 8 decode requests in the batch)"
-    assert _tier(mtp, "kda_batch", "decode 8").startswith("FLA Triton fused_recurrent_kda_packed_decode")
+    assert _tier(mtp, "kda_batch", "decode 8") == \
+        "speculative rows: FLA Triton fused_recurrent_kda (after causal_conv1d_update)"
+    assert _tier(mtp, "kda_batch", "prefill 512") == (
+        "alone: FlashKDA prefill (after causal_conv1d_fn); with 8 decode requests: 2 launches: FLA Triton "
+        "fused_recurrent_kda (after causal_conv1d_update) for the speculative rows, then FlashKDA prefill (after "
+        "causal_conv1d_fn)")
     assert _tier(mtp, "kda_batch", "verify 32 (8x4)").startswith("FLA Triton fused_recurrent_kda ")
     # every KDA layer, and no MLA layer, has the lane
     layers = {layer for g in tp8["dispatch"]["lanes"]["kda_batch"] for layer in g["layers"]}

@@ -471,6 +471,7 @@ def verdict_before(d: dict, c: dict) -> str:
     if c["before"] != "—":
         return c["before"]
     whole = next((r for r in d["changes"] if r["kind"] == "verdict" and r["field"] == c["field"]
-                  and r["after"] == "—" and r["cells"] == c["cells"]), None)
+                  and r["after"] == "—" and r["before"] != "—"
+                  and {tuple(x) for x in c["cells"]} <= {tuple(x) for x in r["cells"]}), None)
     version = d["from"]["vllm_version"]
     return f"{whole['before']} for the whole lane in {version}" if whole else f"not judged there in {version}"

@@ -155,10 +155,14 @@ KIMI_K3 = Profile(
                              "of the padded batch (meta index tensors); the current stream answers 'capturing' exactly "
                              "when vLLM dispatched the step to a graph"),
             "kda_batch": ("dispatch `kda_batch`: KimiK3DeltaAttention._forward's inputs and callees",
-                          "a forward context holding the batch's metadata (request counts, meta index tensors); the "
-                          "layer's conv and recurrent state as meta tensors of its own state shapes; "
-                          "causal_conv1d_fn/_update, gather_initial_states and the workspace return tensors of their "
-                          "output shapes; each KDA kernel stops the call when reached (nothing runs)"),
+                          "a forward context holding the batch's metadata (built by vLLM's model state and the "
+                          "layer's own builder from a described batch, index tensors on meta); the layer's conv and "
+                          "recurrent state as meta tensors of its own state shapes; causal_conv1d_fn/_update, "
+                          "gather_initial_states and the workspace return tensors of their output shapes; the "
+                          "builder's prefix-cache state slots and CUDA-graph staging (GPU kernels) give tensors of "
+                          "their shapes; host copies are not pinned; each KDA kernel stops the call when reached, "
+                          "except the speculative rows' kernel where other rows follow, which returns an output of "
+                          "its shape (nothing runs)"),
         },
     ),
     # K3's latency-specialized decode (``--additional-config decode_backend``): a step it takes runs its own kernels

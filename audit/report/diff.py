@@ -12,7 +12,7 @@ from pathlib import Path
 
 from audit.report import dispatch
 from audit.report.perflabels import refusal
-from audit.report.verdicts import SEVERITY
+from audit.report.verdicts import SEVERITY, whole_lane_row
 from audit.errors import UsageError
 
 DIFF_SCHEMA = 1
@@ -238,26 +238,18 @@ def diff_routings(old: dict, new: dict) -> dict:
                 add(verdict_changes, (key[0] or "(no claim)", before, after), cell)
     verdict_rows = rows(verdict_changes, "verdict")
 
-    def cells_of(r):
-        return {tuple(c) for c in r["cells"]}
-
-    def whole_before(r):
-        """A claim judged per batch now and for the whole lane before (another path now serves some of its
-        batches): the whole lane's verdict before, for the cells it covered."""
-        if r["before"] != "—":
-            return r["before"]
-        whole = next((w for w in verdict_rows if w["field"] == r["field"] and w["after"] == "—"
-                      and w["before"] != "—" and cells_of(r) <= cells_of(w)), None)
-        return whole["before"] if whole else "—"
-
-    def judged_per_batch_now(r):
-        return r["after"] == "—" and any(o["field"] == r["field"] and o["before"] == "—" and o["after"] != "—"
-                                         and cells_of(o) & cells_of(r) for o in verdict_rows)
-
+    # a claim judged per batch now and for the whole lane before (another path now serves some of its batches):
+    # its per-batch rows turn against the whole lane's verdict before, and the whole-lane row itself turns nowhere
+    replaced = set()
     for r in verdict_rows:
-        was, now = _failing(whole_before(r)), _failing(r["after"])
-        r["turn"] = ("" if judged_per_batch_now(r) else  # its per-batch rows carry the story
-                     "newly failing" if now and not was else "no longer failing" if was and not now else "")
+        whole = whole_lane_row(verdict_rows, r) if r["before"] == "—" and r["after"] != "—" else None
+        was, now = _failing(whole["before"] if whole else r["before"]), _failing(r["after"])
+        if whole is not None:
+            replaced.add(id(whole))
+        r["turn"] = "newly failing" if now and not was else "no longer failing" if was and not now else ""
+    for r in verdict_rows:
+        if id(r) in replaced:
+            r["turn"] = ""  # its per-batch rows carry the story
         moved_here = {tuple(c) for c in r["cells"]} & served_cells
         if r["turn"] == "no longer failing":
             # a claim that passes now because serving changed under it is no fix of the claim: say so

@@ -465,13 +465,19 @@ def attach(routing: dict, exp: Expectations, *, display_path: str) -> dict:
     return routing
 
 
+def whole_lane_row(rows: list[dict], c: dict) -> dict | None:
+    """For a verdict change row judged per batch now and not at all before (``before`` is "—"): the row of the same
+    claim judged for the whole lane before and not now, covering its cells; None where there is none."""
+    cells = {tuple(x) for x in c["cells"]}
+    return next((r for r in rows if r["kind"] == "verdict" and r["field"] == c["field"] and r["after"] == "—"
+                 and r["before"] != "—" and cells <= {tuple(x) for x in r["cells"]}), None)
+
+
 def verdict_before(d: dict, c: dict) -> str:
     """A verdict row's before-value in words: a claim judged per batch now and for the whole lane before reads
     "<verdict> for the whole lane in <version>"; one not judged there says so."""
     if c["before"] != "—":
         return c["before"]
-    whole = next((r for r in d["changes"] if r["kind"] == "verdict" and r["field"] == c["field"]
-                  and r["after"] == "—" and r["before"] != "—"
-                  and {tuple(x) for x in c["cells"]} <= {tuple(x) for x in r["cells"]}), None)
+    whole = whole_lane_row(d["changes"], c)
     version = d["from"]["vllm_version"]
     return f"{whole['before']} for the whole lane in {version}" if whole else f"not judged there in {version}"

@@ -38,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--no-profiler", dest="profiler", action="store_false",
                    help="observe: do not corroborate the probes with vLLM's torch profiler traces")
     a.add_argument("--systems", default="all", help="comma list of systems, or 'all'")
-    a.add_argument("--layouts", default="all", help="comma list of the model's layouts (e.g. tp8, tp16), or 'all'")
+    a.add_argument("--layouts", default="default",
+                   help="comma list of the model's layouts (e.g. tp8, tp16); 'default': every layout but the "
+                        "deployment options (`serving-truth models` marks them); 'all': every layout")
     a.add_argument("--lock", default="images.lock", help="path to images.lock")
     a.add_argument("--reports", default="reports", help="reports directory")
     a.add_argument("--parallel", type=int, default=None,
@@ -387,7 +389,7 @@ def _models(out) -> int:
 
     for name, p in models.PROFILES.items():
         out.print(f"{name}{' (default)' if name == models.DEFAULT else ''}  {p.architecture}  layouts: "
-                  f"{', '.join(p.layouts)}  judged: {', '.join(j.lane for j in p.judged)}  reports: "
+                  f"{', '.join(n + (' (option)' if l.opt_in else '') for n, l in p.layouts.items())}  judged: {', '.join(j.lane for j in p.judged)}  reports: "
                   f"{models.reports_root('reports', p)}/<pin>/", soft_wrap=True, markup=False, highlight=False)
     return ExitCode.OK
 

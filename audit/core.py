@@ -58,7 +58,8 @@ def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda
         ("MODEL", "--model", profile.name, profile.name != models.DEFAULT),
         ("RUNTIME", "--runtime", runtime, runtime != "local" or not cuda_toolkit),
         ("SYSTEMS", "--systems", ",".join(s.name for s in systems), len(systems) != len(SYSTEMS)),
-        ("LAYOUTS", "--layouts", ",".join(l.name for l in layouts), len(layouts) != len(profile.layouts)),
+        ("LAYOUTS", "--layouts", "all" if len(layouts) == len(profile.layouts) else ",".join(l.name for l in layouts),
+         [l.name for l in layouts] != [l.name for l in select("layout", None, profile.layouts)]),
         ("LOCK", "--lock", lock, lock != "images.lock"),
         ("EXPECTATIONS", "--expectations", expectations, expectations != "auto"),
         ("BASELINE", "--baseline", baseline, bool(baseline)),
@@ -92,7 +93,8 @@ def default_parallel() -> int:
 class AuditOptions:
     """What an audit is asked to do, besides its pin (the CLI's ``audit`` options; every field has the CLI's default).
 
-    ``systems``/``layouts``: comma lists or lists of names (None: all of the model's); ``profile``: the model (None:
+    ``systems``/``layouts``: comma lists or lists of names, "all", or None (every system; the model's layouts but
+    its opt-in deployment options); ``profile``: the model (None:
     the default); ``parallel``: agent processes (None: what the machine's cores and memory allow); ``timeout_s``: for
     the whole audit, environment included; ``baseline``: the pin to gate against ("auto": the previous pin with a
     report, "none": no gate); ``expectations``/``accepted``: files ("auto": the model's own); ``pass_env``,
@@ -648,7 +650,8 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
             continue
         progress("stage", text=f"auditing {pin.name}")
         outcomes.append(run_audit(pin.name, AuditOptions(lock_path=lock_path, reports_dir=reports_dir, replace=True,
-                                                         cache=cache, profile=profile), progress=progress))
+                                                         cache=cache, profile=profile, layouts="all"),
+                                  progress=progress))
         if drop_envs and pin.name not in keep_envs:
             env = LocalRuntime().env_dir(pin)  # validated: a direct child of <cache>/envs
             shutil.rmtree(env, ignore_errors=True)

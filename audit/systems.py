@@ -69,6 +69,9 @@ class Layout:
     note: str = ""
     #: SM capabilities this layout exists on ((10, 0), ...); empty: every system
     capabilities: tuple[tuple[int, int], ...] = ()
+    #: a deployment option audited only when asked for (``--layouts all`` or by name; ``make reports`` audits
+    #: them): the default selection leaves it out, so the default audit's time does not grow with the options
+    opt_in: bool = False
 
     def applies_to(self, system: "System") -> bool:
         return not self.capabilities or tuple(system.capability) in self.capabilities
@@ -84,6 +87,8 @@ class Layout:
                "note": self.note}
         if self.capabilities:
             job["capabilities"] = [list(c) for c in self.capabilities]
+        if self.opt_in:
+            job["opt_in"] = True
         return job
 
 
@@ -92,17 +97,28 @@ def cells_of(systems: list, layouts: list) -> list:
     return [(s, l) for s in systems for l in layouts if l.applies_to(s)]
 
 
+#: the selection word for every entry but the opt-in ones (what an audit covers unless told otherwise)
+DEFAULT = "default"
+
+
+def is_default(entry) -> bool:
+    return not getattr(entry, "opt_in", False)
+
+
 def select(kind: str, names: str | list[str] | None, table: dict) -> list:
-    """Resolve ``all`` / a comma list / None (all) into table entries, in table order."""
-    if names is None or names == "all" or names == ["all"]:
+    """Resolve ``all`` (every entry) / ``default`` or None (every entry but the opt-in ones) / a comma list into
+    table entries, in table order."""
+    if names == "all" or names == ["all"]:
         return list(table.values())
+    if names is None or names == DEFAULT or names == [DEFAULT]:
+        return [v for v in table.values() if is_default(v)]
     if isinstance(names, str):
         names = [n for n in names.split(",") if n.strip()]
     out = []
     for n in names:
         n = n.strip()
         if n not in table:
-            raise SelectionError(kind, n, known=list(table))
+            raise SelectionError(kind, n, known=list(table) + ["all", DEFAULT])
         if table[n] not in out:
             out.append(table[n])
     if not out:

@@ -12,6 +12,9 @@ from audit.systems import Layout
 
 MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
 SPECIALIZED_DECODE = '{"decode_backend": "latency_specialized"}'
+#: what K3's fp8 KV-cache prefill asks for (its assertion names the first key); the second picks a prefill backend
+#: whose fp8 query vLLM accepts (FlashInfer, TRT-LLM ragged or TokenSpeed, SM 10.x only, in 0.33)
+FP8_PREFILL = '{"use_prefill_query_quantization": true, "mla_prefill_backend": "FLASHINFER"}'
 
 
 LAYOUTS: dict[str, Layout] = {l.name: l for l in (
@@ -31,6 +34,14 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
            capabilities=((10, 0), (10, 3)),
            note="K3's latency-specialized decode is built after the weights load and runs only inside FULL "
                 "CUDA graphs; vLLM offers it on SM 10.x, so this layout is audited there only."),
+    # deployment options (opt-in: `--layouts all` or by name; `make reports` audits them)
+    Layout("tp8-fp8kv", "single-node TP8, fp8 KV cache (--kv-cache-dtype fp8)",
+           ("--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8"), 8, opt_in=True),
+    Layout("tp8-fp8kv-fp8prefill", "single-node TP8, fp8 KV cache with fp8 prefill queries (FlashInfer MLA prefill)",
+           ("--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8", "--attention-config", FP8_PREFILL), 8,
+           opt_in=True),
+    Layout("tp8-fp8dsmla", "single-node TP8, DeepSeek-layout fp8 KV cache (--kv-cache-dtype fp8_ds_mla)",
+           ("--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8_ds_mla"), 8, opt_in=True),
 )}
 
 

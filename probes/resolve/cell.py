@@ -488,6 +488,17 @@ def _init_fake_distributed(vllm_config, rec) -> None:
 
     init_worker_distributed_environment(vllm_config, rank=0, distributed_init_method="tcp://127.0.0.1:1",
                                         local_rank=0, backend="fake")
+    try:  # what vLLM's GPU worker sets up next, before its model runner: the workspace manager (0.27 on)
+        from vllm.v1.worker.workspace import init_workspace_manager
+    except ImportError:
+        pass
+    else:
+        import torch
+
+        init_workspace_manager(torch.device("meta"))
+        simulate.SIMULATED["vllm workspace manager"] = (
+            "vLLM's own init_workspace_manager, on the meta device (the GPU worker calls it before it builds the "
+            "model runner): scratch buffers get their shapes, nothing is allocated")
     rec.emit("distributed", world_size=world)
 
 

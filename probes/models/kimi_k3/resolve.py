@@ -15,7 +15,7 @@ import types
 
 from probes.core import fence
 from probes.core.recorder import describe
-from probes.core.tiers import needs_gpu, not_resolved
+from probes.core.tiers import needs_gpu, not_resolved, raises
 from probes.models import StepPath
 from probes.resolve.dispatch import SERVING_PATHS, Stop, Workload, capture, err, meta, optional, runners
 from probes.resolve.postload import attempt, failing_condition
@@ -705,6 +705,180 @@ def lane_kda_batch(models, vllm_config, works):
                 yield role, name, tiers, f"{mod.__module__}:{mod.__qualname__}._forward"
 
 
+#: fenced piece: the stand-ins the MLA KV-cache lane runs K3's MLA attention under
+MLA_CACHE_PROBE = ("MLA KV-cache probe stand-ins (forward context, batch metadata, the paged cache, the fused "
+                   "cache-insert ops, the attention core's stop)")
+#: K3's fused MLA epilogues are CUDA ops its Python wrappers launch (after allocating their outputs): their names
+_MLA_OPS = "fused_kimi_k3_mla_"
+
+
+class _MlaCacheProbe:
+    """Runs one K3 MLA layer's own ``_attention`` for a batch, up to its attention core, and names what it did with
+    the KV cache: the fused cache-insert op its wrapper launched (K3's MLA dispatches it by cache dtype) and the
+    dtype of the query the core receives (vLLM's decode query is quantized to the cache's fp8 or dequantized back
+    when the backend takes no fp8 query; its prefill query dtype is the metadata builder's ``q_data_type``). A
+    raise in vLLM's own code on the way (an assertion its policy makes) is the answer for that batch: the server
+    fails there. Stand-ins only make shapes exist: the forward context holds metadata of the batch (the decode /
+    prefill split as vLLM's ``split_decodes_and_prefills`` counts it with the builder's threshold, the builder's
+    own prefill query dtype, no chunked context), the paged cache is a meta tensor of the layer's own KV-cache spec,
+    the fused ops write nothing, and the attention core stops the call."""
+
+    def __init__(self, mod, vllm_config):
+        import torch
+
+        self.torch, self.mod, self.vllm_config = torch, mod, vllm_config
+        self.context, self.ops, self.core = None, [], None
+        guard = self.guard = fence.guard(MLA_CACHE_PROBE)
+        self.namespace = torch.ops._C
+        # the ops K3's wrappers launch, by the names their code looks up on torch.ops._C
+        wrappers = optional("vllm.models.kimi_k3.nvidia.ops.fused_mla_key_concat_kv_cache:"
+                            "fused_mla_decode_q_concat_kv_cache_insert")
+        wrappers = importlib.import_module(wrappers.__module__) if wrappers is not None else None
+        self.op_names = sorted({n for f in vars(wrappers).values() if isinstance(f, types.FunctionType)
+                                for n in f.__code__.co_names if n.startswith(_MLA_OPS)}) if wrappers else []
+
+        def op(name):
+            @guard
+            def launched(*args, **kwargs):
+                self.ops.append(name)  # writes its outputs in place: nothing to return
+            return launched
+
+        self.swaps = [(mod, "get_forward_context", guard(lambda: self.context))]
+        self.swaps += [(self.namespace, n, op(n)) for n in self.op_names]
+
+    def __enter__(self):
+        self.saved = [(m, n, getattr(m, n)) for m, n, _ in self.swaps if hasattr(m, n)]
+        for m, n, fn in self.swaps:
+            setattr(m, n, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for m, n, fn in self.saved:
+            setattr(m, n, fn)
+
+    def _prefill_query(self, builder) -> str:
+        """Where the prefill query dtype came from: vLLM's metadata builder, from the attention config and vLLM's
+        own check of the prefill backend."""
+        mla = importlib.import_module("vllm.model_executor.layers.attention.mla_attention")
+        wanted = getattr(self.vllm_config.attention_config, "use_prefill_query_quantization", None)
+        text = (f" (the metadata builder's prefill query dtype is {str(builder.q_data_type).replace('torch.', '')}; "
+                f"use_prefill_query_quantization is {wanted}")
+        check = getattr(mla, "backend_supports_prefill_query_quantization", None)
+        if wanted and check is not None:
+            prefill = optional("vllm.v1.attention.backends.mla.prefill.selector:get_mla_prefill_backend")
+            name = prefill(self.vllm_config).__name__ if prefill is not None else "the prefill backend"
+            text += f"; vLLM's backend_supports_prefill_query_quantization() is {check()} with {name} on this SM"
+        return text + ")"
+
+    def path(self, layer, builder, w: Workload) -> str:
+        torch = self.torch
+        split = importlib.import_module("vllm.v1.attention.backends.utils").split_decodes_and_prefills
+        shared = importlib.import_module("probes.resolve.dispatch")
+        qls = optional("vllm.v1.attention.backend:QueryLenSupport")
+        n_dec, _, n_dec_tokens, _ = split(
+            shared._attn_metadata(w), decode_threshold=builder.reorder_batch_threshold,
+            require_uniform=(qls is not None and getattr(builder, "query_len_support", None) != qls.VARLEN),
+            treat_short_extends_as_decodes=not getattr(builder, "use_pcp", False))
+        T = w.tokens
+        probe = self
+
+        class _Core:
+            """The prefill backend as the batch's metadata carries it: its own answers, and a stop at the kernel."""
+
+            def __init__(self, real):
+                self.real = real
+
+            def supports_out(self):
+                return fence.foreign(self.real.supports_out)
+
+            @probe.guard
+            def run_prefill_new_tokens(self, q, k, v, **_):
+                probe.core = ("prefill", type(self.real).__name__, q.dtype)
+                raise Stop
+
+        impl = layer.impl
+
+        @self.guard
+        def forward_mqa(q, *args, **kwargs):
+            probe.core = ("decode", type(impl).__name__, (q[0] if isinstance(q, tuple) else q).dtype)
+            raise Stop
+
+        spec = layer.get_kv_cache_spec(self.vllm_config)
+        prefill = types.SimpleNamespace(q_data_type=builder.q_data_type, chunked_context=None,
+                                        prefill_backend=_Core(layer.prefill_backend), output_dtype=None)
+        md = types.SimpleNamespace(num_actual_tokens=T, num_decode_tokens=n_dec_tokens, num_decodes=n_dec,
+                                   num_prefills=w.requests - n_dec, prefill=prefill if n_dec_tokens < T else None,
+                                   query_start_loc=meta(w.requests + 1, dtype=torch.int32))
+        self.context = types.SimpleNamespace(attn_metadata={layer.layer_name: md},
+                                             slot_mapping={layer.layer_name: meta(T, dtype=torch.int64)})
+        heads = layer.num_local_heads
+        own = layer.__dict__
+        had_cache, cache = "kv_cache" in own, own.get("kv_cache")
+        self.ops.clear()
+        self.core = None
+        try:
+            own["kv_cache"] = meta(64, spec.block_size, spec.head_size, dtype=spec.dtype)
+            impl.__dict__["forward_mqa"] = forward_mqa  # the instance's attribute, over its class's method
+            layer._attention(meta(T, dtype=torch.int64), meta(T, heads, layer.qk_head_dim),
+                             meta(T, layer.kv_lora_rank), meta(T, layer.qk_rope_head_dim),
+                             meta(T, heads * layer.v_head_dim))
+        except Stop:
+            pass
+        except AssertionError as exc:  # vLLM's own policy refuses this batch (ours would be a fault)
+            if fence.check_origin(MLA_CACHE_PROBE, exc):
+                raise
+            return raises(f"AssertionError: {str(exc)[:300]}{self._prefill_query(builder) if n_dec_tokens < T else ''}")
+        finally:
+            impl.__dict__.pop("forward_mqa", None)
+            if had_cache:
+                own["kv_cache"] = cache
+            else:
+                own.pop("kv_cache", None)
+        cache = layer.kv_cache_dtype
+        cache = f"{str(spec.dtype).replace('torch.', '')} ({cache})" if cache == "auto" else cache
+        if self.core is None:
+            return not_resolved("the attention core was not reached")
+        phase, core, qdtype = self.core
+        query = str(qdtype).replace("torch.", "").replace("float8_e4m3fn", "fp8")
+        insert = ", ".join(self.ops) or "no fused cache insert"
+        note = ""
+        if phase == "decode" and "fp8" in insert and query != "fp8":
+            note = f" ({core} takes no fp8 query: supports_quant_query_input is False, so it is dequantized)"
+        return f"{cache} cache, {query} query{note}: {insert}, then {core}"
+
+
+def lane_mla_kv_cache(models, vllm_config, works):
+    """What K3's MLA does with its KV cache on a batch: the cache dtype, the fused cache-insert op (K3 dispatches
+    it by cache dtype, in ``_decode_concat_cache`` and ``_forward_prefill_fused``) and the query dtype its
+    attention core receives, or vLLM's raise where its fp8 policy refuses the batch. :class:`_MlaCacheProbe` runs
+    the layer's own ``_attention`` (meta tensors) up to the core."""
+    cls = optional("vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention")
+    if cls is None or not hasattr(cls, "_attention"):
+        return
+    shared = importlib.import_module("probes.resolve.dispatch")
+    with _MlaCacheProbe(importlib.import_module(cls.__module__), vllm_config) as probe:
+        builders: dict = {}
+        for role, model in models:
+            for name, layer in model.named_modules():
+                if not isinstance(layer, cls):
+                    continue
+                key = (type(layer.attn_backend), type(layer.impl))
+                try:
+                    if key not in builders:
+                        builders[key] = shared._mla_builder(layer, vllm_config)
+                    builder = builders[key]
+                except Exception as exc:
+                    yield role, name, [not_resolved(err(exc))] * len(works), f"{cls.__module__}:{cls.__qualname__}"
+                    continue
+                tiers = []
+                for w in works:
+                    try:
+                        tiers.append(probe.path(layer, builder, w))
+                    except Exception as exc:
+                        tiers.append(not_resolved(err(exc)))
+                yield role, name, tiers, f"{cls.__module__}:{cls.__qualname__}._attention"
+
+
 LANES = (
     ("specialized_decode", lane_specialized_decode),
     ("latent_tail", lane_latent_tail),
@@ -713,4 +887,5 @@ LANES = (
     ("lm_head", lane_lm_head),
     ("kda_projection_overlap", lane_kda_projection_overlap),
     ("kda_batch", lane_kda_batch),
+    ("mla_kv_cache", lane_mla_kv_cache),
 )

@@ -105,8 +105,10 @@ KIMI_K3 = Profile(
         JudgedLane("kda.prefill", "kda", "kda.context", "prefill", ("prefill",), (("kda_batch", "prefill"),)),
         JudgedLane("kda.decode", "kda", "kda.generation", "decode", ("decode",), (("kda_batch", "decode"),)),
         JudgedLane("kda.spec_verify", "kda", "kda.verify", "spec-verify", ("verify",), (("kda_batch", "verify"),)),
-        JudgedLane("mla.decode", "mla", "mla.decode", "decode", ("decode", "verify"), (("mla", "decode"),)),
-        JudgedLane("mla.prefill", "mla", "mla.prefill", "prefill", ("prefill",), (("mla", "prefill"),)),
+        JudgedLane("mla.decode", "mla", "mla.decode", "decode", ("decode", "verify"),
+                   (("mla", "decode"), ("mla_kv_cache", "decode"))),
+        JudgedLane("mla.prefill", "mla", "mla.prefill", "prefill", ("prefill",),
+                   (("mla", "prefill"), ("mla_kv_cache", "prefill"))),
     ),
     perf_lanes={
         "w4a16_mxfp4": "moe",
@@ -134,7 +136,8 @@ KIMI_K3 = Profile(
     },
     dispatch=DispatchLanes(
         order=("serving_path", "specialized_decode", "latent_tail", "shared_overlap", "moe_experts", "router",
-               "down_proj_overlap", "mla", "low_latency_gemm", "lm_head", "kda_projection_overlap", "kda_batch"),
+               "down_proj_overlap", "mla", "mla_kv_cache", "low_latency_gemm", "lm_head", "kda_projection_overlap",
+               "kda_batch"),
         titles={
             "serving_path": "Serving path (CUDA-graph mode; K3 specialized decode)",
             "specialized_decode": "K3 specialized decode (steps it takes)",
@@ -144,6 +147,7 @@ KIMI_K3 = Profile(
             "lm_head": "lm_head low-latency GEMM (at the step's logits rows)",
             "kda_projection_overlap": "KDA input-projection stream overlap",
             "kda_batch": "KDA kernel by batch type (decode, prefill and verify alone or mixed)",
+            "mla_kv_cache": "MLA KV-cache path (cache dtype, query dtype, fused cache insert)",
         },
         notes={
             "serving_path": ("vLLM's CUDA-graph dispatch gives the mode; where the layout has K3's specialized decode, "
@@ -154,12 +158,25 @@ KIMI_K3 = Profile(
             "specialized_decode": ("The specialized decode itself is not built in the simulation (its CuTe DSL kernels "
                                    "need a device; see the post-load stage): its MLA core per batch is vLLM's "
                                    "`core_for`, everything else is marked `needs GPU`."),
+            "mla_kv_cache": ("K3's MLA `_attention` ran on meta tensors up to its attention core: the fused op that "
+                             "writes the batch's latent into the paged cache (K3 picks it by cache dtype), the dtype "
+                             "of the query the core receives (fp8 where the cache is fp8 and the backend takes an fp8 "
+                             "query; the prefill query's dtype is the metadata builder's), and `vLLM raises` where "
+                             "K3's fp8 policy asserts on the batch (a server fails at that batch; claims there are "
+                             "REFUSED)."),
             "kda_batch": ("vLLM's KDA `_forward` ran on meta tensors up to the kernel it calls, for each kind of batch "
                           "as vLLM's runner builds its metadata for the layout: pure decode, a prefill chunk and a "
                           "verify batch each alone and with 8 decode requests beside it (mixed; where the speculative "
                           "rows' kernel is followed by another launch, both are named)."),
         },
         stand_ins={
+            "mla_kv_cache": ("dispatch `mla_kv_cache`: K3 MultiHeadLatentAttention._attention's inputs and callees",
+                             "a forward context holding the batch's metadata: its decode/prefill token split as "
+                             "vLLM's split_decodes_and_prefills counts it with the builder's threshold, the metadata "
+                             "builder's own prefill query dtype, no chunked context; the paged KV cache as a meta "
+                             "tensor of the layer's own KV-cache spec; the fused cache-insert CUDA ops (launched by "
+                             "vLLM's wrappers, which allocate their outputs) write nothing; the decode core "
+                             "(forward_mqa) and the prefill backend's run_prefill_new_tokens stop the call"),
             # the shared serving-path lane asks K3's planner (SpecializedDecode.plan) whether it takes each step
             "serving_path": ("dispatch `serving_path`: SpecializedDecode.plan's inputs",
                              "a forward context holding the step's CUDA-graph mode and, per layer, the request counts "

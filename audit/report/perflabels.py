@@ -19,6 +19,7 @@ from audit.report.expectations import sm_family
 from audit.report.labels import derive
 from audit.report.routing import short
 from audit.systems import SYSTEMS
+from probes.core import tiers
 
 LABELS_SCHEMA = 1
 _UNKNOWN_PRECISION = ("unknown: the harness has no table entry for this backend's activation precision")
@@ -95,6 +96,10 @@ def _by_tokens(profile, cell: dict, judged, group: dict, label_map: dict[str, st
                 if found is not None:
                     choices[dlane] = found[0]
         entry["choices"] = choices
+        refused = next((c for c in choices.values() if tiers.refused(c)), None)
+        if refused:  # vLLM raises on this batch: it is not served, so it has no label
+            entry.update(kernel_source="refused", backend="refused", why=refused)
+            entry.pop("harness_lane", None)
         out.append(entry)
     return out
 

@@ -177,14 +177,28 @@ def _split_by_batch(cell: dict, lane: str, group: dict, v: Judged) -> tuple[str,
     lane's group the others; () when the group serves them all (or where what serves a batch is unknown, which
     the whole-lane judgment already says)."""
     judged = next((j for j in v.profile.judged if j.lane == lane), None)
-    if judged is None or (v.profile.step_path is None and not v.profile.batch_routes):
+    if judged is None or (v.profile.step_path is None and not v.profile.batch_routes and not judged.dispatch):
         return ()
     works = [w for w in (cell.get("dispatch") or {}).get("workloads", []) if w.split(" ")[0] in judged.workloads]
+    if any(_refusal_at(cell, lane, group, w, v) for w in works):
+        return tuple(works)  # vLLM raises on some batches: each is judged on its own
     for w in works:
         served = serving_group(cell, lane, group, w, v.profile)
         if not isinstance(served, str) and (served[0] != lane or served[1] is not group):
             return tuple(works)
     return ()
+
+
+def _refusal_at(cell: dict, lane: str, group: dict, workload: str, v: Judged) -> str | None:
+    """vLLM's raise on the batch *workload* in one of the dispatch lanes that refine *lane* (its profile's
+    ``JudgedLane.dispatch``), for the group's layers, with the lane it came from; None when none raised. A batch vLLM
+    raises on is not served, whatever kernel the lane was built with."""
+    judged = next((j for j in v.profile.judged if j.lane == lane), None)
+    for dlane, _prefix in (judged.dispatch if judged is not None else ()):
+        found = tier_choice(cell, dlane, group["layers"], workload)
+        if found is not None and tiers.refused(found[0]):
+            return f"{v.dispatch_titles.get(dlane, dlane)} at {workload}: {found[0]}"
+    return None
 
 
 def _unclaimed_by_batch(works, lane: str, group: dict, row: dict, cell: dict, exp: Expectations,
@@ -197,6 +211,11 @@ def _unclaimed_by_batch(works, lane: str, group: dict, row: dict, cell: dict, ex
         served = serving_group(cell, lane, group, w, v.profile)
         base = {**row, "claim": "", "expected": "", "at": w, "evidence": f"{row['evidence']} (dispatch)",
                 "verdict": "UNVERIFIED"}
+        refused = _refusal_at(cell, lane, group, w, v)
+        if refused:
+            out.append({**base, "verdict": "REFUSED", "actual": "", "label": "", "value": "",
+                        "why": f"vLLM raises on this batch (a server given it fails): {refused}"})
+            continue
         if isinstance(served, str):
             out.append({**base, "actual": "", "label": "", "why": f"no claim covers this lane here; {served}"})
             continue
@@ -234,6 +253,11 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
                             "why": f"not judged: the audit resolves no {at} workload (it resolves "
                                    f"{', '.join(resolved) or 'none of that phase'})"})
             continue
+        refused = _refusal_at(cell, lane, group, workload, v)
+        if refused:
+            out.append({**base, "verdict": "REFUSED", "actual": "", "label": "", "value": "",
+                        "why": f"vLLM raises on this batch (a server given it fails): {refused}"})
+            continue
         serving = serving_group(cell, lane, group, workload, v.profile)
         if isinstance(serving, str):
             out.append({**base, "verdict": "UNVERIFIED", "why": f"not judged: {serving}"})
@@ -258,6 +282,9 @@ def _dispatch_expectations(c, group: dict, cell: dict, workload: str, v: Judged)
         if found is None:
             return {"verdict": "UNVERIFIED", "why": f"not judged: no {title} tier was resolved for these layers"}
         choice = found[0]
+        if tiers.refused(choice):
+            return {"verdict": "REFUSED", "why": f"vLLM raises on this batch (a server given it fails): {title} at "
+                                                 f"{workload}: {choice}"}
         unknown = tiers.unknown(choice)
         if unknown:
             judged_where = "not judged here" if unknown == tiers.NEEDS_GPU else "not judged"

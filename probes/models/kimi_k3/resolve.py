@@ -843,7 +843,8 @@ class _MlaCacheProbe:
         insert = ", ".join(self.ops) or "no fused cache insert"
         note = ""
         if phase == "decode" and "fp8" in insert and query != "fp8":
-            note = f" ({core} takes no fp8 query: supports_quant_query_input is False, so it is dequantized)"
+            note = (f" (dequantized for {core}: its supports_quant_query_input is "
+                    f"{getattr(impl, 'supports_quant_query_input', None)})")
         return f"{cache} cache, {query} query{note}: {insert}, then {core}"
 
 

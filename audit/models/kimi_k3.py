@@ -100,7 +100,7 @@ KIMI_K3 = Profile(
     layouts=LAYOUTS,
     judged=(
         JudgedLane("moe", "moe", None, "prefill+decode", ("decode", "prefill", "verify"), (
-            ("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", ""), ("router", ""),
+            ("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", ""), ("router", ""), ("moe_routing", ""),
             ("down_proj_overlap", ""))),
         JudgedLane("kda.prefill", "kda", "kda.context", "prefill", ("prefill",), (("kda_batch", "prefill"),)),
         JudgedLane("kda.decode", "kda", "kda.generation", "decode", ("decode",), (("kda_batch", "decode"),)),
@@ -136,7 +136,7 @@ KIMI_K3 = Profile(
     },
     dispatch=DispatchLanes(
         order=("serving_path", "specialized_decode", "latent_tail", "shared_overlap", "moe_experts", "router",
-               "down_proj_overlap", "mla", "mla_kv_cache", "low_latency_gemm", "lm_head", "kda_projection_overlap",
+               "moe_routing", "down_proj_overlap", "mla", "mla_kv_cache", "low_latency_gemm", "lm_head", "kda_projection_overlap",
                "kda_batch"),
         titles={
             "serving_path": "Serving path (CUDA-graph mode; K3 specialized decode)",

@@ -19,12 +19,17 @@ LANE_TITLES = {
     "shared_overlap": "Shared experts stream overlap",
     "moe_experts": "Routed experts per-call variant",
     "router": "MoE router GEMM",
+    "moe_routing": "MoE routing (router, routing method, where top-k runs)",
     "mla": "MLA attention path",
 }
 #: what a reader must know to read a lane's table right (shown under its title; a profile's
 #: ``dispatch.notes`` may say it for its model, read by :func:`lane_notes`)
 LANE_NOTES = {
     "serving_path": "vLLM's CUDA-graph dispatch gives each batch its mode: a FULL graph, a piecewise graph or eager.",
+    "moe_routing": ("Read from the runner's router (its class and the routing method it declares, which a monolithic "
+                    "kernel is told to run) and the experts' quant method (`is_monolithic`: the kernel takes the "
+                    "router logits and routes itself; otherwise the router's `select_experts` picks the experts "
+                    "first). Fixed at construction and load, so the same at every batch."),
 }
 #: the stand-ins a shared dispatch lane runs vLLM's function with (probes/resolve/dispatch.py), each shape-only: listed
 #: under "What was simulated" wherever the lane has rows (a profile's ``dispatch.stand_ins`` add its own lanes' and

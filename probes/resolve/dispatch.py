@@ -550,6 +550,50 @@ def lane_router(models, vllm_config, works):
             yield role, name, tiers, f"{gate_cls.__module__}:{gate_cls.__qualname__}.forward"
 
 
+def _routing_text(runner) -> str:
+    """How a MoE runner routes a token to its experts, from vLLM's own objects: the router class and the routing
+    method it declares (``routing_method_type``, what a monolithic kernel is told to run), its scoring and top-k, and
+    whether the experts' quant method is monolithic (the kernel routes from the router logits itself) or the router
+    selects experts first (``select_experts``) for a modular kernel."""
+    router = runner.router
+    cls = type(router).__qualname__
+    method = getattr(router, "kernel_routing_method_type", None) or getattr(router, "routing_method_type", None)
+    method = getattr(method, "name", None) or (str(method) if method is not None else "none declared")
+    parts = [f"{getattr(router, 'top_k', '?')} of {getattr(router, 'global_num_experts', '?')} experts"]
+    scoring = getattr(router, "scoring_func", None)
+    if scoring:
+        parts.append(f"{scoring} scores" + (" + correction bias"
+                                            if getattr(router, "e_score_correction_bias", None) is not None else ""))
+    groups = getattr(router, "num_expert_group", None)
+    if groups:
+        parts.append(f"{getattr(router, 'topk_group', '?')} of {groups} expert groups")
+    experts = getattr(runner, "routed_experts", None)
+    quant = getattr(experts, "quant_method", None) or getattr(runner, "quant_method", None)
+    monolithic = getattr(quant, "is_monolithic", None)
+    what = f"{cls} ({method} routing: {', '.join(parts)})"
+    if monolithic is None:
+        return not_resolved(f"{what}; the experts' quant method states no is_monolithic")
+    if monolithic:
+        return f"inside the experts kernel (monolithic {type(quant).__qualname__}): {what}"
+    return f"separate router ({cls}.select_experts), then the experts kernel: {what}"
+
+
+def lane_moe_routing(models, vllm_config, works):
+    """Where and how a MoE layer routes: its runner's router (class, routing method, scoring, top-k) and whether the
+    experts kernel routes itself (a monolithic quant method takes the router logits) or the router selects the
+    experts first. Decided at construction and load, the same for every batch."""
+    for role, model in models:
+        for name, runner in runners(model):
+            if getattr(runner, "router", None) is None:
+                continue
+            try:
+                text = _routing_text(runner)
+            except Exception as exc:
+                text = not_resolved(err(exc))
+            yield role, name, [text] * len(works), (f"{type(runner.router).__module__}:"
+                                                     f"{type(runner.router).__qualname__}.routing_method_type")
+
+
 class _Calls:
     """Records the torch-level GEMM calls a function makes (a TorchFunctionMode), to name the one it reached."""
 
@@ -590,6 +634,7 @@ LANES = (
     ("shared_overlap", lane_shared_overlap),
     ("moe_experts", lane_moe_experts),
     ("router", lane_router),
+    ("moe_routing", lane_moe_routing),
     ("mla", lane_mla),
 )
 

@@ -419,8 +419,13 @@ def test_a_lock_outside_the_project_never_silently_judges_nothing(tmp_path, monk
     monkeypatch.chdir(ROOT)  # run from the project: its claims are found
     exp, shown = load_expectations("auto", lock_path=lock, profile=KIMI_K3)
     assert exp is not None and shown == "expectations/kimi-k3.toml"
-    cmd = reproduce_command("v0.33.0", list(SYSTEMS.values()), list(LAYOUTS.values()), "local", lock=str(lock))
+    from audit.systems import select
+
+    cmd = reproduce_command("v0.33.0", list(SYSTEMS.values()), select("layout", None, LAYOUTS), "local", lock=str(lock))
     assert cmd == f"make audit PIN=v0.33.0 LOCK={lock}"
+    # the deployment options too: LAYOUTS=all, which a plain make audit leaves out
+    cmd = reproduce_command("v0.33.0", list(SYSTEMS.values()), list(LAYOUTS.values()), "local", lock=str(lock))
+    assert cmd == f"make audit PIN=v0.33.0 LAYOUTS=all LOCK={lock}"
     monkeypatch.chdir(tmp_path)  # from elsewhere: a clear error, never "no claims, exit 0"
     with pytest.raises(UsageError, match="no claims to judge"):
         load_expectations("auto", lock_path=lock, profile=KIMI_K3)

@@ -165,3 +165,20 @@ def test_observe_mode_installs_the_served_models_own_probes(profile, tmp_path):
     assert {k.path for k in own.kernels} <= set(got["kernels"])
     header = json.loads(next(tmp_path.glob("evidence-*.jsonl")).read_text().splitlines()[0])
     assert header["model_probes"] == profile.probes
+
+
+def test_deployment_options_are_left_out_by_default_and_audited_when_asked():
+    """A profile's opt-in layouts (deployment options) are not in the default selection, are in ``all`` and by name;
+    ``make models`` marks them; a run's job says so."""
+    from audit.systems import select
+
+    default = [l.name for l in select("layout", None, KIMI_K3.layouts)]
+    assert default == [l.name for l in select("layout", "default", KIMI_K3.layouts)]
+    options = [n for n, l in KIMI_K3.layouts.items() if l.opt_in]
+    assert options == ["tp8-fp8kv", "tp8-fp8kv-fp8prefill", "tp8-fp8dsmla"]
+    assert not set(options) & set(default) and "tp8" in default
+    assert [l.name for l in select("layout", "all", KIMI_K3.layouts)] == list(KIMI_K3.layouts)
+    assert [l.name for l in select("layout", "tp8-fp8kv,tp8", KIMI_K3.layouts)] == ["tp8", "tp8-fp8kv"]
+    assert KIMI_K3.layouts["tp8-fp8kv"].as_job()["opt_in"] is True and "opt_in" not in KIMI_K3.layouts["tp8"].as_job()
+    out = subprocess.run([sys.executable, "-m", "audit.cli", "models"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "tp8-fp8kv (option)" in out.stdout and "tp8 (option)" not in out.stdout

@@ -3,9 +3,9 @@
 
 One run audits the options where their answers differ (SM 10.0, where the fp8 prefill query exists; SM 8.9, whose
 Triton MLA takes no fp8 query; SM 9.0, where the DeepSeek cache layout has no backend); a second run of one cell plants
-a change into the pinned vLLM (a post-import hook loaded from a ``sitecustomize`` in the run directory: the
-environment itself is untouched): FlashInfer's MLA decode stops taking an fp8 query. That must move the KV-cache lane
-at every decode batch, and nothing else.
+changes into the pinned vLLM (a ``sitecustomize`` in the run directory: the environment itself is untouched):
+FlashInfer's MLA decode stops taking an fp8 query, which must move the KV-cache lane at every decode batch and nothing
+else; and K3's prefill raises right after the lane's stand-ins, which must read ``not resolved``.
 """
 import textwrap
 
@@ -19,12 +19,16 @@ from audit.report.verdicts import judge
 from audit.runtimes import RunRequest
 from audit.systems import SYSTEMS
 from tests.conftest import ROOT
+from tests.plant import sitecustomize
 
 pytestmark = pytest.mark.vllm
 
 CELLS = [("b200_sxm", "tp8-fp8kv"), ("b200_sxm", "tp8-fp8kv-fp8prefill"), ("l40s", "tp8-fp8kv"),
          ("h200_sxm", "tp8-fp8dsmla")]
-PLANT = textwrap.dedent('''
+#: a raise in K3's prefill, right after the lane's stand-ins gave it the batch's metadata and cache
+RAISES = ("        has_context = prefill.chunked_context is not None\n",
+          "        raise ValueError('planted refusal after the stand-ins')\n")
+PLANT = sitecustomize([("vllm.models.kimi_k3.nvidia.mla", [RAISES])]) + textwrap.dedent('''
     # planted by tests/test_kv_cache_vllm.py: FlashInfer's MLA decode no longer takes an fp8 query
     from probes.core.patching import PostImportHooks
 
@@ -91,8 +95,8 @@ def test_fp8_cache_path_by_batch(fp8_cells):
 
 
 def test_refusals_are_vllms(fp8_cells):
-    """fp8_ds_mla: no dense MLA backend takes it (vLLM's selector raises at construction); FlashInfer's MLA prefill
-    does not exist on SM 9.0 (its validation raises). Both are vLLM's REFUSED, with its reason."""
+    """fp8_ds_mla: no dense MLA backend takes it; vLLM's selector raises at construction (REFUSED, with its
+    reason)."""
     ds = fp8_cells[("h200_sxm", "tp8-fp8dsmla")]
     assert ds["status"] == "PARTIAL" and ds["failure"]["outcome"] == "refused"
     assert "kv_cache_dtype=fp8_ds_mla" in ds["failure"]["message"]
@@ -123,15 +127,17 @@ def test_claims_on_a_refused_batch_are_refused(fp8_cells):
 
 def test_planted_query_support_moves_only_the_kv_cache_lane(fp8_cells, planted_cells):
     """FlashInfer's MLA decode planted to take no fp8 query: K3 dequantizes the query before it, at every decode
-    batch; every other lane's tiers, and the MLA backend itself, stay as they were."""
+    batch; every other lane's tiers, and the MLA backend itself, stay as they were. A raise planted in K3's prefill
+    after the lane's stand-ins reads `not resolved`."""
     before, after = fp8_cells[("b200_sxm", "tp8-fp8kv")], planted_cells[("b200_sxm", "tp8-fp8kv")]
     moved = _tiers(after, "mla_kv_cache")
     for w in DECODES:
         assert moved[w] == ("fp8 cache, bfloat16 query (dequantized for FlashInferMLAImpl: its "
                             "supports_quant_query_input is False): "
                             "fused_kimi_k3_mla_decode_q_concat_kv_cache_fp8_insert, then FlashInferMLAImpl")
-    assert {w: t for w, t in moved.items() if w.startswith("prefill")} == \
-        {w: t for w, t in _tiers(before, "mla_kv_cache").items() if w.startswith("prefill")}
+    # the raise planted after the stand-ins (in K3's prefill) is what the prefill rows say, never a routing
+    for w in PREFILLS:
+        assert moved[w] == "not resolved: ValueError: planted refusal after the stand-ins"
     lanes = set(before["dispatch"]["lanes"]) | set(after["dispatch"]["lanes"])
     assert {lane for lane in lanes
             if before["dispatch"]["lanes"].get(lane) != after["dispatch"]["lanes"].get(lane)} == {"mla_kv_cache"}

@@ -30,7 +30,7 @@ def test_the_shared_dispatch_lanes_are_the_shared_probes_and_a_model_titles_exac
 def test_each_model_shows_its_dispatch_lanes_in_its_own_order():
     assert list(dispatch.lane_titles(KIMI_K3.name)) == [
         "serving_path", "specialized_decode", "latent_tail", "shared_overlap", "moe_experts", "router",
-        "moe_routing", "down_proj_overlap", "mla", "mla_kv_cache", "low_latency_gemm", "lm_head", "kda_projection_overlap",
+        "moe_routing", "moe_parallel", "down_proj_overlap", "mla", "mla_kv_cache", "low_latency_gemm", "lm_head", "kda_projection_overlap",
         "kda_batch"]
     assert list(dispatch.lane_titles(GPT_OSS_120B.name)) == list(dispatch.LANE_TITLES)
     assert "kda_batch" not in dispatch.lane_notes(GPT_OSS_120B.name)
@@ -49,7 +49,7 @@ def test_a_claims_dispatch_lanes_are_its_models(tmp_path):
     path.write_text(head + claim.format(lane="latent_tail"))  # K3's lane
     with pytest.raises(ExpectationsError, match="unknown dispatch lane 'latent_tail'") as e:
         expectations.load(path)
-    assert "known: serving_path, shared_overlap, moe_experts, router, mla" in str(e.value)
+    assert "known: serving_path, shared_overlap, moe_experts, router, moe_routing, moe_parallel, mla" in str(e.value)
     path.write_text(head + claim.format(lane="router"))
     assert expectations.load(path).claims[0].dispatch == (("router", "X"),)
 

@@ -61,3 +61,63 @@ def test_planted_scoring_moves_only_the_routing_lane(probed_run, planted):
     assert {lane for lane in lanes
             if before["dispatch"]["lanes"].get(lane) != planted["dispatch"]["lanes"].get(lane)} == {"moe_routing"}
     assert before["lanes"] == planted["lanes"]
+
+
+SP_PLANT = '''
+# planted by tests/test_routing_vllm.py: vLLM no longer runs a DP x TP MoE sequence-parallel
+from probes.core.patching import PostImportHooks
+
+
+def _plant(mod):
+    mod.ParallelConfig.use_sequence_parallel_moe = property(lambda self: False)
+
+
+PostImportHooks().register("vllm.config.parallel", _plant)
+'''
+DPTP = ("h200_sxm", "dp2-tp4-ep")
+
+
+def _one_cell(vllm_env, run_dir, cell):
+    rt, pin, _ = vllm_env
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[cell[0]], LAYOUTS[cell[1]])], run_dir=run_dir)
+    result = rt.run(req, lambda *a, **k: None)
+    assert result.missing == {}
+    return routing.build_cell(evidence.read_dir(result.evidence_dir)[0], KIMI_K3)
+
+
+@pytest.fixture(scope="module")
+def dptp(vllm_env, tmp_path_factory):
+    """DP2 x TP4 + EP on SM 9.0, as shipped and with sequence-parallel MoE planted off."""
+    stock = _one_cell(vllm_env, tmp_path_factory.mktemp("dptp"), DPTP)
+    run_dir = tmp_path_factory.mktemp("dptp-planted")
+    (run_dir / "sitecustomize.py").write_text(SP_PLANT, encoding="utf-8")
+    return stock, _one_cell(vllm_env, run_dir, DPTP)
+
+
+def _only(cell, lane):
+    groups = [g for g in cell["dispatch"]["lanes"][lane] if g.get("role", "target") == "target"]
+    assert len(groups) == 1, groups
+    return set(groups[0]["tiers"].values())
+
+
+def test_dp_tp_ep_moe_split_and_its_tail_decision(dptp):
+    """DP2 x TP4 + EP: vLLM runs the MoE sequence-parallel (each of the 4 TP ranks on its slice of the tokens, the
+    experts over 8 EP ranks, MoE tp_size 1), and the latent tail is not fused, at vLLM's own check."""
+    stock, _ = dptp
+    assert _only(stock, "moe_parallel") == {
+        "MoE tp_size 1, ep_size 8, dp_size 2, sp_size 4; expert parallel on, all2all allgather_reducescatter; "
+        "sequence-parallel MoE on"}
+    assert _only(stock, "latent_tail") == {
+        "native runner path (no fused tail: _use_fused_path() is False, at `self.moe_config.tp_size > 1`)"}
+
+
+def test_planted_sequence_parallel_moves_only_the_parallel_lane(dptp):
+    """use_sequence_parallel_moe planted False: the MoE split reads it (sp_size back to 1, sequence-parallel off);
+    no other dispatch lane and no construction lane moves."""
+    stock, planted = dptp
+    moved = _only(planted, "moe_parallel")
+    assert len(moved) == 1 and next(iter(moved)).endswith("sequence-parallel MoE off")
+    lanes = set(stock["dispatch"]["lanes"]) | set(planted["dispatch"]["lanes"])
+    assert {lane for lane in lanes
+            if stock["dispatch"]["lanes"].get(lane) != planted["dispatch"]["lanes"].get(lane)} == {"moe_parallel"}
+    assert stock["lanes"] == planted["lanes"]

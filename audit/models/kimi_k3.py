@@ -40,6 +40,10 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
     Layout("tp8-fp8kv-fp8prefill", "single-node TP8, fp8 KV cache with fp8 prefill queries (FlashInfer MLA prefill)",
            ("--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8", "--attention-config", FP8_PREFILL), 8,
            opt_in=True),
+    Layout("dp2-tp4-ep", "DP2 x TP4 + expert parallel",
+           ("--data-parallel-size", "2", "--tensor-parallel-size", "4", "--enable-expert-parallel"), 8, opt_in=True),
+    Layout("dp4-tp2-ep", "DP4 x TP2 + expert parallel",
+           ("--data-parallel-size", "4", "--tensor-parallel-size", "2", "--enable-expert-parallel"), 8, opt_in=True),
     Layout("tp8-fp8dsmla", "single-node TP8, DeepSeek-layout fp8 KV cache (--kv-cache-dtype fp8_ds_mla)",
            ("--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8_ds_mla"), 8, opt_in=True),
 )}
@@ -101,7 +105,7 @@ KIMI_K3 = Profile(
     judged=(
         JudgedLane("moe", "moe", None, "prefill+decode", ("decode", "prefill", "verify"), (
             ("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", ""), ("router", ""), ("moe_routing", ""),
-            ("down_proj_overlap", ""))),
+            ("moe_parallel", ""), ("down_proj_overlap", ""))),
         JudgedLane("kda.prefill", "kda", "kda.context", "prefill", ("prefill",), (("kda_batch", "prefill"),)),
         JudgedLane("kda.decode", "kda", "kda.generation", "decode", ("decode",), (("kda_batch", "decode"),)),
         JudgedLane("kda.spec_verify", "kda", "kda.verify", "spec-verify", ("verify",), (("kda_batch", "verify"),)),
@@ -136,7 +140,7 @@ KIMI_K3 = Profile(
     },
     dispatch=DispatchLanes(
         order=("serving_path", "specialized_decode", "latent_tail", "shared_overlap", "moe_experts", "router",
-               "moe_routing", "down_proj_overlap", "mla", "mla_kv_cache", "low_latency_gemm", "lm_head", "kda_projection_overlap",
+               "moe_routing", "moe_parallel", "down_proj_overlap", "mla", "mla_kv_cache", "low_latency_gemm", "lm_head", "kda_projection_overlap",
                "kda_batch"),
         titles={
             "serving_path": "Serving path (CUDA-graph mode; K3 specialized decode)",

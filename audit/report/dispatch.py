@@ -20,6 +20,7 @@ LANE_TITLES = {
     "moe_experts": "Routed experts per-call variant",
     "router": "MoE router GEMM",
     "moe_routing": "MoE routing (router, routing method, where top-k runs)",
+    "moe_parallel": "MoE parallelism (effective tp/ep/dp sizes, sequence-parallel MoE)",
     "mla": "MLA attention path",
 }
 #: what a reader must know to read a lane's table right (shown under its title; a profile's
@@ -30,6 +31,9 @@ LANE_NOTES = {
                     "kernel is told to run) and the experts' quant method (`is_monolithic`: the kernel takes the "
                     "router logits and routes itself; otherwise the router's `select_experts` picks the experts "
                     "first). Fixed at construction and load, so the same at every batch."),
+    "moe_parallel": ("The MoE's own split, from its runner's `moe_parallel_config`: under expert parallel its tp_size "
+                     "is not the attention's; with DP > 1 and TP > 1 vLLM's `use_sequence_parallel_moe` has each TP "
+                     "rank run the MoE on its slice of the tokens. Fixed at construction."),
 }
 #: the stand-ins a shared dispatch lane runs vLLM's function with (probes/resolve/dispatch.py), each shape-only: listed
 #: under "What was simulated" wherever the lane has rows (a profile's ``dispatch.stand_ins`` add its own lanes' and

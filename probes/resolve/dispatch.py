@@ -578,6 +578,27 @@ def _routing_text(runner) -> str:
     return f"separate router ({cls}.select_experts), then the experts kernel: {what}"
 
 
+def lane_moe_parallel(models, vllm_config, works):
+    """How a MoE layer is split over the ranks, as vLLM built it: its runner's ``moe_parallel_config`` (the MoE's
+    own tp / ep / dp sizes, which differ from the attention's under expert parallel, and the all2all backend) and
+    vLLM's ``ParallelConfig.use_sequence_parallel_moe`` (DP > 1 and TP > 1 with expert parallel over an
+    allgather/reduce-scatter style all2all: each TP rank then runs the MoE on its slice of the tokens). Fixed at
+    construction, the same for every batch."""
+    pc = vllm_config.parallel_config
+    sequence = getattr(pc, "use_sequence_parallel_moe", None)
+    for role, model in models:
+        for name, runner in runners(model):
+            mpc = getattr(getattr(runner, "moe_config", None), "moe_parallel_config", None)
+            if mpc is None:
+                continue
+            sizes = [f"{k} {getattr(mpc, k)}" for k in ("tp_size", "ep_size", "dp_size", "sp_size") if hasattr(mpc, k)]
+            text = (f"MoE {', '.join(sizes)}; expert parallel {'on' if getattr(mpc, 'use_ep', False) else 'off'}, "
+                    f"all2all {getattr(mpc, 'all2all_backend', '?')}; sequence-parallel MoE "
+                    + ("unknown (no ParallelConfig.use_sequence_parallel_moe)" if sequence is None else
+                       "on" if sequence else "off"))
+            yield role, name, [text] * len(works), "vllm.config.parallel:ParallelConfig.use_sequence_parallel_moe"
+
+
 def lane_moe_routing(models, vllm_config, works):
     """Where and how a MoE layer routes: its runner's router (class, routing method, scoring, top-k) and whether the
     experts kernel routes itself (a monolithic quant method takes the router logits) or the router selects the
@@ -635,6 +656,7 @@ LANES = (
     ("moe_experts", lane_moe_experts),
     ("router", lane_router),
     ("moe_routing", lane_moe_routing),
+    ("moe_parallel", lane_moe_parallel),
     ("mla", lane_mla),
 )
 

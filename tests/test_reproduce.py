@@ -2,8 +2,8 @@
 
 Two checks: every committed ledger is exactly what rendering its own committed routing.json gives (with
 the "changes since" section computed against the previous pin's committed routing, as the audit does);
-and a fresh audit of every cell of one pin, on the real pinned wheel with no cache, routes each cell
-exactly as the committed routing.json says (dates and run ids aside). The second is also the proof that
+and a fresh audit of one pin (its default layouts), on the real pinned wheel with no cache, routes each of its
+cells exactly as the committed routing.json says (dates and run ids aside). The second is also the proof that
 speed work (issue 15) changed no evidence: the committed reports came from the code before it.
 """
 import json
@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from audit.models.kimi_k3 import KIMI_K3
 from audit.pins import lock as lockmod
 from audit.report.diff import diff_routings
 from audit.errors import ExitCode
@@ -64,13 +65,26 @@ def test_a_fresh_audit_routes_every_committed_cell_the_same(vllm_env, tmp_path):
                         "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-3000:]
     fresh = json.loads((tmp_path / "reports" / pin / "routing.json").read_text(encoding="utf-8"))
-    cells = sorted((c["system"], c["layout"]) for c in committed["cells"])
-    assert sorted((c["system"], c["layout"]) for c in fresh["cells"]) == cells
+    # a plain audit covers the default layouts; the committed report also holds the deployment options (audited
+    # with --layouts all by make reports): every cell the fresh audit covers must route as committed
+    cells = sorted((c["system"], c["layout"]) for c in fresh["cells"])
+    options = {n for n, l in KIMI_K3.layouts.items() if l.opt_in}
+    assert cells == sorted((c["system"], c["layout"]) for c in committed["cells"] if c["layout"] not in options)
+    assert {c["layout"] for c in committed["cells"]} >= options
     for system, layout in cells:
         want, got = _cell(committed, system, layout), _cell(fresh, system, layout)
         assert sorted(got) == sorted(want), (system, layout)
         for key in want:  # field by field, so a failure names what moved
             assert got[key] == want[key], f"{system}/{layout}: {key} differs from reports/{pin}/routing.json"
-    assert fresh["verdicts"] == committed["verdicts"]
-    assert (tmp_path / "reports" / pin / "labels.json").read_text(encoding="utf-8") == \
-        (REPORTS / pin / "labels.json").read_text(encoding="utf-8")
+    audited = set(cells)
+
+    def only(rows):  # the rows about the fresh audit's cells (the fresh one also says the options were not audited)
+        return [r for r in rows if (r.get("system"), r.get("layout")) in audited]
+
+    for key in ("claims", "expectations", "label_map"):
+        assert fresh["verdicts"][key] == committed["verdicts"][key]
+    assert only(fresh["verdicts"]["rows"]) == only(committed["verdicts"]["rows"])
+    labels = [json.loads(path.read_text(encoding="utf-8"))
+              for path in (tmp_path / "reports" / pin / "labels.json", REPORTS / pin / "labels.json")]
+    assert only(labels[0]["rows"]) == only(labels[1]["rows"]) and labels[0]["rows"]
+    assert only(labels[0]["not_labelled"]) == only(labels[1]["not_labelled"])

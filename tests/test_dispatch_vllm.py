@@ -166,6 +166,13 @@ def test_mtp_batches_are_built_by_vllms_runner(probed_run):
     for verify, requests in (("verify 4 (1x4)", 1), ("verify 32 (8x4)", 8), ("verify 1024 (256x4)", 256)):
         assert draft["tiers"][verify].startswith(f"M={requests}: ")
         assert target["tiers"][verify].startswith(f"M={requests * 4}: ")
+    # the draft's body: draft step 0 over the target step's tokens, steps 1-2 over one token per request (vLLM's
+    # speculator); where the two differ the tier names both
+    gate = _only([r for r in mtp["router"] if r["role"] == "draft"])["tiers"]
+    assert gate["prefill 2048"] == ("step 0: cuBLAS torch.mm (out_dtype float32); steps 1–2 (M=1): CuTe ll_bf16_gemm "
+                                    "(dotprod bs=128)")
+    assert gate["verify 32 (8x4)"].startswith("step 0: cuBLAS torch.mm") and "steps 1–2 (M=8): CuTe" in gate["verify 32 (8x4)"]
+    assert not gate["decode 8"].startswith("step 0")  # a decode step's 8 tokens are its 8 requests: one answer
 
 
 def test_planted_threshold_changes_the_tier_table(probed_run, planted_run, tmp_path):

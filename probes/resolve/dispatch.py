@@ -661,6 +661,36 @@ LANES = (
 )
 
 
+#: lanes not asked again for later draft steps: their draft rows already say every step (lm_head), they have none,
+#: or their answer hangs on the step's CUDA-graph mode, which the serving-path lane resolves for the target's steps
+#: only (the overlaps)
+_ONE_PASS = ("serving_path", "specialized_decode", "lm_head", "down_proj_overlap", "kda_projection_overlap")
+
+
+def _with_draft_steps(lane: str, fn, named, vllm_config, works):
+    """The lane's rows; a draft model's, where it drafts more than one token, for both kinds of draft pass vLLM's
+    speculator runs: step 0 over the target step's tokens (what ``works`` gives), then steps 1..k-1 over one token
+    per request (its decode passes, ``_generate_draft``/``propose``'s loop). Where the two differ the tier names
+    both, e.g. ``step 0: A; steps 1–2 (M=8): B``."""
+    rows = list(fn(named, vllm_config, works))
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    drafts = [(role, m) for role, m in named if role == "draft"]
+    if k < 2 or not drafts or lane in _ONE_PASS or not any(role == "draft" for role, *_ in rows):
+        return rows
+    later = [Workload("decode", w.requests, w.requests, 1) for w in works]
+    steps = "step 1" if k == 2 else f"steps 1–{k - 1}"
+    again = {(role, name): tiers for role, name, tiers, _ in fn(drafts, vllm_config, later)}
+    out = []
+    for role, name, tiers, source in rows:
+        other = again.get((role, name)) if role == "draft" else None
+        if other is not None:
+            tiers = [a if str(a) == str(b) else f"step 0: {a}; {steps} (M={w.requests}): {b}"
+                     for a, b, w in zip(tiers, other, works)]
+        out.append((role, name, tiers, source))
+    return out
+
+
 def run(models, vllm_config, rec) -> None:
     """Resolve every lane (the shared ones, then the model's) at every workload for the built models; record,
     never raise."""
@@ -676,7 +706,7 @@ def run(models, vllm_config, rec) -> None:
             for lane, fn in LANES + models_probes.current().lanes:
                 t_lane = time.perf_counter()
                 try:
-                    _emit(rec, lane, fn(named, vllm_config, works), works)
+                    _emit(rec, lane, _with_draft_steps(lane, fn, named, vllm_config, works), works)
                 except Exception as exc:  # one lane's failure hides nothing of the others
                     errors[lane] = err(exc)
                 lane_seconds[lane] = round(time.perf_counter() - t_lane, 3)

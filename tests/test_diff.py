@@ -36,11 +36,13 @@ def test_a_single_change_is_one_row_naming_all_cells():
     changed = copy.deepcopy(r)
     for c in changed["cells"]:
         for g in c["lanes"].get("mla.prefill", []):
-            g["value"] = "SomeNewPrefillBackend"
+            if g["value"] == "FlashAttnPrefillBackend":  # the default prefill backend (an option picks FlashInfer's)
+                g["value"] = "SomeNewPrefillBackend"
     d = diff_routings(r, changed)
     rows = [c for c in d["changes"] if c["lane"] == "mla.prefill"]
     assert len(rows) == 1 and rows[0]["after"] == "SomeNewPrefillBackend"
-    built = {(c["system"], c["layout"]) for c in r["cells"] if c["lanes"].get("mla.prefill")}
+    built = {(c["system"], c["layout"]) for c in r["cells"]
+             if any(g["value"] == "FlashAttnPrefillBackend" for g in c["lanes"].get("mla.prefill", []))}
     assert {tuple(x) for x in rows[0]["cells"]} == built
 
 
@@ -249,7 +251,7 @@ def test_the_pr_summary_is_short_deterministic_and_names_what_now_serves():
 
     assert len(text.split()) <= WORDS and text == diff_routings(copy.deepcopy(old), copy.deepcopy(new))["summary"]
     assert text.startswith("**Kimi-K3, vLLM 0.30.0 → 0.33.0**") and "**The pin-bump gate fails**" in text
-    assert "tp8, tp16, tp8-mtp: SM 9.0, every batch (decode 1–256, prefill 512–8192): Routed experts" in text
+    assert "tp8, tp16, tp8-mtp, tp8-fp8kv: SM 9.0, every batch (decode 1–256, prefill 512–8192): Routed experts" in text
     assert "marlin → humming" in text and "SM 9.0 = h100_sxm, h200_sxm" in text
     top = render_diff(d).split("## Summary for the pull request\n\n", 1)[1]
     assert " ".join(top.split()).startswith(" ".join(text.split()))  # the diff opens with it (lines wrapped to fit)

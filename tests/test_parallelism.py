@@ -3,12 +3,13 @@ default number of processes."""
 import os
 
 from audit.core import PROCESS_GIB, default_parallel
-from audit.systems import SYSTEMS, cells_of
+from audit.systems import SYSTEMS, cells_of, select
 from audit.models.kimi_k3 import LAYOUTS
 from probes.resolve.agent import split_groups
 
+#: the default audit's cells (the deployment options are opt-in)
 CELLS = [{"system": s.as_job(), "layout": l.as_job()} for s, l in cells_of(list(SYSTEMS.values()),
-                                                                           list(LAYOUTS.values()))]
+                                                                           select("layout", None, LAYOUTS))]
 
 
 def _sms(group):

@@ -28,6 +28,8 @@ UNFENCED: dict[str, str] = {
                  "outcome is classified and recorded as a fault there",
     "post-load: checkpoint weight names": "tensors the post-load driver feeds vLLM's load_weights (no code runs "
                                           "inside vLLM's call)",
+    "vllm workspace manager": "no code of the harness: vLLM's own init_workspace_manager, called once by the cell's "
+                              "setup (a raise there stops the distributed stage and is checked for its origin)",
 }
 
 

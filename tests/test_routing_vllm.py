@@ -21,18 +21,22 @@ def _routing(cell):
     return groups[0]
 
 
+def _one_cell(vllm_env, run_dir, cell):
+    rt, pin, _ = vllm_env
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[cell[0]], LAYOUTS[cell[1]])], run_dir=run_dir)
+    result = rt.run(req, lambda *a, **k: None)
+    assert result.missing == {}
+    return routing.build_cell(evidence.read_dir(result.evidence_dir)[0], KIMI_K3)
+
+
 @pytest.fixture(scope="module")
 def planted(vllm_env, tmp_path_factory):
     from tests.plant import sitecustomize
 
-    rt, pin, _ = vllm_env
     run_dir = tmp_path_factory.mktemp("routing-planted")
     (run_dir / "sitecustomize.py").write_text(sitecustomize([("vllm.models.kimi_k3.nvidia.model", [
         ("scoring_func=config.moe_router_activation_func,", 'scoring_func="softmax",')])]), encoding="utf-8")
-    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS["h100_sxm"], LAYOUTS["tp8"])], run_dir=run_dir)
-    result = rt.run(req, lambda *a, **k: None)
-    assert result.missing == {}
-    return routing.build_cell(evidence.read_dir(result.evidence_dir)[0], KIMI_K3)
+    return _one_cell(vllm_env, run_dir, ("h100_sxm", "tp8"))
 
 
 def test_routing_lane_names_router_method_and_where_it_runs(probed_run):
@@ -75,14 +79,6 @@ def _plant(mod):
 PostImportHooks().register("vllm.config.parallel", _plant)
 '''
 DPTP = ("h200_sxm", "dp2-tp4-ep")
-
-
-def _one_cell(vllm_env, run_dir, cell):
-    rt, pin, _ = vllm_env
-    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[cell[0]], LAYOUTS[cell[1]])], run_dir=run_dir)
-    result = rt.run(req, lambda *a, **k: None)
-    assert result.missing == {}
-    return routing.build_cell(evidence.read_dir(result.evidence_dir)[0], KIMI_K3)
 
 
 @pytest.fixture(scope="module")

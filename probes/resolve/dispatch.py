@@ -344,11 +344,21 @@ def _mla_decode_kernel(impl, w: Workload) -> str:
     return f"{name} decode"
 
 
+def mla_split(builder, w: Workload) -> tuple:
+    """vLLM's decode/prefill split of a batch of ``w`` as an MLA metadata builder makes it
+    (``split_decodes_and_prefills`` with the builder's threshold and query-length support): (decode requests,
+    prefill requests, decode tokens, prefill tokens)."""
+    split = _attr("vllm.v1.attention.backends.utils:split_decodes_and_prefills")
+    qls = optional("vllm.v1.attention.backend:QueryLenSupport")
+    support = getattr(builder, "query_len_support", None)
+    return split(_attn_metadata(w), decode_threshold=builder.reorder_batch_threshold,
+                 require_uniform=(qls is not None and support != qls.VARLEN),
+                 treat_short_extends_as_decodes=not getattr(builder, "use_pcp", False))
+
+
 def lane_mla(models, vllm_config, works):
     """Which path a batch takes through MLA: the metadata builder's decode/prefill split
     (split_decodes_and_prefills with the builder's threshold), then the decode kernel or the prefill backend."""
-    split = _attr("vllm.v1.attention.backends.utils:split_decodes_and_prefills")
-    qls = optional("vllm.v1.attention.backend:QueryLenSupport")
     builders: dict = {}
     for role, model in models:
         for name, layer in _mla_layers(model):
@@ -366,11 +376,7 @@ def lane_mla(models, vllm_config, works):
                 if isinstance(builder, Exception):
                     tiers.append(not_resolved(f"the metadata builder could not be built ({err(builder)})"))
                     continue
-                support = getattr(builder, "query_len_support", None)
-                n_dec, n_pre, _, _ = split(
-                    _attn_metadata(w), decode_threshold=builder.reorder_batch_threshold,
-                    require_uniform=(qls is not None and support != qls.VARLEN),
-                    treat_short_extends_as_decodes=not getattr(builder, "use_pcp", False))
+                n_dec, n_pre, _, _ = mla_split(builder, w)
                 if n_pre == 0:
                     tiers.append(f"decode path: {_mla_decode_kernel(impl, w)}")
                 elif n_dec == 0:

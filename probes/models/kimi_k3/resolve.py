@@ -17,7 +17,8 @@ from probes.core import fence
 from probes.core.recorder import describe
 from probes.core.tiers import needs_gpu, not_resolved, raises
 from probes.models import StepPath
-from probes.resolve.dispatch import SERVING_PATHS, Stop, Workload, capture, err, meta, optional, runners
+from probes.resolve.dispatch import (SERVING_PATHS, Stop, Workload, _mla_builder, capture, err, meta, mla_split,
+                                     optional, runners)
 from probes.resolve.postload import attempt, failing_condition
 
 
@@ -538,7 +539,24 @@ class _Batches:
         return out[layer.prefix]
 
 
-class _KdaProbe:
+class _Swaps:
+    """A probe's stand-ins, ``self.swaps`` as (module, attribute, replacement): put in on entry, every original put
+    back on exit."""
+
+    swaps: list
+
+    def __enter__(self):
+        self.saved = [(m, name, getattr(m, name)) for m, name, _ in self.swaps if hasattr(m, name)]
+        for m, name, fn in self.swaps:
+            setattr(m, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for m, name, fn in self.saved:
+            setattr(m, name, fn)
+
+
+class _KdaProbe(_Swaps):
     """Runs one KDA layer's own ``_forward`` for batches described by their metadata (meta tensors) and names
     the KDA kernel each reaches. Stand-ins only make shapes exist: the forward context holds the batch's
     metadata; the layer's conv and recurrent state are meta tensors of its own state shapes; the short
@@ -607,16 +625,6 @@ class _KdaProbe:
                 self.swaps.append((host, "PIN_MEMORY", False))
             if hasattr(host, "is_pin_memory_available"):
                 self.swaps.append((host, "is_pin_memory_available", guard(lambda: False)))
-
-    def __enter__(self):
-        self.saved = [(m, name, getattr(m, name)) for m, name, _ in self.swaps if hasattr(m, name)]
-        for m, name, fn in self.swaps:
-            setattr(m, name, fn)
-        return self
-
-    def __exit__(self, *exc):
-        for m, name, fn in self.saved:
-            setattr(m, name, fn)
 
     def _more_rows(self) -> bool:
         md = self.md
@@ -714,7 +722,7 @@ MLA_CACHE_PROBE = ("MLA KV-cache probe stand-ins (forward context, batch metadat
 _MLA_OPS = "fused_kimi_k3_mla_"
 
 
-class _MlaCacheProbe:
+class _MlaCacheProbe(_Swaps):
     """Runs one K3 MLA layer's own ``_attention`` for a batch, up to its attention core, and names what it did with
     the KV cache: the fused cache-insert op its wrapper launched (K3's MLA dispatches it by cache dtype) and the
     dtype of the query the core receives (vLLM's decode query is quantized to the cache's fp8 or dequantized back
@@ -748,16 +756,6 @@ class _MlaCacheProbe:
         self.swaps = [(mod, "get_forward_context", guard(lambda: self.context))]
         self.swaps += [(self.namespace, n, op(n)) for n in self.op_names]
 
-    def __enter__(self):
-        self.saved = [(m, n, getattr(m, n)) for m, n, _ in self.swaps if hasattr(m, n)]
-        for m, n, fn in self.swaps:
-            setattr(m, n, fn)
-        return self
-
-    def __exit__(self, *exc):
-        for m, n, fn in self.saved:
-            setattr(m, n, fn)
-
     def _prefill_query(self, builder) -> str:
         """Where the prefill query dtype came from: vLLM's metadata builder, from the attention config and vLLM's
         own check of the prefill backend."""
@@ -774,13 +772,7 @@ class _MlaCacheProbe:
 
     def path(self, layer, builder, w: Workload) -> str:
         torch = self.torch
-        split = importlib.import_module("vllm.v1.attention.backends.utils").split_decodes_and_prefills
-        shared = importlib.import_module("probes.resolve.dispatch")
-        qls = optional("vllm.v1.attention.backend:QueryLenSupport")
-        n_dec, _, n_dec_tokens, _ = split(
-            shared._attn_metadata(w), decode_threshold=builder.reorder_batch_threshold,
-            require_uniform=(qls is not None and getattr(builder, "query_len_support", None) != qls.VARLEN),
-            treat_short_extends_as_decodes=not getattr(builder, "use_pcp", False))
+        n_dec, _, n_dec_tokens, _ = mla_split(builder, w)
         T = w.tokens
         probe = self
 
@@ -877,7 +869,6 @@ def lane_mla_kv_cache(models, vllm_config, works):
     cls = optional("vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention")
     if cls is None or not hasattr(cls, "_attention"):
         return
-    shared = importlib.import_module("probes.resolve.dispatch")
     with _MlaCacheProbe(importlib.import_module(cls.__module__), vllm_config) as probe:
         builders: dict = {}
         for role, model in models:
@@ -887,7 +878,7 @@ def lane_mla_kv_cache(models, vllm_config, works):
                 key = (type(layer.attn_backend), type(layer.impl))
                 try:
                     if key not in builders:
-                        builders[key] = shared._mla_builder(layer, vllm_config)
+                        builders[key] = _mla_builder(layer, vllm_config)
                     builder = builders[key]
                 except Exception as exc:
                     yield role, name, [not_resolved(err(exc))] * len(works), f"{cls.__module__}:{cls.__qualname__}"

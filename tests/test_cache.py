@@ -32,6 +32,14 @@ def test_a_repeated_audit_reuses_the_evidence_and_routes_the_same(vllm_env, tmp_
     first, ledger1, _ = _audit(tmp_path / "a", cache)
     assert first["run"]["cache"] == {"hits": [], "ran": 1, "discarded": [], "used": True} and "evidence cache |" not in ledger1
     assert len(list(cache.iterdir())) == 1
+    # the agent's bytecode went to the environment's runtime cache, none into the environment (whose files stay
+    # the wheel's RECORD) and none of the run's own probes copy stayed behind
+    rt, _, env = vllm_env
+    prefix = rt.root / "runtime-cache" / env.name / "pycache"
+    site = rt.site_packages(env)
+    assert list(prefix.joinpath(*site.parts[1:], "vllm").glob("__init__.cpython-*.pyc"))
+    assert not list((site / "vllm").glob("__pycache__/*.pyc"))
+    assert not list(prefix.joinpath(*rt.root.parts[1:], "runs").rglob("*.pyc"))
 
     second, ledger2, _ = _audit(tmp_path / "b", cache)
     hits = second["run"]["cache"]["hits"]

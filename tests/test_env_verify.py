@@ -318,8 +318,11 @@ def test_environments_are_listed_with_their_pins_and_pruned_only_inside_the_cach
     assert listing["unique_bytes"] == total - twin.stat().st_size  # the shared file once
     with pytest.raises(ValueError):
         rt.remove_env("../outside")
+    (rt.root / "runtime-cache" / dead.name / "pycache").mkdir(parents=True)  # its agents' bytecode and memos
+    (rt.root / "runtime-cache" / env.name / "pycache").mkdir(parents=True)
     rt.remove_env(dead.name)
     assert not dead.exists() and env.exists() and twin.read_text() == "ENGINE = 1\n"
+    assert not (rt.root / "runtime-cache" / dead.name).exists() and (rt.root / "runtime-cache" / env.name).is_dir()
     assert [r["name"] for r in rt.list_envs([pin])["envs"]] == [env.name]
 
 

@@ -23,7 +23,7 @@ from audit.runtimes.base import (Progress, RunRequest, RunResult, RuntimeDefault
                                  learn_imports, learn_shared_imports, learned_imports, log_tail, observe_env,
                                  report_finished, shared_imports, stage_probes, timed_out, write_model_dirs,
                                  write_plan)
-from audit.runtimes.environment import ENV_MARKER, PinEnvironments, find_python
+from audit.runtimes.environment import ENV_MARKER, PinEnvironments, drop_run_bytecode, find_python
 
 class LocalRuntime(PinEnvironments, RuntimeDefaults):
     """Runs the probe agent in the pinned environment :class:`PinEnvironments` builds and verifies."""
@@ -84,6 +84,8 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
             except BaseException:
                 _kill(proc)
                 raise
+            finally:
+                drop_run_bytecode(caches, request.run_dir)
         learn_imports(caches, request.evidence_dir)
         learn_shared_imports(caches, request.evidence_dir)
         missing = collect_missing(request, fallback_log=log)

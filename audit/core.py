@@ -457,7 +457,9 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
             raise EvidenceError(f"evidence of cell {f.cell[0]}/{f.cell[1]}, which this run does not list", path=where)
         argv = h.get("argv")
         if h.get("mode") == "resolve" and f.cell is not None and argv is not None and f.cell[1] in layouts:
-            expected = [*layouts[f.cell[1]].serve_args, *plan.get("serve_args", [])] if plan else None
+            # ``<model>`` in a layout's argument is the model directory the agent served (argv[2])
+            expected = [*(a.replace("<model>", str(argv[2])) for a in layouts[f.cell[1]].serve_args),
+                        *plan.get("serve_args", [])] if plan and len(argv) > 2 else None
             if expected is not None and list(argv[3:]) != expected:
                 raise EvidenceError(f"evidence of `vllm serve` arguments {' '.join(argv[3:])!r}, not the "
                                     f"{f.cell[1]} layout's", path=where)

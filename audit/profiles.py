@@ -210,11 +210,18 @@ class Profile:
     def config_text(self) -> str:
         return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
 
-    def write_model_dir(self, directory: Path, patch: tuple = ()) -> Path:
+    def write_model_dir(self, directory: Path, patch: tuple = (), draft: str = "") -> Path:
         """A model directory holding only config.json (weights are dummy; nothing is downloaded).
 
-        ``patch`` applies (dotted key, value) changes a layout declares, e.g. an MTP layer count.
+        ``patch`` applies (dotted key, value) changes a layout declares, e.g. an MTP layer count; ``draft`` (a
+        layout's ``draft_config``, package data) becomes ``<directory>/draft/config.json``, the speculative
+        draft the layout's arguments name as ``<model>/draft``.
         """
+        if draft:
+            text = resources.files("audit").joinpath("data", draft).read_text(encoding="utf-8")
+            json.loads(text)  # fail early on a damaged package
+            (directory / "draft").mkdir(parents=True, exist_ok=True)
+            _write_if_changed(directory / "draft" / "config.json", text)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / "config.json"
         text = self.config_text()
@@ -229,11 +236,15 @@ class Profile:
                     raise KeyError(f"config patch {key!r}: no such key in {self.config_package_path}")
                 node[leaf] = value
             text = json.dumps(data, indent=2, sort_keys=False) + "\n"
-        if not path.exists() or path.read_text(encoding="utf-8") != text:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(path)
+        _write_if_changed(path, text)
         return directory
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
 
 
 #: the post-load readings of vLLM's shared MoE layers, by name (their functions: audit.report.routing's

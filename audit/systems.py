@@ -72,6 +72,9 @@ class Layout:
     #: a deployment option audited only when asked for (``--layouts all`` or by name; ``make reports`` audits
     #: them): the default selection leaves it out, so the default audit's time does not grow with the options
     opt_in: bool = False
+    #: a speculative draft's config.json, as package data under ``audit/data`` (no draft weights: dummy, like the
+    #: target's). It is written to ``<model dir>/draft``; ``serve_args`` name that directory as ``<model>/draft``.
+    draft_config: str = ""
 
     def applies_to(self, system: "System") -> bool:
         return not self.capabilities or tuple(system.capability) in self.capabilities
@@ -89,6 +92,8 @@ class Layout:
             job["capabilities"] = [list(c) for c in self.capabilities]
         if self.opt_in:
             job["opt_in"] = True
+        if self.draft_config:
+            job["draft_config"] = self.draft_config
         return job
 
 

@@ -11,6 +11,8 @@ from audit.profiles import BackendLabels, BatchRoute, DispatchLanes, JudgedLane,
 from audit.systems import Layout
 
 MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
+#: the draft's config is written into the cell's model directory (``<model>/draft``, the layout's draft_config)
+DSPARK_SPEC = '{"method": "dspark", "model": "<model>/draft", "num_speculative_tokens": 4}'
 SPECIALIZED_DECODE = '{"decode_backend": "latency_specialized"}'
 #: what K3's fp8 KV-cache prefill asks for (its assertion names the first key); the second picks a prefill backend
 #: whose fp8 query vLLM accepts (FlashInfer, TRT-LLM ragged or TokenSpeed, SM 10.x only, in 0.33)
@@ -44,6 +46,12 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
            ("--data-parallel-size", "2", "--tensor-parallel-size", "4", "--enable-expert-parallel"), 8, opt_in=True),
     Layout("dp4-tp2-ep", "DP4 x TP2 + expert parallel",
            ("--data-parallel-size", "4", "--tensor-parallel-size", "2", "--enable-expert-parallel"), 8, opt_in=True),
+    Layout("tp8-dspark", "single-node TP8 + DSpark speculative decoding (K3's dense MLA draft)",
+           ("--tensor-parallel-size", "8", "--speculative-config", DSPARK_SPEC), 8, opt_in=True,
+           draft_config="kimi-k3/drafts/dspark/config.json",
+           note="No DSpark draft for K3 is published with its config; the draft's config.json was written for this "
+                "harness from what vLLM's K3DSparkConfig and K3DSparkModel require (audit/data/kimi-k3/drafts/dspark/"
+                "README.md says each value's source), with dummy weights like the target's."),
     Layout("tp8-fp8dsmla", "single-node TP8, DeepSeek-layout fp8 KV cache (--kv-cache-dtype fp8_ds_mla)",
            ("--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8_ds_mla"), 8, opt_in=True),
 )}

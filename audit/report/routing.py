@@ -87,6 +87,14 @@ def collapse(per_layer: dict[int, object], raw: dict[int, dict] | None = None) -
     return out
 
 
+def _argv(argv: list) -> list:
+    """The cell's ``vllm serve`` argv with the run's model directory (argv[2], also inside an argument that names a
+    draft in it) spelled ``<model-dir>``: the same evidence renders the same ledger, whatever the run's path."""
+    model = str(argv[2]) if len(argv) > 2 else None
+    return argv[:1] + ["serve", "<model-dir>"] + [a.replace(model, "<model-dir>") if model and isinstance(a, str) else a
+                                                  for a in argv[3:]]
+
+
 def _field(record: dict, path: str):
     if path in ("result", "cls"):
         return record.get(path)
@@ -585,7 +593,7 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "not_reached": not_reached,
         "not_applicable": not_applicable,
         "config": _one(f, "config"),
-        "argv": (_one(f, "job").get("argv") or [])[:1] + ["serve", "<model-dir>"] + (_one(f, "job").get("argv") or [])[3:],
+        "argv": _argv(_one(f, "job").get("argv") or []),
         "simulated": sim.get("items", {}),
         "stand_in_calls": sim.get("stand_in_calls", []),
         "device": sim.get("device", {}),

@@ -185,7 +185,7 @@ def _model_patch(request: RunRequest, layout: Layout) -> tuple:
 
 
 def model_dir_name(request: RunRequest, layout: Layout) -> str:
-    return "model-" + layout.name if _model_patch(request, layout) else "model"
+    return "model-" + layout.name if _model_patch(request, layout) or layout.draft_config else "model"
 
 
 def write_model_dirs(request: RunRequest) -> str:
@@ -194,8 +194,9 @@ def write_model_dirs(request: RunRequest) -> str:
     base = request.profile.write_model_dir(request.run_dir / "model")
     for layout in {l.name: l for _, l in request.cells}.values():
         patch = _model_patch(request, layout)
-        if patch:
-            request.profile.write_model_dir(request.run_dir / model_dir_name(request, layout), patch)
+        if patch or layout.draft_config:
+            request.profile.write_model_dir(request.run_dir / model_dir_name(request, layout), patch,
+                                            draft=layout.draft_config)
     return str(base)
 
 

@@ -75,7 +75,7 @@ def serve_argv(model_dir: str, layout_args: list[str], *, extra: list[str] = (),
     profiling = ["--profiler-config", json.dumps(profiler_config(trace_dir), separators=(",", ":"))] \
         if trace_dir else []
     return [
-        model_dir, *layout_args,
+        model_dir, *(a.replace("<model>", model_dir) for a in layout_args),  # a draft lives in <model>/draft
         "--load-format", "dummy",
         "--skip-tokenizer-init",
         "--max-model-len", str(MAX_MODEL_LEN),

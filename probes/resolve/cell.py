@@ -45,8 +45,10 @@ def _vllm_version() -> str:
 
 
 def serve_argv(plan: dict, cell: dict) -> list[str]:
-    """The argv ``vllm serve`` would get for this cell (after the ``serve`` word)."""
-    return [cell.get("model_dir") or plan["model_dir"], *cell["layout"]["serve_args"], *plan.get("serve_args", [])]
+    """The argv ``vllm serve`` would get for this cell (after the ``serve`` word); ``<model>`` inside a layout's
+    argument is the cell's model directory (a speculative draft's config lives in ``<model>/draft``)."""
+    model = cell.get("model_dir") or plan["model_dir"]
+    return [model, *(a.replace("<model>", model) for a in cell["layout"]["serve_args"]), *plan.get("serve_args", [])]
 
 
 def engine_args_from_serve_argv(argv: list[str]):

@@ -673,6 +673,42 @@ LANES = (
 _ONE_PASS = ("serving_path", "specialized_decode", "lm_head", "down_proj_overlap", "kda_projection_overlap")
 
 
+_QUERIES: dict = {}
+
+
+def _draft_queries(vllm_config) -> int:
+    """Query tokens per request of a parallel drafter's one pass: the ``num_query_per_req`` of the speculator vLLM's
+    runner builds for this config (``init_speculator``), built on meta (its buffers only take shapes)."""
+    held = _QUERIES.get(id(vllm_config))
+    if held is None or held[0] is not vllm_config:  # one build per cell's config (held: its id is not reused)
+        import torch
+
+        init = _attr("vllm.v1.worker.gpu.spec_decode:init_speculator")
+        _QUERIES.clear()
+        _QUERIES[id(vllm_config)] = held = (vllm_config, int(init(vllm_config, torch.device("meta"),
+                                                                  None).num_query_per_req))
+    return held[1]
+
+
+def _parallel_draft_rows(lane, fn, rows, drafts, vllm_config, works):
+    """A parallel drafter (vLLM's ``parallel_drafting``: DFlash, DSpark) drafts every token in one pass of
+    ``num_query_per_req`` query tokens per request, whatever the target step was: its rows are that pass's."""
+    try:
+        q = _draft_queries(vllm_config)
+    except Exception as exc:
+        why = not_resolved(f"the parallel drafter's pass: its speculator did not build ({err(exc)})")
+        return [(role, name, [why] * len(works) if role == "draft" else tiers, source)
+                for role, name, tiers, source in rows]
+    passes = [Workload("verify", w.requests * q, w.requests, q) for w in works]
+    again = {(role, name): tiers for role, name, tiers, _ in fn(drafts, vllm_config, passes)}
+    out = []
+    for role, name, tiers, source in rows:
+        if role == "draft":
+            tiers = [f"draft pass ({p.requests}x{q}): {b}" for b, p in zip(again.get((role, name), tiers), passes)]
+        out.append((role, name, tiers, source))
+    return out
+
+
 def _with_draft_steps(lane: str, fn, named, vllm_config, works):
     """The lane's rows; a draft model's, where it drafts more than one token, for both kinds of draft pass vLLM's
     speculator runs: step 0 over the target step's tokens (what ``works`` gives), then steps 1..k-1 over one token
@@ -682,7 +718,11 @@ def _with_draft_steps(lane: str, fn, named, vllm_config, works):
     spec = getattr(vllm_config, "speculative_config", None)
     k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
     drafts = [(role, m) for role, m in named if role == "draft"]
-    if k < 2 or not drafts or lane in _ONE_PASS or not any(role == "draft" for role, *_ in rows):
+    if not drafts or lane in _ONE_PASS or not any(role == "draft" for role, *_ in rows):
+        return rows
+    if getattr(spec, "parallel_drafting", False):
+        return _parallel_draft_rows(lane, fn, rows, drafts, vllm_config, works)
+    if k < 2:
         return rows
     later = [Workload("decode", w.requests, w.requests, 1) for w in works]
     steps = "step 1" if k == 2 else f"steps 1–{k - 1}"

@@ -685,8 +685,8 @@ def _draft_queries(vllm_config) -> int:
 
         init = _attr("vllm.v1.worker.gpu.spec_decode:init_speculator")
         _QUERIES.clear()
-        _QUERIES[id(vllm_config)] = held = (vllm_config, int(init(vllm_config, torch.device("meta"),
-                                                                  None).num_query_per_req))
+        built = _bind(init, vllm_config=vllm_config, device=torch.device("meta"), req_states=None)  # 0.27: no req_states
+        _QUERIES[id(vllm_config)] = held = (vllm_config, int(built.num_query_per_req))
     return held[1]
 
 

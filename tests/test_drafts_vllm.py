@@ -1,0 +1,78 @@
+"""Speculative drafts other than MTP against the real vLLM wheel pinned in images.lock (v0.33.0), in resolve mode.
+
+DSpark (``tp8-dspark``, a deployment option): K3's dense MLA draft, its config written into the cell's model directory
+from package data. vLLM's runner drafts every token of a DSpark block in one pass, so the draft's rows are that pass's
+batch: the requests of the target step times the speculator's query tokens per request, read from the speculator vLLM
+builds. A planted change to that count (the DFlash-style 1 + N layout) must move the draft's rows and nothing else.
+"""
+import json
+
+import pytest
+
+from audit.evidence import files as evidence
+from audit.models.kimi_k3 import KIMI_K3, LAYOUTS
+from audit.report import routing
+from audit.runtimes import RunRequest
+from audit.systems import SYSTEMS
+
+pytestmark = pytest.mark.vllm
+
+CELL = ("b200_sxm", "tp8-dspark")
+
+
+def _one_cell(vllm_env, run_dir):
+    rt, pin, _ = vllm_env
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[CELL[0]], LAYOUTS[CELL[1]])], run_dir=run_dir)
+    result = rt.run(req, lambda *a, **k: None)
+    assert result.missing == {}
+    return routing.build_cell(evidence.read_dir(result.evidence_dir)[0], KIMI_K3)
+
+
+@pytest.fixture(scope="module")
+def dspark(vllm_env, tmp_path_factory):
+    return _one_cell(vllm_env, tmp_path_factory.mktemp("dspark"))
+
+
+@pytest.fixture(scope="module")
+def planted(vllm_env, tmp_path_factory):
+    from tests.plant import sitecustomize
+
+    run_dir = tmp_path_factory.mktemp("dspark-planted")
+    (run_dir / "sitecustomize.py").write_text(sitecustomize([("vllm.v1.worker.gpu.spec_decode.dspark.speculator", [
+        ("self.num_query_per_req = self.num_speculative_steps", "self.num_query_per_req = 1 + self.num_speculative_steps")])]),
+        encoding="utf-8")
+    return _one_cell(vllm_env, run_dir)
+
+
+def _draft_rows(cell, lane):
+    return [g for g in cell["dispatch"]["lanes"].get(lane, []) if g.get("role") == "draft"]
+
+
+def test_the_dspark_draft_is_built_and_its_rows_are_its_one_pass(dspark):
+    """The draft config reaches vLLM through the layout's argv (``<model>/draft``), vLLM builds K3's DSpark draft (two
+    MLA layers and dense MLPs after the target's 93), and its MLA rows are one pass of 4 query tokens per request."""
+    assert dspark["status"] == "COMPLETE" and not dspark["harness_faults"]
+    assert '"model": "<model-dir>/draft"' in " ".join(dspark["argv"])
+    assert dspark["layer_kinds"]["mla"][-2:] == [93, 94] and dspark["layer_kinds"]["dense"][-2:] == [93, 94]
+    for lane in ("mla", "mla_kv_cache"):
+        (rows,) = _draft_rows(dspark, lane)
+        assert rows["tiers"]["decode 8"].startswith("draft pass (8x4): ")
+        assert rows["tiers"]["prefill 2048"].startswith("draft pass (1x4): ")
+        assert rows["tiers"]["verify 320 (64x5)"].startswith("draft pass (64x4): ")
+    (mla,) = _draft_rows(dspark, "mla")
+    assert "decode path" in mla["tiers"]["decode 8"]  # 4 query tokens per request are within the decode threshold
+
+
+def test_a_planted_query_count_moves_only_the_draft_rows(dspark, planted):
+    """The speculator's query tokens per request planted to 1 + N: every draft row names the 5-token pass; the target's
+    rows of every lane and every construction lane stay as they were."""
+    for lane in ("mla", "mla_kv_cache"):
+        (rows,) = _draft_rows(planted, lane)
+        assert rows["tiers"]["decode 8"].startswith("draft pass (8x5): ")
+    target = lambda cell: {lane: [g for g in groups if g.get("role") != "draft"]  # noqa: E731
+                           for lane, groups in cell["dispatch"]["lanes"].items()}
+    assert target(planted) == target(dspark)
+    assert json.dumps(planted["lanes"], sort_keys=True) == json.dumps(dspark["lanes"], sort_keys=True)
+    moved = {lane for lane in dspark["dispatch"]["lanes"]
+             if _draft_rows(dspark, lane) != _draft_rows(planted, lane)}
+    assert moved == {"mla", "mla_kv_cache"}

@@ -20,17 +20,27 @@ pytestmark = pytest.mark.vllm
 CELL = ("b200_sxm", "tp8-dspark")
 
 
-def _one_cell(vllm_env, run_dir):
+def _cells(vllm_env, run_dir, systems=(CELL[0],), **kw):
     rt, pin, _ = vllm_env
-    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[CELL[0]], LAYOUTS[CELL[1]])], run_dir=run_dir)
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS[CELL[1]]) for s in systems], run_dir=run_dir,
+                     **kw)
     result = rt.run(req, lambda *a, **k: None)
     assert result.missing == {}
-    return routing.build_cell(evidence.read_dir(result.evidence_dir)[0], KIMI_K3)
+    return {f.cell[0]: routing.build_cell(f, KIMI_K3) for f in evidence.read_dir(result.evidence_dir)}
+
+
+def _one_cell(vllm_env, run_dir, **kw):
+    return _cells(vllm_env, run_dir, **kw)[CELL[0]]
 
 
 @pytest.fixture(scope="module")
-def dspark(vllm_env, tmp_path_factory):
-    return _one_cell(vllm_env, tmp_path_factory.mktemp("dspark"))
+def both(vllm_env, tmp_path_factory):
+    return _cells(vllm_env, tmp_path_factory.mktemp("dspark"), systems=("b200_sxm", "h200_sxm"))
+
+
+@pytest.fixture(scope="module")
+def dspark(both):
+    return both[CELL[0]]
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +86,40 @@ def test_a_planted_query_count_moves_only_the_draft_rows(dspark, planted):
     moved = {lane for lane in dspark["dispatch"]["lanes"]
              if _draft_rows(dspark, lane) != _draft_rows(planted, lane)}
     assert moved == {"mla", "mla_kv_cache"}
+
+
+def test_the_draft_is_built_under_the_config_vllms_dspark_loader_derives(both):
+    """vLLM's DSpark loader builds the draft with non-causal attention: on SM 9.0 that rules FlashAttention MLA out for
+    the draft's layers (Triton MLA), while the target's MLA layers keep FlashAttention MLA. Building the draft under the
+    target's config, as an MTP draft is built, would have named FlashAttention for both."""
+    h200 = both["h200_sxm"]
+    (draft,) = _draft_rows(h200, "mla_kv_cache")
+    target = [g for g in h200["dispatch"]["lanes"]["mla_kv_cache"] if g.get("role") != "draft"]
+    assert all(t.endswith("then TritonMLAImpl") for t in draft["tiers"].values())  # every pass: 4 tokens a request
+    assert target and all("TritonMLAImpl" not in t for g in target for t in g["tiers"].values())
+    assert "FlashAttnMLAImpl" in target[0]["tiers"]["decode 8"]
+    assert "draft loader's get_model (construction only, no weights)" in h200["simulated"]
+
+
+def test_a_fault_in_the_draft_loader_stand_in_is_a_harness_fault(vllm_env, tmp_path):
+    """A raise planted inside the stand-in for the DSpark loader's get_model ends the cell as a harness fault, never
+    as vLLM refusing the draft."""
+    from probes.resolve.cell import DRAFT_LOADER
+
+    cell = _one_cell(vllm_env, tmp_path, plant_fault=DRAFT_LOADER)
+    assert [f["piece"] for f in cell["harness_faults"]] == [DRAFT_LOADER]
+
+
+def test_a_refusal_after_the_draft_loader_stand_in_is_vllms(vllm_env, tmp_path):
+    """vLLM's DSpark loader refusing after its get_model returned (planted) is vLLM's refusal of the draft: the draft
+    stage fails with vLLM's message, and no harness fault is recorded."""
+    from tests.plant import sitecustomize
+
+    (tmp_path / "sitecustomize.py").write_text(sitecustomize([("vllm.v1.worker.gpu.spec_decode.dspark.utils", [
+        ("    target_language_model = (",
+         "    raise ValueError('planted: the DSpark draft is refused once built')\n    target_language_model = (")])]),
+        encoding="utf-8")
+    cell = _one_cell(vllm_env, tmp_path)
+    assert not cell["harness_faults"]
+    assert cell["failure"]["stage"] == "construct-draft"
+    assert cell["failure"]["message"] == "planted: the DSpark draft is refused once built"

@@ -287,11 +287,15 @@ def _run_stages(plan, cell, rec, Stage) -> None:
         rec.emit("model", cls=f"{type(model).__module__}:{type(model).__qualname__}",
                  parameters_meta=all(p.is_meta for p in model.parameters()))
 
-    draft = None
+    draft = draft_config = None
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None and getattr(spec, "draft_model_config", None) is not None:
         with Stage(rec, "construct-draft"):
-            draft = _construct_draft(vllm_config, spec, create_with=get_model_loader, simulate=simulate)
+            if getattr(spec, "parallel_drafting", False):  # DSpark, DFlash: the speculator's own loader builds it
+                draft, draft_config = _draft_by_speculator(model, vllm_config, create_with=get_model_loader,
+                                                           simulate=simulate)
+            else:
+                draft = _construct_draft(vllm_config, spec, create_with=get_model_loader, simulate=simulate)
             rec.emit("model", role="draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}",
                      parameters_meta=all(p.is_meta for p in draft.parameters()))
 
@@ -309,7 +313,7 @@ def _run_stages(plan, cell, rec, Stage) -> None:
                 every = bool(plan.get("postload_every_layer"))
                 postload.run(model, vllm_config, rec, every_layer=every)
                 if draft is not None:  # vLLM's drafter loader post-processes the draft the same way
-                    postload.run(draft, _draft_config(vllm_config, spec), rec, role="draft",
+                    postload.run(draft, draft_config or _draft_config(vllm_config, spec), rec, role="draft",
                                  model_config=spec.draft_model_config, every_layer=every,
                                  weights=tuple(plan.get("draft_weights", ())))
         except _stage_failed():  # the driver itself failed: recorded; construction's evidence stands
@@ -440,6 +444,52 @@ def _construct_draft(vllm_config, spec, *, create_with, simulate):
         from vllm.model_executor.model_loader.utils import initialize_model
 
         return initialize_model(vllm_config=draft_cfg, model_config=spec.draft_model_config)
+
+
+#: the fenced piece that stands in for vLLM's ``get_model`` inside a speculator's draft loader
+DRAFT_LOADER = "draft loader's get_model (construction only, no weights)"
+
+
+def _draft_by_speculator(model, vllm_config, *, create_with, simulate):
+    """A parallel drafter's draft (DSpark, DFlash), built by the speculator vLLM's runner builds (``init_speculator``,
+    on meta) and its own ``load_draft_model(target, ...)``: that loader derives the draft's VllmConfig itself (the
+    draft's tensor parallel size, non-causal attention, cache dtype, quant config) and its model tag. Its call of
+    vLLM's ``get_model`` is stood in by construction alone (no weights, meta device), like the target's."""
+    import torch
+    import vllm.model_executor.model_loader as loaders
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+    import inspect
+
+    params = inspect.signature(init_speculator).parameters
+    kwargs = {"req_states": None} if "req_states" in params else {}  # 0.27: (vllm_config, device)
+    speculator = init_speculator(vllm_config, torch.device("meta"), **kwargs)
+    original, built = loaders.get_model, []
+
+    @fence.guard(DRAFT_LOADER)
+    def construct_only(*, vllm_config, model_config=None, **_):
+        built.append(vllm_config)  # the draft's own config, as the loader derived it (post-load runs under it)
+        model_config = model_config or vllm_config.model_config
+        loader = fence.foreign(create_with, vllm_config.load_config)
+        with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), \
+                simulate.meta_device_mode():
+            if hasattr(loader, "create_model"):
+                return fence.foreign(loader.create_model, vllm_config=vllm_config, model_config=model_config)
+            from vllm.model_executor.model_loader.utils import initialize_model
+
+            return fence.foreign(initialize_model, vllm_config=vllm_config, model_config=model_config)
+
+    simulate.SIMULATED[DRAFT_LOADER] = (
+        "the parallel drafter's loader (the speculator's load_draft_model) runs as vLLM's; its get_model builds "
+        "the draft on the meta device under the config the loader derived and loads no weights")
+    loaders.get_model = construct_only
+    try:
+        draft = speculator.load_draft_model(model, set())
+    finally:
+        loaders.get_model = original
+    return draft, built[-1] if built else None
 
 
 def _nullcontext():

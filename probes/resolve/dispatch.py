@@ -673,21 +673,26 @@ LANES = (
 _ONE_PASS = ("serving_path", "specialized_decode", "lm_head", "down_proj_overlap", "kda_projection_overlap")
 
 
-_QUERIES: dict = {}
+_SPECULATOR: dict = {}
 
 
-def _draft_queries(vllm_config) -> int:
-    """Query tokens per request of a parallel drafter's one pass: the ``num_query_per_req`` of the speculator vLLM's
-    runner builds for this config (``init_speculator``), built on meta (its buffers only take shapes)."""
-    held = _QUERIES.get(id(vllm_config))
-    if held is None or held[0] is not vllm_config:  # one build per cell's config (held: its id is not reused)
+def draft_speculator(vllm_config):
+    """The speculator vLLM's runner builds for this config (``init_speculator``), built on meta (its buffers only take
+    shapes); one per cell's config."""
+    held = _SPECULATOR.get(id(vllm_config))
+    if held is None or held[0] is not vllm_config:  # held with its config: a freed config's id is not reused
         import torch
 
         init = _attr("vllm.v1.worker.gpu.spec_decode:init_speculator")
-        _QUERIES.clear()
+        _SPECULATOR.clear()
         built = _bind(init, vllm_config=vllm_config, device=torch.device("meta"), req_states=None)  # 0.27: no req_states
-        _QUERIES[id(vllm_config)] = held = (vllm_config, int(built.num_query_per_req))
+        _SPECULATOR[id(vllm_config)] = held = (vllm_config, built)
     return held[1]
+
+
+def _draft_queries(vllm_config) -> int:
+    """Query tokens per request of a parallel drafter's one pass: its speculator's ``num_query_per_req``."""
+    return int(draft_speculator(vllm_config).num_query_per_req)
 
 
 def _parallel_draft_rows(lane, fn, rows, drafts, vllm_config, works):

@@ -17,8 +17,8 @@ from probes.core import fence
 from probes.core.recorder import describe
 from probes.core.tiers import needs_gpu, not_resolved, raises
 from probes.models import StepPath
-from probes.resolve.dispatch import (SERVING_PATHS, Stop, Workload, _mla_builder, capture, err, meta, mla_split,
-                                     optional, runners)
+from probes.resolve.dispatch import (SERVING_PATHS, Stop, Workload, _mla_builder, capture, draft_speculator, err, meta,
+                                     mla_split, optional, runners)
 from probes.resolve.postload import attempt, failing_condition
 
 
@@ -333,6 +333,13 @@ def _logits_rows(role: str, w: Workload) -> int:
 def lane_lm_head(models, vllm_config, works):
     """The lm_head's low-latency GEMM plan (K3's per-M table, KimiK3LowLatencyEmbeddingMethod), at the number of
     logits rows of each step, the target's and the draft head's."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if getattr(spec, "parallel_drafting", False) and any(role == "draft" for role, _ in models):
+        # a parallel drafter (DSpark) computes the draft logits of every drafted position in one GEMM before its
+        # sequential sampling: requests x its speculator's num_speculative_steps rows (_sample_sequential)
+        steps = int(draft_speculator(vllm_config).num_speculative_steps)
+        return _plan_lane(models, works, "KimiK3LowLatencyEmbeddingMethod",
+                          lambda role, w: w.requests * steps if role != "target" else _logits_rows(role, w))
     return _plan_lane(models, works, "KimiK3LowLatencyEmbeddingMethod", _logits_rows)
 
 

@@ -123,3 +123,65 @@ def test_a_refusal_after_the_draft_loader_stand_in_is_vllms(vllm_env, tmp_path):
     assert not cell["harness_faults"]
     assert cell["failure"]["stage"] == "construct-draft"
     assert cell["failure"]["message"] == "planted: the DSpark draft is refused once built"
+
+
+# -- EAGLE3 (``tp8-eagle3``): a Llama-style draft, built by vLLM's EAGLE loader ------------------------------------
+
+def _eagle3(vllm_env, run_dir, systems):
+    rt, pin, _ = vllm_env
+    req = RunRequest(pin=pin, profile=KIMI_K3, cells=[(SYSTEMS[s], LAYOUTS["tp8-eagle3"]) for s in systems],
+                     run_dir=run_dir)
+    result = rt.run(req, lambda *a, **k: None)
+    assert result.missing == {}
+    return {f.cell[0]: routing.build_cell(f, KIMI_K3) for f in evidence.read_dir(result.evidence_dir)}
+
+
+@pytest.fixture(scope="module")
+def eagle3(vllm_env, tmp_path_factory):
+    return _eagle3(vllm_env, tmp_path_factory.mktemp("eagle3"), ("b200_sxm", "h200_sxm"))
+
+
+@pytest.fixture(scope="module")
+def eagle3_planted(vllm_env, tmp_path_factory):
+    from tests.plant import sitecustomize
+
+    run_dir = tmp_path_factory.mktemp("eagle3-planted")
+    (run_dir / "sitecustomize.py").write_text(sitecustomize([("vllm.platforms.cuda", [
+        ("                AttentionBackendEnum.FLASH_ATTN,\n                AttentionBackendEnum.FLASHINFER,",
+         "                AttentionBackendEnum.FLASHINFER,\n                AttentionBackendEnum.FLASH_ATTN,")])]),
+        encoding="utf-8")
+    return _eagle3(vllm_env, run_dir, ("h200_sxm",))["h200_sxm"]
+
+
+def _attention(cell):
+    return [(g["value"], g["ranges"]) for g in cell["lanes"]["attention"]]
+
+
+def test_the_eagle3_draft_has_plain_attention_chosen_per_sm_and_shares_the_target_head(eagle3):
+    """The EAGLE3 draft's one layer (93, after the target's) is plain multi-head attention, chosen by vLLM's selector
+    for the draft: FlashInfer on SM 10.0, FlashAttention on SM 9.0. vLLM's EAGLE loader gives the draft the target's
+    lm_head, so the draft head's rows are K3's low-latency plan at one row per request."""
+    b200, h200 = eagle3["b200_sxm"], eagle3["h200_sxm"]
+    assert not b200["harness_faults"] and not h200["harness_faults"]
+    assert _attention(b200) == [("FlashInferBackend", "93")] and _attention(h200) == [("FlashAttentionBackend", "93")]
+    assert b200["layer_kinds"]["attention"] == [93] and 93 not in b200["layer_kinds"]["mla"]
+    (head,) = _draft_rows(b200, "lm_head")
+    assert head["tiers"]["decode 8"].startswith("M=8: ") and head["tiers"]["verify 4 (1x4)"].startswith("M=1: ")
+
+
+def test_a_planted_backend_order_moves_only_the_draft_attention(eagle3, eagle3_planted):
+    """FlashInfer planted ahead of FlashAttention in vLLM's plain-attention order for SM 9.0: the draft's attention
+    lane names FlashInfer and no other construction lane moves (MLA's backend order is another list). The step's
+    CUDA-graph mode moves with it, as vLLM derives it from every attention builder, the draft's included."""
+    before = eagle3["h200_sxm"]
+    assert _attention(eagle3_planted) == [("FlashInferBackend", "93")]
+    moved = {lane for lane in set(before["lanes"]) | set(eagle3_planted["lanes"])
+             if before["lanes"].get(lane) != eagle3_planted["lanes"].get(lane)}
+    assert moved == {"attention"}
+    # vLLM's CUDA-graph mode for the step comes from the least graph support of every attention builder, the draft's
+    # included: the step's mode moves (and the lanes whose answer hangs on it), nothing else of the dispatch rows
+    lanes_before, lanes_after = before["dispatch"]["lanes"], eagle3_planted["dispatch"]["lanes"]
+    moved = {lane for lane in lanes_before if lanes_before[lane] != lanes_after.get(lane)}
+    assert "serving_path" in moved and moved <= {"serving_path", "down_proj_overlap", "kda_projection_overlap"}, moved
+    assert lanes_before["serving_path"][0]["tiers"]["decode 8"] == "PIECEWISE graph (breakable: attention eager), 8 tokens"
+    assert lanes_after["serving_path"][0]["tiers"]["decode 8"] == "eager, 8 tokens"

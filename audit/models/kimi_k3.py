@@ -13,6 +13,7 @@ from audit.systems import Layout
 MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
 #: the draft's config is written into the cell's model directory (``<model>/draft``, the layout's draft_config)
 DSPARK_SPEC = '{"method": "dspark", "model": "<model>/draft", "num_speculative_tokens": 4}'
+EAGLE3_SPEC = '{"method": "eagle3", "model": "<model>/draft", "num_speculative_tokens": 3}'
 SPECIALIZED_DECODE = '{"decode_backend": "latency_specialized"}'
 #: what K3's fp8 KV-cache prefill asks for (its assertion names the first key); the second picks a prefill backend
 #: whose fp8 query vLLM accepts (FlashInfer, TRT-LLM ragged or TokenSpeed, SM 10.x only, in 0.33)
@@ -51,6 +52,12 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
            draft_config="kimi-k3/drafts/dspark/config.json",
            note="No DSpark draft for K3 is published with its config; the draft's config.json was written for this "
                 "harness from what vLLM's K3DSparkConfig and K3DSparkModel require (audit/data/kimi-k3/drafts/dspark/"
+                "README.md says each value's source), with dummy weights like the target's."),
+    Layout("tp8-eagle3", "single-node TP8 + EAGLE3 speculative decoding (a Llama-style EAGLE3 draft)",
+           ("--tensor-parallel-size", "8", "--speculative-config", EAGLE3_SPEC), 8, opt_in=True,
+           draft_config="kimi-k3/drafts/eagle3/config.json",
+           note="No EAGLE3 draft for K3 is published with its config; the draft's config.json was written for this "
+                "harness from what vLLM's EAGLE3 Llama draft requires of a K3 target (audit/data/kimi-k3/drafts/eagle3/"
                 "README.md says each value's source), with dummy weights like the target's."),
     Layout("tp8-fp8dsmla", "single-node TP8, DeepSeek-layout fp8 KV cache (--kv-cache-dtype fp8_ds_mla)",
            ("--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8_ds_mla"), 8, opt_in=True),
@@ -107,6 +114,7 @@ KIMI_K3 = Profile(
         "KimiMoE": "moe",
         "KimiMLP@mlp": "dense",
         "KimiK3MultiTokenPredictorLayer": "mtp",
+        "Attention": "attention",  # K3 builds none itself: an EAGLE3 (Llama) draft's attention
     },
     draft_weights=("model.layers.{layer}.enorm.weight",),
     layouts=LAYOUTS,
@@ -133,7 +141,7 @@ KIMI_K3 = Profile(
     },
     perf_lane_phases={"kda.context": ("prefill",), "kda.generation": ("decode",), "kda.verify": ("verify",)},
     kind_titles={"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
-                 "mtp": "MTP draft (separate draft model)"},
+                 "mtp": "MTP draft (separate draft model)", "attention": "plain attention (a speculative draft's)"},
     ledger_notes={
         "glossary": (
             ("W4A16 / W4A8", "4-bit (MXFP4) expert weights with 16-bit activations / with 8-bit (MXFP8) activations"),
@@ -256,6 +264,9 @@ KIMI_K3 = Profile(
         )),
         Lane("mla.prefill", "MLA prefill", "mla", "prefill", (
             Source("construct", "scope.mla", ("attrs.prefill_backend",)),
+        )),
+        Lane("attention", "Draft attention (plain multi-head: an EAGLE3 draft's)", "attention", "all", (
+            Source("construct", "scope.attention", ("attrs.attn_backend",)),
         )),
         Lane("dense", "Dense MLP linears (layer 0)", "dense", "all", (
             Source("module", r"\.mlp\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),

@@ -291,7 +291,7 @@ def _run_stages(plan, cell, rec, Stage) -> None:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None and getattr(spec, "draft_model_config", None) is not None:
         with Stage(rec, "construct-draft"):
-            if getattr(spec, "parallel_drafting", False):  # DSpark, DFlash: the speculator's own loader builds it
+            if getattr(spec, "method", None) != "mtp":  # EAGLE3, DSpark: the speculator's own loader builds it
                 draft, draft_config = _draft_by_speculator(model, vllm_config, create_with=get_model_loader,
                                                            simulate=simulate)
             else:
@@ -451,7 +451,7 @@ DRAFT_LOADER = "draft loader's get_model (construction only, no weights)"
 
 
 def _draft_by_speculator(model, vllm_config, *, create_with, simulate):
-    """A parallel drafter's draft (DSpark, DFlash), built by the speculator vLLM's runner builds (``init_speculator``,
+    """A speculative draft (EAGLE3, DSpark, ...), built by the speculator vLLM's runner builds (``init_speculator``,
     on meta) and its own ``load_draft_model(target, ...)``: that loader derives the draft's VllmConfig itself (the
     draft's tensor parallel size, non-causal attention, cache dtype, quant config) and its model tag. Its call of
     vLLM's ``get_model`` is stood in by construction alone (no weights, meta device), like the target's."""
@@ -482,13 +482,19 @@ def _draft_by_speculator(model, vllm_config, *, create_with, simulate):
             return fence.foreign(initialize_model, vllm_config=vllm_config, model_config=model_config)
 
     simulate.SIMULATED[DRAFT_LOADER] = (
-        "the parallel drafter's loader (the speculator's load_draft_model) runs as vLLM's; its get_model builds "
+        "the speculator's draft loader (the speculator's load_draft_model) runs as vLLM's; its get_model builds "
         "the draft on the meta device under the config the loader derived and loads no weights")
-    loaders.get_model = construct_only
+    # the loaders call get_model by the name their module imported (eagle) or import it when called (DSpark)
+    holders = [loaders] + [m for name, m in list(sys.modules.items())
+                           if name.startswith("vllm.v1.worker.gpu.spec_decode") and m is not None
+                           and getattr(m, "get_model", None) is original]
+    for holder in holders:
+        holder.get_model = construct_only
     try:
         draft = speculator.load_draft_model(model, set())
     finally:
-        loaders.get_model = original
+        for holder in holders:
+            holder.get_model = original
     return draft, built[-1] if built else None
 
 

@@ -27,6 +27,10 @@ TARGETS: tuple[Target, ...] = (
            construct=True, title="MLA layer"),
     Target("scope.mlp", "scope", (K3 + "model:KimiMLP.__init__",), args=("prefix",), construct=True,
            title="dense / shared-expert MLP", required=False),
+    # K3 itself builds no plain attention layer: one is a speculative draft's (an EAGLE3 Llama draft)
+    Target("scope.attention", "scope", ("vllm.model_executor.layers.attention.attention:Attention.__init__",
+                                        "vllm.attention.layer:Attention.__init__"),
+           args=("prefix",), construct=True, title="plain attention layer (a draft's)", required=False),
     Target("scope.mtp_layer", "scope", (K3 + "mtp:KimiK3MultiTokenPredictorLayer.__init__",), args=("prefix",),
            title="MTP draft layer", required=False),
     # --- routed experts: before 0.33 K3 built its MegaMoE experts in its own module -----------------

@@ -175,7 +175,8 @@ def test_deployment_options_are_left_out_by_default_and_audited_when_asked():
     default = [l.name for l in select("layout", None, KIMI_K3.layouts)]
     assert default == [l.name for l in select("layout", "default", KIMI_K3.layouts)]
     options = [n for n, l in KIMI_K3.layouts.items() if l.opt_in]
-    assert options == ["tp8-fp8kv", "tp8-fp8kv-fp8prefill", "dp2-tp4-ep", "dp4-tp2-ep", "tp8-fp8dsmla"]
+    assert options == ["tp8-fp8kv", "tp8-fp8kv-fp8prefill", "dp2-tp4-ep", "dp4-tp2-ep", "tp8-dspark", "tp8-eagle3",
+                       "tp8-fp8dsmla"]
     assert not set(options) & set(default) and "tp8" in default
     assert [l.name for l in select("layout", "all", KIMI_K3.layouts)] == list(KIMI_K3.layouts)
     assert [l.name for l in select("layout", "tp8-fp8kv,tp8", KIMI_K3.layouts)] == ["tp8", "tp8-fp8kv"]

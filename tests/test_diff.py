@@ -251,7 +251,8 @@ def test_the_pr_summary_is_short_deterministic_and_names_what_now_serves():
 
     assert len(text.split()) <= WORDS and text == diff_routings(copy.deepcopy(old), copy.deepcopy(new))["summary"]
     assert text.startswith("**Kimi-K3, vLLM 0.30.0 → 0.33.0**") and "**The pin-bump gate fails**" in text
-    assert "tp8, tp16, tp8-mtp, tp8-fp8kv: SM 9.0, every batch (decode 1–256, prefill 512–8192): Routed experts" in text
+    assert ("tp8, tp16, tp8-mtp, tp8-fp8kv, tp8-dspark, tp8-eagle3: SM 9.0, every batch (decode 1–256, prefill "
+            "512–8192): Routed experts") in text
     assert "marlin → humming" in text and "SM 9.0 = h100_sxm, h200_sxm" in text
     top = render_diff(d).split("## Summary for the pull request\n\n", 1)[1]
     assert " ".join(top.split()).startswith(" ".join(text.split()))  # the diff opens with it (lines wrapped to fit)

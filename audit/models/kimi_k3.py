@@ -20,6 +20,16 @@ SPECIALIZED_DECODE = '{"decode_backend": "latency_specialized"}'
 FP8_PREFILL = '{"use_prefill_query_quantization": true, "mla_prefill_backend": "FLASHINFER"}'
 
 
+def _draft_layout(name: str, method: str, folder: str, spec: str, draft: str, required_by: str) -> Layout:
+    """A TP8 layout with a speculative draft whose config ships as data (``audit/data/kimi-k3/drafts/<folder>``)."""
+    return Layout(name, f"single-node TP8 + {method} speculative decoding ({draft})",
+                  ("--tensor-parallel-size", "8", "--speculative-config", spec), 8, opt_in=True,
+                  draft_config=f"kimi-k3/drafts/{folder}/config.json",
+                  note=f"No {method} draft for K3 is published with its config; the draft's config.json was written "
+                       f"for this harness from what vLLM's {required_by} (audit/data/kimi-k3/drafts/{folder}/README.md "
+                       "says each value's source), with dummy weights like the target's.")
+
+
 LAYOUTS: dict[str, Layout] = {l.name: l for l in (
     Layout("tp8", "single-node TP8", ("--tensor-parallel-size", "8"), 8),
     Layout("tp16", "two-node TP16", ("--tensor-parallel-size", "16"), 16),
@@ -47,18 +57,10 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
            ("--data-parallel-size", "2", "--tensor-parallel-size", "4", "--enable-expert-parallel"), 8, opt_in=True),
     Layout("dp4-tp2-ep", "DP4 x TP2 + expert parallel",
            ("--data-parallel-size", "4", "--tensor-parallel-size", "2", "--enable-expert-parallel"), 8, opt_in=True),
-    Layout("tp8-dspark", "single-node TP8 + DSpark speculative decoding (K3's dense MLA draft)",
-           ("--tensor-parallel-size", "8", "--speculative-config", DSPARK_SPEC), 8, opt_in=True,
-           draft_config="kimi-k3/drafts/dspark/config.json",
-           note="No DSpark draft for K3 is published with its config; the draft's config.json was written for this "
-                "harness from what vLLM's K3DSparkConfig and K3DSparkModel require (audit/data/kimi-k3/drafts/dspark/"
-                "README.md says each value's source), with dummy weights like the target's."),
-    Layout("tp8-eagle3", "single-node TP8 + EAGLE3 speculative decoding (a Llama-style EAGLE3 draft)",
-           ("--tensor-parallel-size", "8", "--speculative-config", EAGLE3_SPEC), 8, opt_in=True,
-           draft_config="kimi-k3/drafts/eagle3/config.json",
-           note="No EAGLE3 draft for K3 is published with its config; the draft's config.json was written for this "
-                "harness from what vLLM's EAGLE3 Llama draft requires of a K3 target (audit/data/kimi-k3/drafts/eagle3/"
-                "README.md says each value's source), with dummy weights like the target's."),
+    _draft_layout("tp8-dspark", "DSpark", "dspark", DSPARK_SPEC, "K3's dense MLA draft",
+                  "K3DSparkConfig and K3DSparkModel require"),
+    _draft_layout("tp8-eagle3", "EAGLE3", "eagle3", EAGLE3_SPEC, "a Llama-style EAGLE3 draft",
+                  "EAGLE3 Llama draft requires of a K3 target"),
     Layout("tp8-fp8dsmla", "single-node TP8, DeepSeek-layout fp8 KV cache (--kv-cache-dtype fp8_ds_mla)",
            ("--tensor-parallel-size", "8", "--kv-cache-dtype", "fp8_ds_mla"), 8, opt_in=True),
 )}

@@ -37,7 +37,8 @@ STAGE_MEANING = {
     "config": "VllmConfig built from the `vllm serve` arguments",
     "distributed": "parallel groups initialised (fake process group, rank 0)",
     "construct": "model constructed on the meta device (every layer's __init__ ran)",
-    "construct-draft": "speculative draft model (MTP) constructed the same way (layouts with speculation only)",
+    "construct-draft": "speculative draft model (MTP, EAGLE3, DSpark) constructed the same way (layouts with "
+                       "speculation only)",
     "inspect": "constructed modules inspected",
 }
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")

@@ -455,17 +455,13 @@ def _draft_by_speculator(model, vllm_config, *, create_with, simulate):
     on meta) and its own ``load_draft_model(target, ...)``: that loader derives the draft's VllmConfig itself (the
     draft's tensor parallel size, non-causal attention, cache dtype, quant config) and its model tag. Its call of
     vLLM's ``get_model`` is stood in by construction alone (no weights, meta device), like the target's."""
-    import torch
     import vllm.model_executor.model_loader as loaders
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm.v1.worker.gpu.spec_decode import init_speculator
 
-    import inspect
+    from probes.resolve.dispatch import draft_speculator
 
-    params = inspect.signature(init_speculator).parameters
-    kwargs = {"req_states": None} if "req_states" in params else {}  # 0.27: (vllm_config, device)
-    speculator = init_speculator(vllm_config, torch.device("meta"), **kwargs)
+    speculator = draft_speculator(vllm_config)  # the one the dispatch lanes read the draft's passes from
     original, built = loaders.get_model, []
 
     @fence.guard(DRAFT_LOADER)

@@ -29,17 +29,20 @@ def _audit(reports, cache, *extra):
 @pytest.mark.vllm
 def test_a_repeated_audit_reuses_the_evidence_and_routes_the_same(vllm_env, tmp_path):
     cache = tmp_path / "evcache"
+    rt, _, env = vllm_env
+    runs_before = set((rt.root / "runs").glob("*"))
     first, ledger1, _ = _audit(tmp_path / "a", cache)
+    new_runs = set((rt.root / "runs").glob("*")) - runs_before
     assert first["run"]["cache"] == {"hits": [], "ran": 1, "discarded": [], "used": True} and "evidence cache |" not in ledger1
     assert len(list(cache.iterdir())) == 1
     # the agent's bytecode went to the environment's runtime cache, none into the environment (whose files stay
     # the wheel's RECORD) and none of the run's own probes copy stayed behind
-    rt, _, env = vllm_env
     prefix = rt.root / "runtime-cache" / env.name / "pycache"
     site = rt.site_packages(env)
     assert list(prefix.joinpath(*site.parts[1:], "vllm").glob("__init__.cpython-*.pyc"))
     assert not list((site / "vllm").glob("__pycache__/*.pyc"))
-    assert not list(prefix.joinpath(*rt.root.parts[1:], "runs").rglob("*.pyc"))
+    assert len(new_runs) == 1
+    assert not [p for run in new_runs for p in prefix.joinpath(*run.parts[1:]).rglob("*.pyc")]
 
     second, ledger2, _ = _audit(tmp_path / "b", cache)
     hits = second["run"]["cache"]["hits"]
@@ -228,3 +231,34 @@ def test_an_entry_of_another_model_is_a_miss_and_a_faulted_cell_is_never_kept(tm
         fh.write(json.dumps({"kind": "harness_fault", "piece": "p", "type": "t", "message": "m"}) + "\n")
     assert not evcache.store(tmp_path, "k2", faulted, run="r2", date="2026-12-04", inputs={}, info={})
     assert evcache.lookup(tmp_path, "k2") is None
+
+
+def test_what_the_agent_left_running_is_ended_before_its_bytecode_is_dropped(tmp_path):
+    # a child the agent did not wait for (here: a shell's background sleep) would keep writing bytecode of the
+    # run's probes copy after the run dropped it; the runtime ends the agent's whole process group first
+    import signal
+    import time
+
+    from audit.runtimes.local import _end_group
+
+    pidfile = tmp_path / "child.pid"
+    proc = subprocess.Popen(["sh", "-c", f"sleep 60 & echo $! > {pidfile}; exit 0"], start_new_session=True)
+    proc.wait(timeout=30)
+    child = int(pidfile.read_text())
+    os.kill(child, 0)  # still running after the agent (the shell) exited
+    _end_group(proc)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        try:  # reaped by init or a subreaper; a zombie no longer runs
+            if open(f"/proc/{child}/stat").read().split(")")[-1].split()[0] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the agent's leftover child is still running")

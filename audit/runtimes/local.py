@@ -85,6 +85,9 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
                 _kill(proc)
                 raise
             finally:
+                # a process the agent started and did not wait for (a spawn-context child re-imports the agent's
+                # module from the run's probes copy) must not write that copy's bytecode after it is dropped
+                _end_group(proc)
                 drop_run_bytecode(caches, request.run_dir)
         learn_imports(caches, request.evidence_dir)
         learn_shared_imports(caches, request.evidence_dir)
@@ -164,6 +167,22 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
 #: the agent's standard input stays open as its lifeline: when this process dies, the agent's whole
 #: process group ends (probes.core.lifecycle), so no SM or cell process outlives the harness
 LIFELINE = {WATCHDOG_ENV: "stdin"}
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float = 2.0) -> None:
+    """After the agent exited: SIGKILL whatever is left of its process group (the agent leads its own session)
+    and wait, briefly, until none is left."""
+    import signal
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > deadline:  # zombies a non-reaping init keeps: they write nothing
+            return
+        time.sleep(0.05)
 
 
 def _kill(proc: subprocess.Popen) -> None:

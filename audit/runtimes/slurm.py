@@ -262,6 +262,9 @@ class SlurmRuntime(RuntimeDefaults):
                                   harness_env=["CUDA_HOME"])
                 if self.profile.placement(system.name).container == "local":
                     env = local._env(env_dir, stub, request.run_dir, request.run_dir)
+                    # a job reads the environment's bytecode but writes none: it may outlive the harness (--no-wait),
+                    # and what it compiled from the run's probes copy would outlive the run
+                    env["PYTHONDONTWRITEBYTECODE"] = "1"
                 else:
                     env = container_env(request.run_dir, stub)
                 if observe:  # the plugin in every process vLLM starts; evidence per cell

@@ -52,8 +52,8 @@ class Lane:
 class JudgedLane:
     """A harness lane perf databases label, so claims are judged against it.
 
-    ``perf_lane`` is the perf database's name for it (None where the name follows from the value: MXFP4 MoE
-    lanes are named by their activation precision); ``phase`` is how labels.json states the phase;
+    ``perf_lane`` is the perf database's name for it (None where the name follows from the value: the routed experts'
+    lanes are named by their precision, the profile's quantization schemes' ``PRECISION_LANES``); ``phase`` is how labels.json states the phase;
     ``workloads`` the kinds of batch it serves (decode / prefill / verify); ``dispatch`` the dispatch lanes whose
     per-call choices refine it, as (lane, tier prefix)."""
     lane: str
@@ -203,9 +203,34 @@ class Profile:
     #: must fire there (empty: the model has no selftest)
     selftest_slice: str = ""
     selftest_lanes: tuple[str, ...] = ()
+    #: the quantization schemes of its experts (``probes/schemes/<name>.py``): what their probes wrap, their backend
+    #: families and the perf database's precision lanes for its experts (added to ``perf_lanes``, naming the
+    #: routed experts lane)
+    schemes: tuple[str, ...] = ()
 
     def __post_init__(self):
         check_profile(self)
+        precision = {lane: MOE_LANE for scheme in self.scheme_parts() for lane in scheme.precision_lanes}
+        object.__setattr__(self, "perf_lanes", {**precision, **self.perf_lanes})
+
+    def scheme_parts(self) -> tuple:
+        """Its quantization schemes, loaded (``probes.schemes.Scheme``)."""
+        from probes import schemes
+
+        return schemes.load_all(self.schemes)
+
+    def moe_family(self, backend: str) -> str:
+        """The backend family of an experts backend (its enum member's name) in its schemes' tables, else unknown."""
+        return next((fam for s in self.scheme_parts() if (fam := s.family(backend))), "unknown")
+
+    def precision_lane(self, source: str, backend: str) -> str:
+        """The perf database's precision lane of the experts a lane group names, from its schemes' rules, else
+        unknown."""
+        return next((lane for s in self.scheme_parts() if (lane := s.precision_lane(source, backend))), "unknown")
+
+    def precision_lanes(self) -> dict[str, str]:
+        """Its schemes' precision lanes -> what each means."""
+        return {lane: text for s in self.scheme_parts() for lane, text in s.precision_lanes.items()}
 
     def config_text(self) -> str:
         return resources.files("audit").joinpath("data", self.config_package_path).read_text(encoding="utf-8")
@@ -260,6 +285,21 @@ def check_profile(p: "Profile") -> None:
     registration, never a lane the shared code silently skips)."""
     from audit.errors import ProfileError
 
+    from probes.schemes import UnknownScheme, load_all
+
+    try:
+        parts = load_all(p.schemes)
+    except UnknownScheme as exc:
+        raise ProfileError(p.name, str(exc)) from None
+    precision = {lane for s in parts for lane in s.precision_lanes}
+    for lane, harness_lane in p.perf_lanes.items():
+        if lane in precision and harness_lane != MOE_LANE:
+            raise ProfileError(p.name, f"perf lane {lane!r} is its quantization scheme's precision lane, about the "
+                                       f"routed experts lane {MOE_LANE!r}, not {harness_lane!r}; remove it from "
+                                       "perf_lanes (precision lanes come from the scheme)")
+    if any(j.perf_lane is None for j in p.judged) and not precision:
+        raise ProfileError(p.name, "a judged lane's perf lane is left to the precision of its experts, but none of "
+                                   f"its schemes ({', '.join(p.schemes) or 'none'}) names precision lanes")
     ids = [lane.id for lane in p.lanes]
     dup = sorted({i for i in ids if ids.count(i) > 1})
     if dup:

@@ -153,7 +153,7 @@ def test_observe_mode_installs_the_served_models_own_probes(profile, tmp_path):
     from probes import models as models_probes
 
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SERVING_TRUTH")},
-           **observe_env(str(tmp_path), "b200_sxm--tp8", profile.probes), "PYTHONPATH": str(ROOT)}
+           **observe_env(str(tmp_path), "b200_sxm--tp8", profile), "PYTHONPATH": str(ROOT)}
     script = ("import json, sys; from probes.observe import plugin; plugin.register(); s = plugin._state;"
               "print(json.dumps({'targets': [t.id for t in s['probes'].targets],"
               " 'kernels': [k.path for k in s['observe'].kernels]})); s['rec'].flush(); sys.stdout.flush()")

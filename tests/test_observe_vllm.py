@@ -134,7 +134,7 @@ def test_vllm_serve_loads_the_probe_plugin(vllm_env, tmp_path):
     model = KIMI_K3.write_model_dir(tmp_path / "model", KIMI_K3.slices["slice4"].patch)
     from audit.runtimes.base import observe_env
 
-    run_env = {**rt._env(env, stub, stage, tmp_path), **observe_env(str(out), "b200_sxm--tp8", KIMI_K3.probes)}
+    run_env = {**rt._env(env, stub, stage, tmp_path), **observe_env(str(out), "b200_sxm--tp8", KIMI_K3)}
     argv = serve_argv(str(model), ["--tensor-parallel-size", "1"])
     r = subprocess.run([str(env / "bin" / "vllm"), "serve", *argv, "--host", "127.0.0.1", "--port", "1"],
                        env=run_env, capture_output=True, text=True, timeout=600)
@@ -198,7 +198,7 @@ def test_observe_agent_records_the_map_and_its_profiler_wiring_without_a_gpu(vll
     out = req.evidence_dir / "b200_sxm--tp1"
     out.mkdir(parents=True)
     plan = write_plan(req, model_dir=str(tmp_path / "model"), stub_libcuda="", out_dir=str(req.evidence_dir))
-    run_env = {**rt._env(env, stub, tmp_path, tmp_path), **observe_env(str(out), "b200_sxm--tp1")}
+    run_env = {**rt._env(env, stub, tmp_path, tmp_path), **observe_env(str(out), "b200_sxm--tp1", req.profile)}
     r = subprocess.run([str(env / "bin" / "python"), "-m", "probes.observe.agent", str(plan), "0"], env=run_env,
                        cwd=str(tmp_path), capture_output=True, text=True, timeout=900)
     assert r.returncode == 1, r.stderr[-3000:]  # the workload failed: no GPU

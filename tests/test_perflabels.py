@@ -46,8 +46,10 @@ def test_labels_are_deterministic_and_never_invent_a_lane():
     r = routing("v0.30.0")
     assert labels_json(r) == labels_json(json.loads(json.dumps(r)))
     unknown = {"raw": {"source": "moe.routed", "fields": ["Mxfp4MoeBackend.SOMETHING_NEW", "x:Y", "z:Mxfp4MoEMethod"]}}
-    assert moe_perf_lane(unknown) == "unknown"
-    assert moe_perf_lane({"raw": {"fields": ["Mxfp4MoeBackend.FLASHINFER_TRTLLM_MXFP4_BF16"]}}) == "w4a16_mxfp4"
+    from audit.models import KIMI_K3
+
+    assert moe_perf_lane(KIMI_K3, unknown) == "unknown"
+    assert moe_perf_lane(KIMI_K3, {"raw": {"fields": ["Mxfp4MoeBackend.FLASHINFER_TRTLLM_MXFP4_BF16"]}}) == "w4a16_mxfp4"
 
 
 def test_incomplete_and_not_exercised_groups_are_listed_not_labelled():

@@ -180,9 +180,40 @@ def test_a_profile_breaking_a_rule_the_shared_code_relies_on_is_refused_when_it_
         (dict(lanes=lanes_with("dense", layer_kind="dens")), "layer kind 'dens'"),
         (dict(selftest_lanes=("kda.prefil",)), r"selftest_lanes names lane\(s\) kda.prefil"),
         (dict(perf_lanes={**KIMI_K3.perf_lanes, "mla.decode": "mla.decod"}), r"perf_lanes names lane\(s\) mla.decod"),
+        # the quantization scheme is a module of its own, selected by name; its precision lanes name the experts
+        (dict(schemes=("mxfp5",)), r"no module probes/schemes/mxfp5.py"),
+        (dict(perf_lanes={**KIMI_K3.perf_lanes, "w4a16_mxfp4": "mla.decode"}), "precision lane"),
+        (dict(schemes=()), "none of its schemes"),
     ]
     for changes, message in cases:
         with pytest.raises(ProfileError, match=message) as e:
             dataclasses.replace(KIMI_K3, **changes)
         assert e.value.profile == "kimi-k3" and e.value.exit_code == ExitCode.INTERNAL
     assert dataclasses.replace(KIMI_K3).lanes == KIMI_K3.lanes  # the shipped profile passes
+
+
+def test_a_scheme_module_with_an_undeclared_field_is_refused(tmp_path, monkeypatch):
+    """A scheme's fields are declared (probes.schemes.FIELDS): a misspelt one is an error when it loads, never a
+    table the shared code silently ignores."""
+    import sys
+
+    import pytest
+
+    from probes import schemes
+
+    pkg = tmp_path / "probes_schemes_extra"
+    monkeypatch.setattr(schemes, "__path__", [*schemes.__path__, str(tmp_path)])
+    (tmp_path / "typo_scheme.py").write_text("FAMILIES = ()\nPRECISION_LANE = {'w1a1': 'x'}\n")
+    monkeypatch.delitem(sys.modules, "probes.schemes.typo_scheme", raising=False)
+    with pytest.raises(schemes.UnknownScheme, match="PRECISION_LANE is no scheme field"):
+        schemes.load("typo_scheme")
+    assert not pkg.exists()
+    with pytest.raises(schemes.UnknownScheme, match="no module probes/schemes/nope.py"):
+        schemes.load("nope")
+    mx = schemes.load("mxfp4")
+    assert mx.family("MARLIN") == "marlin" and mx.family("NOT_A_MEMBER") is None
+    assert mx.precision_lane("moe.quant_method", "FLASHINFER_TRTLLM_MXFP4_MXFP8") == "w4a8_mxfp4_mxfp8"
+    fp8 = schemes.load("fp8_block")
+    assert fp8.precision_lane("moe.quant_method", "DEEPGEMM") == "w8a8_fp8_block"
+    assert fp8.precision_lane("moe.quant_method", "MARLIN") == "w8a16_fp8"
+    assert fp8.precision_lane("moe.quant_method", "CPU") is None

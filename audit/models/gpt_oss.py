@@ -49,14 +49,13 @@ GPT_OSS_120B = Profile(
              (Source("postload", "activation", ()),), level="post-load"),
     ),
     layouts=LAYOUTS,
+    schemes=("mxfp4",),
     judged=(
         JudgedLane("moe", "moe", None, "prefill+decode", ("decode", "prefill", "verify")),
         JudgedLane("attention.prefill", "attention", "attention.context", "prefill", ("prefill",)),
         JudgedLane("attention.decode", "attention", "attention.generation", "decode", ("decode",)),
     ),
     perf_lanes={
-        "w4a16_mxfp4": "moe",
-        "w4a8_mxfp4_mxfp8": "moe",
         "attention.context": "attention.prefill",
         "attention.generation": "attention.decode",
     },

@@ -120,6 +120,7 @@ KIMI_K3 = Profile(
     },
     draft_weights=("model.layers.{layer}.enorm.weight",),
     layouts=LAYOUTS,
+    schemes=("mxfp4",),
     judged=(
         JudgedLane("moe", "moe", None, "prefill+decode", ("decode", "prefill", "verify"), (
             ("latent_tail", ""), ("shared_overlap", ""), ("moe_experts", ""), ("router", ""), ("moe_routing", ""),
@@ -133,8 +134,6 @@ KIMI_K3 = Profile(
                    (("mla", "prefill"), ("mla_kv_cache", "prefill"))),
     ),
     perf_lanes={
-        "w4a16_mxfp4": "moe",
-        "w4a8_mxfp4_mxfp8": "moe",
         "kda.context": "kda.prefill",
         "kda.generation": "kda.decode",
         "kda.verify": "kda.spec_verify",

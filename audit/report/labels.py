@@ -2,26 +2,16 @@
 lane group. Mappings are data (facts from docs/notes/labels-and-kernels.md), not guesses made at
 run time; a value the tables do not know gives label/family "unknown", never an invented one.
 
-The tables here are vLLM's (its MoE backends, its attention backends); what a model brings (the kernels its
+The tables here are vLLM's attention backends; the experts' backend families are the profile's quantization
+schemes' (``probes/schemes``); what a model brings (the kernels its
 backend-string lanes enter, a path of its own that serves some steps) is its profile's
 (``Profile.backend_labels``, ``Profile.step_path``)."""
 from __future__ import annotations
 
-from audit.profiles import Profile
+from audit.profiles import MOE_LANE, Profile
 from audit.report.dispatch import STEP_PATH_SOURCE
 from audit.report.routing import short
 
-#: Mxfp4MoeBackend member prefix -> backend family
-MOE_FAMILY = (
-    ("FLASHINFER_TRTLLM", "flashinfer_trtllm_gen"),
-    ("FLASHINFER_CUTLASS", "cutlass"),
-    ("BATCHED_MARLIN", "marlin"),
-    ("MARLIN", "marlin"),
-    ("DEEPGEMM", "deepgemm"),
-    ("HUMMING", "humming"),
-    ("TRITON", "triton"),
-    ("CUTLASS", "cutlass"),
-)
 #: attention backend class -> family
 ATTN_FAMILY = {
     "FlashInferMLABackend": "flashinfer", "FlashAttnMLABackend": "flash_attn", "FlashMLABackend": "flashmla",
@@ -43,9 +33,11 @@ def derive(profile: Profile, lane: str, group: dict, label_map: dict[str, str]) 
     if source == STEP_PATH_SOURCE and path is not None:  # a step the model's own path takes: its kernels serve it
         part = short(fields[0]).lower() if fields else lane.split(".", 1)[0]
         return f"vllm_{path.family}_{part}", path.family, f"{path.owner} serves this step"
-    if lane == "moe":
-        if source == "moe.mega_moe_experts":
-            return "vllm_megamoe_" + short(fields[0]).lower(), "deepgemm", "MegaMoE experts (DeepGEMM fp8_fp4_mega_moe)"
+    if lane == MOE_LANE:
+        for scheme in profile.scheme_parts():  # experts recorded by class, not through the oracle
+            if source in scheme.experts_labels and fields:
+                prefix, family, how = scheme.experts_labels[source]
+                return prefix + short(fields[0]).lower(), family, how
         if len(fields) < 3 or not all(fields[:3]):
             return "unknown", "unknown", "no quant method evidence"
         backend, experts, qm = (short(f) for f in fields[:3])
@@ -53,7 +45,7 @@ def derive(profile: Profile, lane: str, group: dict, label_map: dict[str, str]) 
         label = f"vllm_{method}_{backend}_{experts}".lower()
         if label in label_map:
             return label, label_map[label], "label map"
-        family = next((fam for prefix, fam in MOE_FAMILY if backend.startswith(prefix)), "unknown")
+        family = profile.moe_family(backend)
         return label, family, "backend -> family table"
     backend = profile.backend_labels
     if backend is not None and lane in backend.kernels:  # the lane's value is a backend string the profile maps
@@ -66,3 +58,4 @@ def derive(profile: Profile, lane: str, group: dict, label_map: dict[str, str]) 
         cls = short(fields[0]) if fields else ""
         return cls.lower() or "unknown", ATTN_FAMILY.get(cls, "unknown"), "attention class -> family table"
     return "unknown", "unknown", "lane has no vocabulary"
+

@@ -25,27 +25,13 @@ LABELS_SCHEMA = 1
 _UNKNOWN_PRECISION = ("unknown: the harness has no table entry for this backend's activation precision")
 
 
-#: the MXFP4 MoE perf-db lanes, named by activation precision
-MOE_PRECISION_LANES = {"w4a16_mxfp4": "BF16 activations (W4A16)", "w4a8_mxfp4_mxfp8": "MXFP8 activations (W4A8)"}
-
-
-def moe_perf_lane(group: dict) -> str:
-    """``w4a16_mxfp4`` (BF16 activations) or ``w4a8_mxfp4_mxfp8`` (FP8 activations) for a MoE lane group,
-    from the backend vLLM chose: the member's own suffix where it has one (``..._MXFP8``, ``..._BF16``),
-    else facts from vLLM's source (Marlin is weight-only; DeepGEMM FP4 experts and MegaMoE quantize
-    activations to FP8), else unknown."""
+def moe_perf_lane(profile, group: dict) -> str:
+    """The perf database's lane of a routed experts lane group: its precision, by the rules of *profile*'s
+    quantization schemes (``probes/schemes``) for the backend vLLM chose, else unknown."""
     raw = group.get("raw") or {}
     fields = raw.get("fields") or []
-    if raw.get("source") == "moe.mega_moe_experts":
-        return "w4a8_mxfp4_mxfp8"
     backend = str(fields[0]).rsplit(".", 1)[-1] if fields else ""
-    if backend.endswith("_MXFP8"):
-        return "w4a8_mxfp4_mxfp8"
-    if backend.endswith("_BF16") or backend in ("MARLIN", "BATCHED_MARLIN"):
-        return "w4a16_mxfp4"
-    if backend == "DEEPGEMM_MXFP4":
-        return "w4a8_mxfp4_mxfp8"
-    return "unknown"
+    return profile.precision_lane(str(raw.get("source", "")), backend)
 
 
 def _tiers(cell: dict, judged, layers: list[int]) -> dict:
@@ -141,7 +127,7 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
                     skipped.append({"system": system, "layout": layout, "lane": lane, "why": g["value"]})
                     continue
                 label, family, how = derive(profile, lane, g, label_map or {})
-                plane = perf_lane or moe_perf_lane(g)
+                plane = perf_lane or moe_perf_lane(profile, g)
                 row = {"system": system, "sm": sm_family(sysobj) if sysobj else "", "layout": layout,
                        "lane": plane, "harness_lane": lane, "phase": g.get("phase", phase),
                        "tokens": "all", "layers": g["ranges"], "kernel_source": label, "backend": family,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from audit.profiles import MOE_LANE
 from audit.report.dispatch import serving_group, tier_choice, workload_of, workload_order
 from audit.report.expectations import Expectations
 from audit.report.labels import derive
@@ -81,10 +82,8 @@ class Judged:
         return cls(models.get(routing.get("model")))
 
 
-def _candidate_family(t: dict) -> str:
-    from audit.report.labels import MOE_FAMILY
-
-    return next((fam for prefix, fam in MOE_FAMILY if str(t.get("backend", "")).startswith(prefix)), "unknown")
+def _candidate_family(profile, t: dict) -> str:
+    return profile.moe_family(str(t.get("backend", "")))
 
 
 def judge(routing: dict, exp: Expectations) -> list[dict]:
@@ -165,7 +164,7 @@ def judge(routing: dict, exp: Expectations) -> list[dict]:
                         rows += _tier_rows(c if c.at else replace(c, at=split), lane, g, row, cell, exp, v)
                         continue
                     rows.append({**row, "claim": c.id, "expected": c.backend or c.kernel_source,
-                                 **_verdict(c, lane, g, label, family, how, cell)})
+                                 **_verdict(c, lane, g, label, family, how, cell, v.profile)})
         rows += _rank_disagreements(cell, exp)
     return sorted(rows, key=lambda r: (r["claim"], r["system"], r["layout"], r["lane"], r["layers"],
                                        _at_order(r.get("at", ""))))
@@ -265,7 +264,7 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
         slane, sgroup, note = serving
         label, family, how = derive(v.profile, slane, sgroup, exp.label_map)
         judged = {**base, "label": label, "actual": family, "value": sgroup["value"],
-                  **_verdict(c, slane, sgroup, label, family, how, cell)}
+                  **_verdict(c, slane, sgroup, label, family, how, cell, v.profile)}
         if note:
             judged["why"] = f"{note}; {judged['why']}"
         if judged["verdict"] == "MATCH":
@@ -372,22 +371,23 @@ def _verb(group: dict, cell: dict) -> str:
     return "runs" if str(group.get("evidence", cell.get("evidence", ""))).startswith("observed") else "selects"
 
 
-def _moe_precision(c, lane: str, group: dict) -> str:
+def _moe_precision(c, lane: str, group: dict, profile) -> str:
     """Why a MoE claim's perf-db lane names another activation precision than the backend vLLM chose (the lane is
-    the precision: ``w4a16_mxfp4`` BF16 activations, ``w4a8_mxfp4_mxfp8`` FP8); '' when they agree or when the
-    harness cannot tell the chosen backend's precision."""
-    from audit.report.perflabels import MOE_PRECISION_LANES, moe_perf_lane
+    the precision: the profile's quantization schemes' precision lanes); '' when they agree or when the harness
+    cannot tell the chosen backend's precision."""
+    from audit.report.perflabels import moe_perf_lane
 
-    if lane != "moe" or c.lane not in MOE_PRECISION_LANES:
+    lanes = profile.precision_lanes()
+    if lane != MOE_LANE or c.lane not in lanes:
         return ""
-    actual = moe_perf_lane(group)
-    if actual in MOE_PRECISION_LANES and actual != c.lane:
+    actual = moe_perf_lane(profile, group)
+    if actual in lanes and actual != c.lane:
         return (f"the claim's lane is {c.lane}, but vLLM {_verb(group, {})} {group['value']}: "
-                f"{MOE_PRECISION_LANES[actual]}, lane {actual}")
+                f"{lanes[actual]}, lane {actual}")
     return ""
 
 
-def _verdict(c, lane, group, label, family, how, cell) -> dict:
+def _verdict(c, lane, group, label, family, how, cell, profile) -> dict:
     if str(group["value"]).startswith("not exercised"):
         return {"verdict": "NOT_EXERCISED", "why": group["value"]}
     if family == "unknown":
@@ -395,7 +395,7 @@ def _verdict(c, lane, group, label, family, how, cell) -> dict:
     if family in c.forbidden:
         return {"verdict": "MISMATCH", "why": f"{family} is forbidden by the claim ({label})"}
     if c.backend and family == c.backend or not c.backend and c.kernel_source == label:
-        precision = _moe_precision(c, lane, group)  # the right kernel family at another activation precision
+        precision = _moe_precision(c, lane, group, profile)  # the right kernel family at another activation precision
         if precision:
             return {"verdict": "MISMATCH", "why": precision}
     if c.backend and family == c.backend:
@@ -405,10 +405,10 @@ def _verdict(c, lane, group, label, family, how, cell) -> dict:
     if not c.backend and c.kernel_source == label:
         return {"verdict": "MATCH", "why": label}
     # did vLLM try the claimed backend and reject it?
-    if lane == "moe":
+    if lane == MOE_LANE:
         tried = next((t["value"] for t in cell.get("candidates", {}).get("moe", [])
                       if set(t["layers"]) & set(group["layers"])), [])
-        rejected = [t for t in tried if not t["supported"] and _candidate_family(t) == c.backend]
+        rejected = [t for t in tried if not t["supported"] and _candidate_family(profile, t) == c.backend]
         if rejected:
             # the deciding rejection is the claimed family's last one in vLLM's order: the candidate that was
             # next in line to serve (earlier ones, e.g. a batched variant refusing the standard activation

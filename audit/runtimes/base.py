@@ -225,11 +225,13 @@ CONTAINER_CACHES = {"home": "/tmp/home", "vllm_cache": "/tmp/vllm-cache", "trito
                     "xdg_cache": "/tmp/xdg"}
 
 
-def observe_env(out_dir: str, cell: str, model_probes: str = "", model: str = "") -> dict[str, str]:
+def observe_env(out_dir: str, cell: str, profile) -> dict[str, str]:
     """Observe mode: the probes' plugin in every vLLM process, writing into this cell's evidence directory, with the
-    served model's probes package (its profile's ``probes``) and its name (every evidence file names its model)."""
+    served model's probes package and quantization schemes (its *profile*'s ``probes`` and ``schemes``) and its name
+    (every evidence file names its model)."""
     return {"SERVING_TRUTH_OUT": out_dir, "SERVING_TRUTH_MODE": "observe", "SERVING_TRUTH_CELL": cell,
-            "SERVING_TRUTH_MODEL_PROBES": model_probes, "SERVING_TRUTH_MODEL": model, "VLLM_PLUGINS": "serving_truth"}
+            "SERVING_TRUTH_MODEL_PROBES": profile.probes, "SERVING_TRUTH_SCHEMES": ",".join(profile.schemes),
+            "SERVING_TRUTH_MODEL": profile.name, "VLLM_PLUGINS": "serving_truth"}
 
 
 LEARNED_IMPORTS = "learned-imports.json"
@@ -364,6 +366,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "probes": request.probes,
         "extra_targets": plan_targets(request),
         "model_probes": request.profile.probes,
+        "schemes": list(request.profile.schemes),
         "model": request.profile.name,
         "stop_after": request.stop_after,
         "serve_args": list(request.serve_args),

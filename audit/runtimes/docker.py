@@ -377,8 +377,7 @@ class DockerRuntime(RuntimeDefaults):
                       Mount(f"{RUN_MOUNT}/evidence", str(request.evidence_dir), type="bind", read_only=False)]
             kw = self._container_kwargs(request, image, ref, role="observe", mounts=mounts, with_stub=False,
                                         lifeline=True)
-            kw["environment"].update(observe_env(f"{RUN_MOUNT}/evidence/{cell}", cell, request.profile.probes,
-                                                          request.profile.name))
+            kw["environment"].update(observe_env(f"{RUN_MOUNT}/evidence/{cell}", cell, request.profile))
             kw.update(device_requests=[DeviceRequest(count=-1, capabilities=[["gpu"]])], shm_size="16g",
                       ipc_mode="host")
             kw["tmpfs"] = {"/tmp": "rw,nosuid,nodev,size=64g,mode=1777"}

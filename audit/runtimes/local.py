@@ -120,8 +120,7 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
             cell = cell_dir_name(system.name, layout.name)
             out = request.evidence_dir / cell
             out.mkdir(parents=True, exist_ok=True)
-            run_env = {**self._env(env, None, request.run_dir, request.run_dir), **observe_env(str(out), cell, request.profile.probes,
-                                                                                   request.profile.name)}
+            run_env = {**self._env(env, None, request.run_dir, request.run_dir), **observe_env(str(out), cell, request.profile)}
             if os.environ.get("CUDA_VISIBLE_DEVICES"):
                 run_env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
             progress("stage", text=f"serving {system.name}/{layout.name} on this host's GPUs")

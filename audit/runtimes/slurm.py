@@ -268,8 +268,7 @@ class SlurmRuntime(RuntimeDefaults):
                 else:
                     env = container_env(request.run_dir, stub)
                 if observe:  # the plugin in every process vLLM starts; evidence per cell
-                    env.update(observe_env(str(request.evidence_dir / cell), cell, request.profile.probes,
-                                           request.profile.name))
+                    env.update(observe_env(str(request.evidence_dir / cell), cell, request.profile))
                 if self.wait:  # a job whose harness died ends itself (probes.core.lifecycle)
                     env[WATCHDOG_ENV] = f"heartbeat:{heartbeat_stale_s():.0f}:{request.run_dir / HEARTBEAT_FILE}"
                 log = jobs_dir / f"{cell}.log"

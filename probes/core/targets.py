@@ -15,7 +15,7 @@ Kinds:
                ``is_supported_config`` where defined, and note the backend being tried.
 ``check``      (installed by ``candidates``) record ``(supported, reason)`` per class tried.
 ``construct``  record that an object of a class was constructed inside the current scope, with
-               named arguments (e.g. MegaMoE experts).
+               named arguments (e.g. an experts class that is a module of its own).
 """
 from __future__ import annotations
 
@@ -42,27 +42,14 @@ class Target:
 VLLM = "vllm."
 MOE = VLLM + "model_executor.layers.fused_moe."
 
-#: the targets every model gets: vLLM's shared MoE layers and selectors and its attention backend selection. A
-#: model's own (its layer scopes, its selectors) come from its probes package (probes/models); one with the id of
-#: a shared target takes that target's place (to add the places older releases implemented it).
+#: the targets every model gets: vLLM's shared routed-experts layer and its attention backend selection. What a
+#: quantization scheme brings (its quant method, its backend oracle and candidates) comes from the scheme's module
+#: (probes/schemes), a model's own (its layer scopes, its selectors) from its probes package (probes/models); one
+#: with the id of a shared target takes that target's place (to add the places older releases implemented it).
 TARGETS: tuple[Target, ...] = (
     # --- scopes: which layer is being built (and what it chose) ------------------------------
     Target("scope.routed_experts", "scope", (MOE + "routed_experts:RoutedExperts.__init__",),
            args=("layer_name",), construct=True, title="routed experts", required=False),
-    # --- routed experts ------------------------------------------------------------------------
-    Target("moe.quant_method", "construct",
-           (VLLM + "model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod.__init__",),
-           title="MoE quant method"),
-    Target("moe.oracle.deepseek_v4", "select",
-           (MOE + "oracle.mxfp4:select_deepseek_v4_mxfp4_moe_backend",), title="MXFP4 MoE oracle (DeepSeek-V4 style)"),
-    Target("moe.oracle.mxfp4", "select", (MOE + "oracle.mxfp4:select_mxfp4_moe_backend",),
-           title="MXFP4 MoE oracle (gpt-oss style)", required=False),
-    Target("moe.candidates", "candidates", (MOE + "oracle.mxfp4:backend_to_kernel_cls",),
-           args=("backend",), title="MoE backend candidates (auto)"),
-    Target("moe.requested", "candidates", (MOE + "oracle.mxfp4:_requested_kernel_cls@0.33<=v",),
-           args=("backend",), title="MoE backend candidates (--moe-backend)", required=False),
-    Target("moe.mega_moe_experts", "construct", (MOE + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.__init__@0.33<=v",),
-           title="DeepGEMM MegaMoE experts"),
     # --- attention -------------------------------------------------------------------------------
     Target("mla.attn_backend", "select", (VLLM + "platforms.cuda:CudaPlatformBase.get_attn_backend_cls",),
            args=("selected_backend",), phase="decode", title="attention backend"),

@@ -31,6 +31,7 @@ only one model has comes from its package, in two parts:
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -60,6 +61,8 @@ class ModelProbes:
     meta_device_args: tuple = ()
     device_experts: dict = field(default_factory=dict)
     experts_modules: tuple = ()
+    #: the quantization schemes whose additions are merged in (``probes/schemes``)
+    schemes: tuple = ()
     #: the resolve-side module (None in observe mode, or when the model has none)
     resolve: object = None
 
@@ -108,10 +111,16 @@ def check_resolve_module(name: str, module) -> None:
                                "or make it private (a leading underscore)")
 
 
-def load(name: str, *, resolve: bool = False) -> ModelProbes:
-    """The probes package of model *name* (``""``: none). ``resolve`` also imports its resolve-side module."""
+def load(name: str, *, resolve: bool = False, schemes=()) -> ModelProbes:
+    """The probes package of model *name* (``""``: none), with what the quantization *schemes* its profile selects
+    bring (``probes/schemes``: their targets, kernel entries and experts classes come first, the model's own after
+    them, so a model's target of a scheme target's id takes its place). ``resolve`` also imports its resolve-side
+    module."""
+    from probes import schemes as schemes_mod
+
+    parts = schemes_mod.load_all(schemes)
     if not name:
-        return ModelProbes()
+        return _with_schemes(ModelProbes(), parts)
     if not name.isidentifier():
         raise UnknownModel(f"model probes {name!r}: not a package name under probes/models")
     try:
@@ -127,13 +136,31 @@ def load(name: str, *, resolve: bool = False) -> ModelProbes:
                 raise
         else:
             check_resolve_module(name, side)
-    return ModelProbes(name=name, targets=tuple(getattr(data, "TARGETS", ())),
-                       kernels=tuple(getattr(data, "KERNELS", ())), scopes=tuple(getattr(data, "SCOPES", ())),
-                       kernel_names=tuple(getattr(data, "KERNEL_NAMES", ())),
-                       stand_ins=tuple(getattr(data, "STAND_INS", ())),
-                       meta_device_args=tuple(getattr(data, "META_DEVICE_ARGS", ())),
-                       device_experts=dict(getattr(data, "DEVICE_EXPERTS", {})),
-                       experts_modules=tuple(getattr(data, "EXPERTS_MODULES", ())), resolve=side)
+    own = ModelProbes(name=name, targets=tuple(getattr(data, "TARGETS", ())),
+                      kernels=tuple(getattr(data, "KERNELS", ())), scopes=tuple(getattr(data, "SCOPES", ())),
+                      kernel_names=tuple(getattr(data, "KERNEL_NAMES", ())),
+                      stand_ins=tuple(getattr(data, "STAND_INS", ())),
+                      meta_device_args=tuple(getattr(data, "META_DEVICE_ARGS", ())),
+                      device_experts=dict(getattr(data, "DEVICE_EXPERTS", {})),
+                      experts_modules=tuple(getattr(data, "EXPERTS_MODULES", ())), resolve=side)
+    return _with_schemes(own, parts)
+
+
+def _with_schemes(own: ModelProbes, parts) -> ModelProbes:
+    """*own* with the schemes' additions (theirs first; a model target of a scheme target's id replaces it)."""
+    if not parts:
+        return own
+    from probes.core.targets import with_model
+
+    targets: tuple = ()
+    for part in parts:
+        targets = with_model(targets, part.targets)
+    return dataclasses.replace(
+        own, schemes=tuple(p.name for p in parts), targets=with_model(targets, own.targets),
+        kernels=tuple(k for p in parts for k in p.kernels) + own.kernels,
+        kernel_names=tuple(k for p in parts for k in p.kernel_names) + own.kernel_names,
+        device_experts={**{k: v for p in parts for k, v in p.device_experts.items()}, **own.device_experts},
+        experts_modules=tuple(dict.fromkeys(tuple(m for p in parts for m in p.experts_modules) + own.experts_modules)))
 
 
 _CURRENT: list[ModelProbes] = [ModelProbes()]

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from probes.observe import plugin
 
     os.environ.setdefault(plugin.ENV_MODEL, plan.get("model_probes", ""))
+    os.environ.setdefault(plugin.ENV_SCHEMES, ",".join(plan.get("schemes", ())))
     from probes.observe import workload
 
     plugin.register()

@@ -21,6 +21,8 @@ ENV_OUT = "SERVING_TRUTH_OUT"
 ENV_MODE = "SERVING_TRUTH_MODE"
 #: the served model's probes package (probes/models/<name>): its targets, observe entries and scopes
 ENV_MODEL = "SERVING_TRUTH_MODEL_PROBES"
+#: the quantization schemes its profile selects (probes/schemes), comma-separated
+ENV_SCHEMES = "SERVING_TRUTH_SCHEMES"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "serving_truth"
 DIST_NAME = "serving_truth_probes"
@@ -92,7 +94,8 @@ def register() -> None:
             vllm_version = version("vllm")
         except Exception:
             vllm_version = ""
-        own = models_probes.use(models_probes.load(os.environ.get(ENV_MODEL, "")))
+        own = models_probes.use(models_probes.load(os.environ.get(ENV_MODEL, ""), schemes=[
+            s for s in os.environ.get(ENV_SCHEMES, "").split(",") if s]))
         _state["probes"] = ProbeSet(rec, targets=with_model(TARGETS, own.targets), vllm_version=vllm_version).install()
         if os.environ.get(ENV_MODE) == "observe":  # count kernel entries, graphs, phases
             import atexit

@@ -156,7 +156,8 @@ def _install_platform(plan: dict, rec):
     before any is set (each stand-in reads it when vLLM asks)."""
     simulate.simulate_torch()
     # the model's readings and dispatch lanes run in a bare run too (they patch nothing); its targets only when probed
-    own = models_probes.use(models_probes.load(plan.get("model_probes", ""), resolve=True))
+    own = models_probes.use(models_probes.load(plan.get("model_probes", ""), resolve=True,
+                                                     schemes=plan.get("schemes", ())))
     if plan.get("probes", True):
         targets = with_model(TARGETS, own.targets) + tuple(_target(t) for t in plan.get("extra_targets", ()))
         probes = ProbeSet(rec, targets=targets, vllm_version=_vllm_version()).install()

@@ -221,20 +221,15 @@ def _marlin_block(runner, experts, tokens: int, vllm_config) -> str:
 #: experts classes whose per-call kernel variant a GPU decides
 _TRTLLM = "FlashInfer's AutoTuner picks the TRTLLM-Gen tactic"
 _GPU_EXPERTS = {
-    "TrtLlmMxfp4ExpertsMonolithic": _TRTLLM,
-    "TrtLlmMxfp4ExpertsModular": _TRTLLM,
     "TrtLlmNvFp4ExpertsMonolithic": _TRTLLM,
-    "DeepGemmFP4Experts": "DeepGEMM's runtime picks the grouped GEMM's configuration per call",
-    "DeepGemmMegaMoEExperts": "BLOCK_M from DeepGEMM's MegaMoE scheduler, sized by a symmetric buffer allocated on the device",
     "HummingGroupedExperts": "Humming's kernel launcher picks the config from the tuning table built at load by "
                              "the rows routed to this rank (M) on each call; it depends on M",
 }
-#: MegaMoE experts are a module of their own, with no MoE runner around them
-_MEGAMOE = ("DeepGemmMegaMoEExperts",)
 
 
 def _device_experts() -> dict[str, str]:
-    """Experts classes whose per-call variant the device picks: vLLM's shared ones and the model's own."""
+    """Experts classes whose per-call variant the device picks: vLLM's shared ones, its quantization schemes' and the
+    model's own."""
     return {**_GPU_EXPERTS, **models_probes.current().device_experts}
 #: experts classes whose per-call variant this stage resolves
 _RESOLVERS = {
@@ -246,7 +241,7 @@ _RESOLVERS = {
 def lane_moe_experts(models, vllm_config, works):
     """The routed experts' per-call kernel variant (tile / block size by M), or what decides it."""
     device = _device_experts()
-    modules = _MEGAMOE + models_probes.current().experts_modules
+    modules = models_probes.current().experts_modules
     for role, model in models:
         for name, runner in runners(model):
             qm, experts, cls = _experts_of(runner)
@@ -257,10 +252,10 @@ def lane_moe_experts(models, vllm_config, works):
             source = f"{cls.__module__}:{cls.__qualname__}"
             for w in works:
                 if cname in device:
-                    kind = "autotuned" if device[cname] is _TRTLLM else "chosen on the device"
+                    kind = "autotuned" if device[cname] == _TRTLLM else "chosen on the device"
                     choice = needs_gpu(f"{kind} ({device[cname]}")
                     bucket = optional("vllm.model_executor.layers.fused_moe.utils:fi_moe_largest_bucket")
-                    if bucket is not None and device[cname] is _TRTLLM:
+                    if bucket is not None and device[cname] == _TRTLLM:
                         with contextlib.suppress(Exception):
                             choice += f", tuned to {bucket(runner.moe_config)} tokens"
                     choice += ")"

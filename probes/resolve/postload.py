@@ -350,7 +350,7 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
     own_runner_facts = own.hook("runner_facts")
     own_block_facts = own.hook("block_facts")
     pc = getattr(vllm_config, "parallel_config", None)
-    experts_modules = ("DeepGemmMegaMoEExperts",) + own.experts_modules
+    experts_modules = own.experts_modules  # its schemes' and its own
     for name, module in model.named_modules():
         layer = _layer(name)
         if layer is None:

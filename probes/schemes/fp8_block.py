@@ -1,0 +1,50 @@
+"""FP8 experts with block scales (E4M3 weights, one scale per 128x128 block; activations quantized per token in
+groups of 128 at run time, ``activation_scheme = "dynamic"``): vLLM's FP8 MoE quant method and oracle, and the perf
+database's lanes for them, named by the activation precision (W8A8 block FP8; W8A16 where Marlin serves FP8
+weights with BF16 activations). Standard library only."""
+from __future__ import annotations
+
+from probes.core.targets import Target
+
+TITLE = "FP8 block (128x128)"
+_MOE = "vllm.model_executor.layers.fused_moe."
+
+TARGETS: tuple[Target, ...] = (
+    Target("moe.quant_method", "construct", ("vllm.model_executor.layers.quantization.fp8:Fp8MoEMethod.__init__",),
+           title="MoE quant method"),
+    Target("moe.oracle.fp8", "select", (_MOE + "oracle.fp8:select_fp8_moe_backend",),
+           title="FP8 MoE oracle"),
+    Target("moe.candidates", "candidates", (_MOE + "oracle.fp8:backend_to_kernel_cls",),
+           args=("backend",), title="MoE backend candidates"),
+)
+
+_TRTLLM = "FlashInfer's AutoTuner picks the TRTLLM-Gen tactic"
+DEVICE_EXPERTS = {
+    "TrtLlmFp8ExpertsMonolithic": _TRTLLM,
+    "TrtLlmFp8ExpertsModular": _TRTLLM,
+}
+
+#: Fp8MoeBackend member prefix -> backend family
+FAMILIES = (
+    ("FLASHINFER_TRTLLM", "flashinfer_trtllm_gen"),
+    ("FLASHINFER_CUTLASS", "cutlass"),
+    ("BATCHED_DEEPGEMM", "deepgemm"),
+    ("DEEPGEMM", "deepgemm"),
+    ("MARLIN", "marlin"),
+    ("HUMMING", "humming"),
+    ("BATCHED_TRITON", "triton"),
+    ("TRITON", "triton"),
+    ("BATCHED_VLLM_CUTLASS", "cutlass"),
+    ("VLLM_CUTLASS", "cutlass"),
+    ("AITER", "aiter"),
+)
+
+PRECISION_LANES = {"w8a8_fp8_block": "FP8 activations, per-token groups of 128 (W8A8 block FP8)",
+                   "w8a16_fp8": "BF16 activations, FP8 weights (W8A16)"}
+#: facts from vLLM's source: Marlin runs FP8 weights with 16-bit activations; the other CUDA backends take the
+#: block-quantized FP8 activations the quant method's activation key asks for
+PRECISION_RULES = (
+    (r":(?:BATCHED_)?MARLIN$", "w8a16_fp8"),
+    (r":(?:FLASHINFER_TRTLLM|FLASHINFER_CUTLASS|(?:BATCHED_)?DEEPGEMM|(?:BATCHED_)?TRITON|(?:BATCHED_)?VLLM_CUTLASS)$",
+     "w8a8_fp8_block"),
+)

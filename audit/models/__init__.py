@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from audit.errors import SelectionError
+from audit.models.deepseek_v3 import DEEPSEEK_V3
 from audit.models.gpt_oss import GPT_OSS_120B
 from audit.models.kimi_k3 import KIMI_K3
 from audit.profiles import Profile
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (KIMI_K3, GPT_OSS_120B)}
+PROFILES: dict[str, Profile] = {p.name: p for p in (KIMI_K3, GPT_OSS_120B, DEEPSEEK_V3)}
 DEFAULT = KIMI_K3.name
 
 

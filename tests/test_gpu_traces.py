@@ -11,7 +11,7 @@ import pytest
 from probes import models as models_probes
 from probes.observe.kernel_names import all_names, matches
 
-KERNEL_NAMES = all_names(models_probes.load("kimi_k3"))
+KERNEL_NAMES = all_names(models_probes.load("kimi_k3", schemes=("mxfp4",)))
 from probes.observe.traces import read_trace, summarize
 
 DATA = Path(__file__).resolve().parent / "data" / "gpu-traces"

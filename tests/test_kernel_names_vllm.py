@@ -12,8 +12,11 @@ from probes import models as models_probes
 from probes.observe.kernel_names import ORIGIN_KINDS, all_names
 from probes.observe.session import entries
 
-#: the map and the kernel paths of every model's observe run (the shared ones and each model's own)
-_MODELS = [models_probes.load(name) for name in ("kimi_k3", "gpt_oss")]
+from audit.models import PROFILES
+
+#: the map and the kernel paths of every model's observe run (the shared ones, its quantization schemes' and its own)
+_WHICH = [(p.probes, list(p.schemes)) for p in PROFILES.values()]
+_MODELS = [models_probes.load(name, schemes=schemes) for name, schemes in _WHICH]
 KERNEL_NAMES = tuple(dict.fromkeys(e for m in _MODELS for e in all_names(m)))
 KERNELS = tuple(dict.fromkeys(k for m in _MODELS for k in entries(m)[0]))
 from tests.conftest import ROOT
@@ -22,9 +25,10 @@ SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from probes import models
-from probes.observe.kernel_names import check_build
-models.use(models.load("kimi_k3"))
-print(json.dumps(check_build(roots=sys.path[1:], example_chars=None, examples=None)))
+from probes.observe.kernel_names import all_names, check_build
+entries = tuple(dict.fromkeys(e for name, schemes in json.loads(sys.argv[2])
+                              for e in all_names(models.load(name, schemes=schemes))))
+print(json.dumps(check_build(entries, roots=sys.path[1:], example_chars=None, examples=None)))
 """
 
 
@@ -109,7 +113,7 @@ def test_documented_kernel_names_map_to_their_paths_only():
 @pytest.mark.vllm
 def test_the_map_matches_kernels_the_pinned_build_contains(vllm_env):
     _rt, _pin, env = vllm_env
-    r = subprocess.run([str(env / "bin" / "python"), "-I", "-c", SCRIPT, str(ROOT)], capture_output=True, text=True,
+    r = subprocess.run([str(env / "bin" / "python"), "-I", "-c", SCRIPT, str(ROOT), json.dumps(_WHICH)], capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     found = json.loads(r.stdout)

@@ -25,7 +25,7 @@ def test_the_registry_names_every_model_and_refuses_an_unknown_one():
     assert models.get("gpt-oss-120b") is GPT_OSS_120B
     with pytest.raises(SelectionError) as e:
         models.get("llama")
-    assert "unknown model 'llama'" in str(e.value) and e.value.known == ["kimi-k3", "gpt-oss-120b"]
+    assert "unknown model 'llama'" in str(e.value) and e.value.known == ["kimi-k3", "gpt-oss-120b", "deepseek-v3"]
 
 
 @pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
@@ -160,8 +160,16 @@ def test_observe_mode_installs_the_served_models_own_probes(profile, tmp_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    own = models_probes.load(profile.probes)
+    own = models_probes.load(profile.probes, schemes=profile.schemes)
     assert {t.id for t in own.targets} <= set(got["targets"])
+    # its quantization schemes' targets, and no other scheme's (an FP8 model wraps no MXFP4 oracle)
+    from probes import schemes
+
+    mine = {t.id for s in profile.scheme_parts() for t in s.targets}
+    assert mine and mine <= set(got["targets"])
+    others = {t.id for name in ("mxfp4", "fp8_block") if name not in profile.schemes
+              for t in schemes.load(name).targets} - mine
+    assert others and not others & set(got["targets"])
     assert {k.path for k in own.kernels} <= set(got["kernels"])
     header = json.loads(next(tmp_path.glob("evidence-*.jsonl")).read_text().splitlines()[0])
     assert header["model_probes"] == profile.probes

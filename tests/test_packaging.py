@@ -22,6 +22,8 @@ def test_the_built_wheel_holds_every_model_and_lists_them(tmp_path):
         assert f"audit/data/{profile.config_package_path}" in names, profile.name
         if profile.probes:
             assert f"probes/models/{profile.probes}/__init__.py" in names, profile.name
+        for scheme in profile.schemes:  # its quantization schemes' probes and vocabulary
+            assert f"probes/schemes/{scheme}.py" in names, profile.name
     assert "probes/models/kimi_k3/resolve.py" in names and "audit/report/templates/ledger.md.j2" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
@@ -31,5 +33,5 @@ def test_the_built_wheel_holds_every_model_and_lists_them(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines()[0].startswith(str(site))  # the installed copy, not this checkout
-    for name in ("kimi-k3", "gpt-oss-120b"):
+    for name in models.PROFILES:
         assert name in r.stdout

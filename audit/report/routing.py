@@ -15,7 +15,7 @@ from audit.report.dispatch import cell_tiers as dispatch_tiers
 from audit.evidence.files import EvidenceFile
 from audit.report.layers import format_ranges
 from audit.report.observed import merge as merge_observed
-from audit.profiles import Lane, Profile
+from audit.profiles import MOE_LANE, Lane, Profile
 
 #: 2: one verdict for a refusal by vLLM's own code, at construction or load (REFUSED; was CRASH / LOAD_REFUSED)
 ROUTING_SCHEMA = 2
@@ -120,7 +120,7 @@ def _layer_kinds(f: EvidenceFile, profile: Profile) -> dict[str, list[int]]:
 
 def _module_kind(f: EvidenceFile, profile: Profile, module: str) -> str | None:
     """The layer kind (moe, kda, ...) of the block a module belongs to: the innermost built block around it
-    whose class the profile names (``...layers.1.block_sparse_moe.experts`` sits in a ``KimiMoE``: moe)."""
+    whose class the profile names (``...layers.1.mlp.experts`` sits in the profile's MoE block class: moe)."""
     best, depth = None, -1
     for r in f.of_kind("scope"):
         prefix = str(r.get("prefix", ""))
@@ -416,8 +416,8 @@ def _reading_kernel(facts: dict, what: str, **_) -> str | None:
         if "transformed" not in facts:
             state = f"{short(facts.get('experts'))} keeps no post-load state"
         else:
-            state = ("DeepGEMM MegaMoE weights transformed" if facts["transformed"] else
-                     "MegaMoE weights not transformed")
+            experts = short(facts.get("experts"))
+            state = f"{experts} weights transformed" if facts["transformed"] else f"{experts} weights not transformed"
         if "has_moe_config" not in facts:  # evidence from before the harness read how they dispatch
             return state
         # identity: the post-load state and who dispatches (a prepare/finalize class, or the experts kernel)
@@ -440,11 +440,12 @@ def _reading_activation(facts: dict, what: str, checks: dict, **_) -> str | None
         allowed = facts.get("format_activations")
         # (value, identity): the identity is what decides serving; whether vLLM records a check is a note,
         # unless the experts declare activations that leave this one out
+        experts = short(facts.get("experts"))
         if allowed is None:
-            return f"{act} (MegaMoE; vLLM records no kernel-support check)", f"{act} (MegaMoE)"
+            return f"{act} ({experts}; vLLM records no kernel-support check)", f"{act} ({experts})"
         ok = "in" if act in allowed else "NOT in"
-        return (f"{act} (MegaMoE; {ok} the experts' declared activations {', '.join(allowed)})",
-                f"{act} (MegaMoE)" if ok == "in" else f"{act} (MegaMoE; NOT declared)")
+        return (f"{act} ({experts}; {ok} the experts' declared activations {', '.join(allowed)})",
+                f"{act} ({experts})" if ok == "in" else f"{act} ({experts}; NOT declared)")
     act = short(facts.get("layer_activation"))
     kernel = facts.get("fused_experts") or facts.get("experts_cls")
     asked = checks.get(short(kernel)) if kernel else None
@@ -665,21 +666,25 @@ def fault_reason(faults: list[dict]) -> str:
             "alone: no routing of this cell is shown")
 
 
-def _observed_raw(row: dict) -> dict:
-    """What labels are derived from, in the shape resolve mode's lanes have (see audit.report.labels)."""
-    if row["lane"] == "moe" and row.get("backend") == "DeepGemmMegaMoEExperts":
-        return {"source": "moe.mega_moe_experts", "fields": [row["backend"]]}
+def _observed_raw(row: dict, profile) -> dict:
+    """What labels are derived from, in the shape resolve mode's lanes have (see audit.report.labels): an experts
+    class one of the profile's quantization schemes records by class (``EXPERTS_SOURCES``) under its source."""
+    if row["lane"] == MOE_LANE and row.get("backend"):
+        source = next((s.experts_sources[row["backend"]] for s in profile.scheme_parts()
+                       if row["backend"] in s.experts_sources), None)
+        if source is not None:
+            return {"source": source, "fields": [row["backend"]]}
     return {"source": "observed", "fields": [row["backend"]] if row.get("backend") and row["lane"] != "moe" else []}
 
 
-def observed_cell(system: str, layout: str, observed: dict) -> dict:
+def observed_cell(system: str, layout: str, observed: dict, profile) -> dict:
     """A cell known only from observe-mode processes: its lanes are the kernel paths that ran."""
     cell = incomplete_cell(system, layout, reason="", log_tail="")
     lanes: dict[str, list] = {}
     for row in observed["rows"]:
         lanes.setdefault(row["lane"], []).append({
             "layers": row["layers"], "ranges": row["ranges"], "value": row["path"], "phase": row["phase"],
-            "evidence": row["evidence"], "raw": _observed_raw(row)})
+            "evidence": row["evidence"], "raw": _observed_raw(row, profile)})
     cell.update(status="COMPLETE", evidence="observed", failure=None, lanes=lanes, observed=observed,
                 layer_kinds={})
     return cell
@@ -745,7 +750,7 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
                 cell["observed"] = _observed(seen)
             cells.append(cell)
         elif seen:
-            cells.append(observed_cell(system, layout, _observed(seen)))
+            cells.append(observed_cell(system, layout, _observed(seen), profile))
         elif (system, layout) in damaged:
             cells.append(incomplete_cell(system, layout, reason="evidence damaged: " + "; ".join(damaged[(system, layout)]),
                                          log_tail=""))

@@ -13,7 +13,8 @@ only one model has comes from its package, in two parts:
     ``STAND_INS``, ``META_DEVICE_ARGS``  resolve mode's stand-ins for the model's own classes and calls (the
                   formats of :data:`probes.resolve.simulate.STAND_INS` and :data:`probes.resolve.standins.META_DEVICE_ARGS`);
     ``DEVICE_EXPERTS``  experts classes of the model whose per-call variant the device picks (class name ->
-                  why), and ``EXPERTS_MODULES`` those that are modules of their own (no MoE runner around them).
+                  why), and ``EXPERTS_MODULES`` those that are modules of their own (no MoE runner around them);
+    ``SYMM_BUFFER_CACHES``  class attributes of such modules that cache a symmetric-memory buffer.
 
 ``probes/models/<name>/resolve.py`` (resolve mode only; imports vLLM inside its functions), any of:
     ``LANES``                 (lane id, function) dispatch lanes run after the shared ones
@@ -61,6 +62,8 @@ class ModelProbes:
     meta_device_args: tuple = ()
     device_experts: dict = field(default_factory=dict)
     experts_modules: tuple = ()
+    #: class attributes of its experts modules that cache a symmetric-memory buffer (read at post-load)
+    symm_buffer_caches: tuple = ()
     #: the quantization schemes whose additions are merged in (``probes/schemes``)
     schemes: tuple = ()
     #: the resolve-side module (None in observe mode, or when the model has none)
@@ -142,7 +145,8 @@ def load(name: str, *, resolve: bool = False, schemes=()) -> ModelProbes:
                       stand_ins=tuple(getattr(data, "STAND_INS", ())),
                       meta_device_args=tuple(getattr(data, "META_DEVICE_ARGS", ())),
                       device_experts=dict(getattr(data, "DEVICE_EXPERTS", {})),
-                      experts_modules=tuple(getattr(data, "EXPERTS_MODULES", ())), resolve=side)
+                      experts_modules=tuple(getattr(data, "EXPERTS_MODULES", ())),
+                      symm_buffer_caches=tuple(getattr(data, "SYMM_BUFFER_CACHES", ())), resolve=side)
     return _with_schemes(own, parts)
 
 

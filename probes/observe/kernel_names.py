@@ -62,17 +62,21 @@ VLLM_C = "library:vllm/_C*.so"
 DG_IMPLS = "jit-source:vllm/third_party/deep_gemm/include/deep_gemm/impls"
 DG_GEMMS = r"sm90_fp8_gemm_1d2d_impl|sm100_fp8_fp4_gemm_1d1d_impl|sm120_fp8_fp4_gemm_1d1d_impl"
 HUMMING = ("Humming (indexed)", "Humming (grouped)", "Humming (batched grouped)")
-TRTLLM_MOE = ("TRT-LLM MXFP4 (monolithic)", "TRT-LLM MXFP4 (modular)")
-OAI = ("OAI Triton MXFP4 (monolithic)", "OAI Triton", "OAI Triton (unfused)")
-OAI_MOD = "vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe"
+
+
+#: the routing/activation/finalize kernels FlashInfer's TRT-LLM-gen MoE launches around its batched GEMMs (every
+#: quantization scheme's TRT-LLM-gen experts)
+TRTLLM_MOE_DEV = (r"moe(?:::|3)dev(?:::|\d)+(?:finalize|activation|permute|routing|convertsf)",
+                  "jit-source:flashinfer/data/csrc/fused_moe/trtllm_backend",
+                  r"__global__.*(?:finalizeKernel|activationKernel|permuteKernel)\(")
 
 
 def _others(group, me):
     return tuple(p for p in group if p != me)
 
 
-#: vLLM 0.33.0, researched in docs/notes/kernel-names-0.33.md; every path of KERNELS has entries (a model's own
-#: kernel paths have theirs in its probes package, ``KERNEL_NAMES``)
+#: vLLM 0.33.0, researched in docs/notes/kernel-names-0.33.md; every path of KERNELS has entries (a quantization
+#: scheme's own kernel paths have theirs in its module, a model's in its probes package: ``KERNEL_NAMES``)
 KERNEL_NAMES: tuple[KernelName, ...] = (
     # -- MLA decode
     KernelName("FlashMLA", r"flash_fwd_splitkv_mla_(?:combine_)?kernel|flash_fwd_mla_combine_kernel|get_mla_metadata_kernel",
@@ -98,7 +102,7 @@ KERNEL_NAMES: tuple[KernelName, ...] = (
     KernelName("FlashAttn prefill", r"kernel_cutlass_kernel_vllmvllm_flash_attncute(?:flash_fwd_sm100FlashAttentionForwardSm100|"
                r"flash_fwd_combineFlashAttentionForwardCombine|sm100_hd256_2cta_fmha_forwardBlackwellFusedMultiHeadAttentionForward)",
                "jit-source:vllm/vllm_flash_attn/cute", look_for=r"class (?:FlashAttentionForwardSm100|FlashAttentionForwardCombine)\b",
-               note="FA4 (SM10x); K3's vision tower launches the same kernels"),
+               note="FA4 (SM10x); a vision tower launches the same kernels"),
     KernelName("FlashInfer prefill", r"Sm100FmhaFwdKernelTmaWarpspecialized",
                "jit-source:flashinfer/data/include/flashinfer/attention/blackwell"),
     KernelName("TRT-LLM ragged prefill", r"fmhaSm\d+[a-z]*Kernel_\w*Context",
@@ -110,11 +114,6 @@ KERNEL_NAMES: tuple[KernelName, ...] = (
     KernelName("Marlin (batched)", r"marlin_moe_wna16(?:::|6)Marlin", MOE_C, shares=("Marlin",)),
     *(KernelName(p, r"humming<|_Z7hummingI", "jit-source:humming/kernel", shares=_others(HUMMING, p),
                  note="humming-kernels package, compiled with NVRTC at run time") for p in HUMMING),
-    *(KernelName(p, r"bmm_\w*MxE2m1", "runtime-download:FlashInfer trtllm-gen batched-GEMM cubins (TRTLLM_GEN_BMM)",
-                 shares=_others(TRTLLM_MOE, p)) for p in TRTLLM_MOE),
-    *(KernelName(p, r"moe(?:::|3)dev(?:::|\d)+(?:finalize|activation|permute|routing|convertsf)",
-                 "jit-source:flashinfer/data/csrc/fused_moe/trtllm_backend", shares=_others(TRTLLM_MOE, p),
-                 look_for=r"__global__.*(?:finalizeKernel|activationKernel|permuteKernel)\(") for p in TRTLLM_MOE),
     KernelName("FlashInfer CUTLASS", r"GemmUniversalPrecomputedScheduler|SingleWarpgroupPersistentGemm|"
                r"ScaledAcc(?:PerRowBiasPerColScale|PerColBiasPerRowScale)Scatter",
                "jit-source:flashinfer/data/csrc/nv_internal"),
@@ -130,24 +129,6 @@ KERNEL_NAMES: tuple[KernelName, ...] = (
                "triton:vllm.model_executor.layers.fused_moe.fused_moe", shares=("Triton",)),
     KernelName("Triton", r"^fused_moe_kernel$", "triton:vllm.model_executor.layers.fused_moe.fused_moe",
                shares=("Triton or DeepGEMM / CUTLASS fallback",)),
-    KernelName("DeepGEMM MegaMoE", r"sm100_fp8_fp4_mega_moe(?:_situ)?_impl", DG_IMPLS),
-    KernelName("DeepGEMM FP4", r"sm100_fp8_fp4_gemm_1d1d_impl|sm120_fp8_fp4_gemm_1d1d_impl", DG_IMPLS,
-               shares=("DeepGEMM (batched)", "Triton or DeepGEMM / CUTLASS fallback"),
-               note="K3's second MXFP4 choice (SM100 and SM120 families)"),
-    KernelName("B12x", r"kernel_cutlass_kernel_b12xmoe_sharedkernels",
-               "jit-source:flashinfer/experimental/b12x/moe/_shared/kernels",
-               look_for=r"class (?:MoEDynamicKernelSitu|W4A16FusedMoeKernel|W4A16TopKSumKernel)\b",
-               note="CuTe DSL, SM120/121 only, --moe-backend b12x"),
-    KernelName("CUTLASS MXFP4", r"MainloopSm100ArrayTmaUmmaWarpSpecializedBlockScaled.*float_e2m1_t(?:, cutlass::|ENS_13)"
-               r"float_ue8m0_t.*SM100_MMA_MXF4_SS|mxfp4_cvt_fp16_to_fp4|__mxfp4_get_group_gemm_starts", VLLM_C,
-               note="not reachable for K3 in 0.33 (no --moe-backend maps to it)"),
-    *(KernelName(p, r"^_(?:p_)?matmul_ogs_[NT]{3}_", "triton:vllm.third_party.triton_kernels.matmul_ogs_details",
-                 look_for=r"^_(?:p_)?matmul_ogs$", shares=_others(OAI, p),
-                 note="triton_kernels names its specialisations (layout, dtypes, tile, fused activation)") for p in OAI),
-    KernelName("OAI Triton MXFP4 (monolithic)", r"^_topk_forward$", "triton:vllm.third_party.triton_kernels.topk_details"),
-    KernelName("OAI Triton", r"^pack_bitmatrix$", "triton:" + OAI_MOD, shares=("OAI Triton (unfused)",)),
-    KernelName("OAI Triton (unfused)", r"^pack_bitmatrix$", "triton:" + OAI_MOD, shares=("OAI Triton",)),
-    KernelName("OAI Triton (unfused)", r"^_masked_topk_sum_kernel$", "triton:" + OAI_MOD),
 )
 
 

@@ -52,28 +52,18 @@ KERNELS: tuple[Kernel, ...] = (
         ("TRT-LLM ragged prefill", "trtllm_ragged:TrtllmRaggedPrefillBackend.run_prefill_new_tokens"),
         ("Tokenspeed prefill", "tokenspeed_mla:TokenspeedMLAPrefillBackend.run_prefill_new_tokens"),
     )),
-    # MoE experts
+    # MoE experts shared by quantization schemes (a scheme's own: probes/schemes, merged into the model's entries)
     *(Kernel("moe", name, EXPERTS + "experts." + spec) for name, spec in (
         ("Marlin", "marlin_moe:MarlinExperts.apply"),
         ("Marlin (batched)", "marlin_moe:BatchedMarlinExperts.apply"),
         ("Humming (indexed)", "fused_humming_moe:HummingIndexedExperts.apply"),
         ("Humming (grouped)", "fused_humming_moe:HummingGroupedExperts.apply"),
         ("Humming (batched grouped)", "fused_humming_moe:BatchedHummingGroupedExperts.apply"),
-        ("TRT-LLM MXFP4 (monolithic)", "trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsMonolithic.apply"),
-        ("TRT-LLM MXFP4 (modular)", "trtllm_mxfp4_moe:TrtLlmMxfp4ExpertsModular.apply"),
         ("FlashInfer CUTLASS", "flashinfer_cutlass_moe:FlashInferExperts.apply"),
         ("DeepGEMM (batched)", "batched_deep_gemm_moe:BatchedDeepGemmExperts.apply"),
         ("Triton or DeepGEMM / CUTLASS fallback", "fallback:FallbackExperts.apply"),
         ("Triton", "triton_moe:TritonExperts.apply"),
-        ("DeepGEMM FP4", "deep_gemm_moe:DeepGemmFP4Experts.apply"),
-        ("CUTLASS MXFP4", "cutlass_moe:CutlassExpertsMxfp4.apply"),
-        ("OAI Triton MXFP4 (monolithic)", "gpt_oss_triton_kernels_moe:OAITritonMxfp4ExpertsMonolithic.apply"),
-        ("OAI Triton", "gpt_oss_triton_kernels_moe:OAITritonExperts.apply"),
-        ("OAI Triton (unfused)", "gpt_oss_triton_kernels_moe:UnfusedOAITritonExperts.apply"),
     )),
-    Kernel("moe", "B12x", EXPERTS + "b12x:B12xExperts.apply"),
-    Kernel("moe", "DeepGEMM MegaMoE", EXPERTS + "deep_gemm_mega_moe:DeepGemmMegaMoEExperts.forward",
-           layer_attr="layer_id", backend="DeepGemmMegaMoEExperts"),
 )
 
 SCOPES: tuple[Scope, ...] = (

@@ -405,7 +405,7 @@ def inspect(model, vllm_config, rec, *, role: str = "target") -> None:
             facts["kernel"] = kernel_name if isinstance(kernel_name, str) else None
             facts["prepare_finalize"] = _cls(getattr(module, "prepare_finalize", None))
             facts["has_moe_config"] = hasattr(module, "moe_config")
-            facts["symm_buffer_cache"] = next((n for n in ("_symm_buffers", "_kimi_symm_buffer_cache")
+            facts["symm_buffer_cache"] = next((n for n in ("_symm_buffers", *own.symm_buffer_caches)
                                                if hasattr(type(module), n)), None)
             facts["all2all_manager"] = _cls(manager)
             facts["all2all_backend"] = getattr(pc, "all2all_backend", None)

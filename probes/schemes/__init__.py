@@ -14,7 +14,8 @@ library only, read by both modes and by the host):
 ``PRECISION_LANES``   the perf database's lanes for the scheme's experts, named by precision -> what each means;
 ``PRECISION_RULES``   (regular expression on ``<evidence source>:<backend member>``, precision lane), first match;
 ``EXPERTS_LABELS``    evidence source -> (label prefix, family, how): experts that are recorded by class rather than
-                      through the oracle (the label is the prefix and the class name).
+                      through the oracle (the label is the prefix and the class name);
+``EXPERTS_SOURCES``   such an experts class -> its evidence source (what an observed kernel entry of it is labelled as).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Scheme:
     precision_lanes: dict = field(default_factory=dict)
     precision_rules: tuple = ()
     experts_labels: dict = field(default_factory=dict)
+    experts_sources: dict = field(default_factory=dict)
 
     def family(self, backend: str) -> str | None:
         """The backend family of a member of this scheme's backend enum (None: not the scheme's)."""
@@ -55,7 +57,7 @@ class UnknownScheme(ValueError):
 FIELDS = {"TITLE": "title", "TARGETS": "targets", "KERNELS": "kernels", "KERNEL_NAMES": "kernel_names",
           "DEVICE_EXPERTS": "device_experts", "EXPERTS_MODULES": "experts_modules", "FAMILIES": "families",
           "PRECISION_LANES": "precision_lanes", "PRECISION_RULES": "precision_rules",
-          "EXPERTS_LABELS": "experts_labels"}
+          "EXPERTS_LABELS": "experts_labels", "EXPERTS_SOURCES": "experts_sources"}
 
 
 def load(name: str) -> Scheme:

@@ -4,7 +4,9 @@ database's lanes for them, named by the activation precision (W8A8 block FP8; W8
 weights with BF16 activations). Standard library only."""
 from __future__ import annotations
 
-from probes.core.targets import Target
+from probes.core.targets import Kernel, Target
+from probes.observe import kernel_names as _names
+from probes.observe.kernel_names import KernelName
 
 TITLE = "FP8 block (128x128)"
 _MOE = "vllm.model_executor.layers.fused_moe."
@@ -48,3 +50,23 @@ PRECISION_RULES = (
     (r":(?:FLASHINFER_TRTLLM|FLASHINFER_CUTLASS|(?:BATCHED_)?DEEPGEMM|(?:BATCHED_)?TRITON|(?:BATCHED_)?VLLM_CUTLASS)$",
      "w8a8_fp8_block"),
 )
+
+#: observe mode: the experts entries of block FP8's own backends (DeepGEMM's TritonOrDeepGemmExperts, Triton, FlashInfer
+#: CUTLASS and Marlin run through the shared entries)
+KERNELS: tuple[Kernel, ...] = tuple(
+    Kernel("moe", name, _MOE + "experts.trtllm_fp8_moe:" + spec) for name, spec in (
+        ("TRT-LLM FP8 (monolithic)", "TrtLlmFp8ExpertsMonolithic.apply"),
+        ("TRT-LLM FP8 (modular)", "TrtLlmFp8ExpertsModular.apply"),
+    ))
+
+_TRTLLM = ("TRT-LLM FP8 (monolithic)", "TRT-LLM FP8 (modular)")
+#: the GPU kernels those entries launch: TRT-LLM-gen's batched GEMM cubins (FP8 inputs; a pattern from the cubins'
+#: dtype naming, not yet checked against a trace) and the routing/finalize kernels every TRT-LLM-gen MoE launches
+KERNEL_NAMES: tuple[KernelName, ...] = tuple(
+    entry for p in _TRTLLM for entry in (
+        KernelName(p, r"bmm_\w*(?<!Mx)E4m3(?!\w*MxE2m1)",
+                   "runtime-download:FlashInfer trtllm-gen batched-GEMM cubins (TRTLLM_GEN_BMM)",
+                   shares=tuple(o for o in _TRTLLM if o != p)),
+        KernelName(p, _names.TRTLLM_MOE_DEV[0], _names.TRTLLM_MOE_DEV[1], shares=tuple(o for o in _TRTLLM if o != p),
+                   look_for=_names.TRTLLM_MOE_DEV[2]),
+    ))

@@ -59,7 +59,7 @@ def _mapped(kernels):
     from probes import models as models_probes
     from probes.observe.kernel_names import all_names, matches
 
-    KERNEL_NAMES = all_names(models_probes.load("kimi_k3"))
+    KERNEL_NAMES = all_names(models_probes.load("kimi_k3", schemes=("mxfp4",)))
 
     return {name: sorted({e.path for e in matches(KERNEL_NAMES, name)}) for name in kernels}
 

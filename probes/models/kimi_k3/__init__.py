@@ -97,6 +97,8 @@ _MEGAMOE_WHY = "BLOCK_M from DeepGEMM's MegaMoE scheduler, sized by a symmetric 
 #: K3's own MegaMoE experts (releases before 0.33): a module of its own, its per-call variant chosen on the device
 DEVICE_EXPERTS = {"KimiK3MegaMoEExperts": _MEGAMOE_WHY}
 EXPERTS_MODULES = ("KimiK3MegaMoEExperts",)
+#: the symmetric-memory buffer cache its MegaMoE experts class keeps (releases before 0.33)
+SYMM_BUFFER_CACHES = ("_kimi_symm_buffer_cache",)
 
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 FI_KDA = "flashinfer/kda_kernels"

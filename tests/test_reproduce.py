@@ -35,19 +35,38 @@ def test_reports_exist_for_every_pin_with_a_wheel():
     assert PINS == [p.name for p in LOCK.pins.values() if p.wheel], "run `make reports` to regenerate reports/"
 
 
-@pytest.mark.parametrize("pin", PINS)
-def test_each_committed_ledger_is_its_routing_rendered(pin):
-    routing = _routing(pin)
+def _model_pins():
+    from audit import models
+
+    for profile in models.PROFILES.values():
+        root = models.reports_root(REPORTS, profile)
+        for p in LOCK.pins.values():
+            if (root / p.name / "routing.json").is_file():
+                yield pytest.param(profile, root, p.name, id=f"{profile.name}-{p.name}")
+
+
+@pytest.mark.parametrize("profile,root,pin", list(_model_pins()))
+def test_each_committed_ledger_is_its_routing_rendered(profile, root, pin):
+    """Every model's committed ledgers, each against the previous pin's committed routing of the same model."""
+    routing = json.loads((root / pin / "routing.json").read_text(encoding="utf-8"))
+    assert routing.get("model", profile.name) == profile.name
     prev = lockmod.previous_pin(LOCK, pin)
     if prev is None:
         changes = None
-    elif (REPORTS / prev.name / "routing.json").is_file():
-        changes = diff_routings(_routing(prev.name), routing)
+    elif (root / prev.name / "routing.json").is_file():
+        changes = diff_routings(json.loads((root / prev.name / "routing.json").read_text(encoding="utf-8")), routing)
     else:
         changes = {"unavailable": prev.name}
-    text = render_ledger(routing, profile_title="Kimi-K3", reproduce=routing["run"]["reproduce"], changes=changes)
-    assert text == (REPORTS / pin / "ledger.md").read_text(encoding="utf-8"), \
-        f"reports/{pin}/ledger.md is not what today's code renders from its routing.json: run `make reports`"
+    text = render_ledger(routing, profile_title=profile.title, reproduce=routing["run"]["reproduce"], changes=changes)
+    assert text == (root / pin / "ledger.md").read_text(encoding="utf-8"), \
+        f"{root / pin / 'ledger.md'} is not what today's code renders from its routing.json: run `make reports`"
+
+
+def test_the_third_model_is_committed_for_every_pin():
+    from audit.models.deepseek_v3 import DEEPSEEK_V3
+
+    ids = {p.id for p in _model_pins()}
+    assert {f"{DEEPSEEK_V3.name}-{p.name}" for p in LOCK.pins.values() if p.wheel} <= ids
 
 
 def _cell(routing: dict, system: str, layout: str) -> dict:

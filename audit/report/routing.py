@@ -441,11 +441,12 @@ def _reading_activation(facts: dict, what: str, checks: dict, **_) -> str | None
         # (value, identity): the identity is what decides serving; whether vLLM records a check is a note,
         # unless the experts declare activations that leave this one out
         experts = short(facts.get("experts"))
+        # the identity leaves the class out: which experts class serves is the routed experts lane's change
         if allowed is None:
-            return f"{act} ({experts}; vLLM records no kernel-support check)", f"{act} ({experts})"
+            return f"{act} ({experts}; vLLM records no kernel-support check)", f"{act} (experts module)"
         ok = "in" if act in allowed else "NOT in"
         return (f"{act} ({experts}; {ok} the experts' declared activations {', '.join(allowed)})",
-                f"{act} ({experts})" if ok == "in" else f"{act} ({experts}; NOT declared)")
+                f"{act} (experts module)" if ok == "in" else f"{act} (experts module; NOT declared)")
     act = short(facts.get("layer_activation"))
     kernel = facts.get("fused_experts") or facts.get("experts_cls")
     asked = checks.get(short(kernel)) if kernel else None

@@ -144,9 +144,9 @@ def test_no_refusal_where_the_check_passes(probed):
     # the symmetric buffer cache their class keeps) beside the EP group's all2all manager they do not reference
     kernel = cell["lanes"]["moe.kernel"]
     assert {(g["level"], g["identity"]) for g in kernel} == {
-        ("post-load", "DeepGEMM MegaMoE weights transformed; dispatch/combine in kernel")}
+        ("post-load", "KimiK3MegaMoEExperts weights transformed; dispatch/combine in kernel")}
     text = kernel[0]["value"]
-    assert text.startswith("DeepGEMM MegaMoE weights transformed; dispatch/combine inside the experts' own kernel")
+    assert text.startswith("KimiK3MegaMoEExperts weights transformed; dispatch/combine inside the experts' own kernel")
     assert "no prepare/finalize object, no MoE config" in text and "AgRsAll2AllManager" in text
     # the latent tail fusion and deferred finalize: not built, and vLLM's attribute that decided it
     decided = "vLLM's `KimiMoE.use_mega_moe is True`"
@@ -154,7 +154,7 @@ def test_no_refusal_where_the_check_passes(probed):
     assert {g["value"] for g in cell["lanes"]["moe.deferred_finalize"]} == {
         f"none: no MoE runner is built ({decided})"}
     assert {g["value"] for g in cell["lanes"]["moe.activation"]} == {
-        "situ (MegaMoE; vLLM records no kernel-support check)"}
+        "situ (KimiK3MegaMoEExperts; vLLM records no kernel-support check)"}
     # the stand-in that made the transform's output exist is listed, and it ran
     assert "deep_gemm:transform_sf_into_required_layout" in cell["simulated"]
 

@@ -207,7 +207,13 @@ def test_observe_agent_records_the_map_and_its_profiler_wiring_without_a_gpu(vll
         for rec in f.records:
             recs.setdefault(rec["kind"], []).append(rec)
     (kmap,) = recs["kernel-map"]
-    assert [(e["path"], e["pattern"]) for e in kmap["entries"]] == [(e.path, e.pattern) for e in KERNEL_NAMES]
+    # the map the agent records: the served model's (its scheme's first, then its own) and the shared one
+    from probes import models as models_probes
+    from probes.observe.kernel_names import all_names
+
+    expected = all_names(models_probes.load(req.profile.probes, schemes=req.profile.schemes))
+    assert [(e["path"], e["pattern"]) for e in kmap["entries"]] == [(e.path, e.pattern) for e in expected]
+    assert set(KERNEL_NAMES) <= set(expected)
     assert {e["status"] for e in kmap["entries"]} == {"in build", "not checkable"}
     (job,) = recs["job"]
     config = json.loads(job["argv"][job["argv"].index("--profiler-config") + 1])

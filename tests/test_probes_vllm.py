@@ -123,7 +123,10 @@ IDENTITY = textwrap.dedent('''
     simulate.set_simulated({"name": "h100_sxm", "device_name": "NVIDIA H100 80GB HBM3", "capability": [9, 0],
                             "total_memory_gib": 80, "sm_count": 132, "arch": "amd64"}, 8)
     simulate.simulate_torch()
-    ps = ProbeSet(Recorder(None), vllm_version="0.33.0").install()
+    from probes import schemes
+    from probes.core.targets import TARGETS, with_model
+    ps = ProbeSet(Recorder(None), targets=with_model(TARGETS, schemes.load("mxfp4").targets),
+                  vllm_version="0.33.0").install()
     simulate.install_platform()
     from vllm.model_executor.layers.fused_moe.oracle import mxfp4 as oracle
     from vllm.model_executor.layers.quantization import mxfp4 as consumer

@@ -99,3 +99,22 @@ def vllm_image(docker_client, vllm_env, tmp_path_factory):
     path = tmp_path_factory.mktemp("lock") / "images.lock"
     path.write_text((ROOT / "images.lock").read_text() + "\n" + lock_entry(pin, built["image_id"], built["tag"]))
     return {"lock": path, "pin": f"{VLLM_PIN}-image", "image_id": built["image_id"], "tag": built["tag"]}
+
+
+def audit_beside_k3(tmp_path_factory, profile, systems: str, layouts: str) -> dict:
+    """Audit another model on v0.33.0 into a reports directory holding K3's committed report (which it must leave
+    untouched): the outcome, the directory, K3's report bytes before, the routing and its cells by (system, layout)."""
+    import json
+    import shutil
+
+    from audit.core import AuditOptions, run_audit
+
+    reports = tmp_path_factory.mktemp("reports")
+    shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")
+    before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
+    outcome = run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", reports_dir=reports, profile=profile,
+                                                systems=systems, layouts=layouts, baseline="none", cache=False,
+                                                parallel=2))
+    routing = json.loads(outcome.routing_path.read_text())
+    return {"outcome": outcome, "reports": reports, "before": before, "routing": routing,
+            "cells": {(c["system"], c["layout"]): c for c in routing["cells"]}}

@@ -3,29 +3,19 @@ the same audit as the other models: its own report beside K3's, its experts chos
 fp8_block scheme's probes, none of MXFP4's), its layers attributed to the kinds its profile names, and claims in
 the FP8 scheme's precision lanes judged against what vLLM chose."""
 import json
-import shutil
 
 import pytest
 
-from audit.core import AuditOptions, run_audit
 from audit.models.deepseek_v3 import DEEPSEEK_V3
-from tests.conftest import ROOT
+from tests.conftest import audit_beside_k3
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def audit(vllm_env, tmp_path_factory):
-    reports = tmp_path_factory.mktemp("reports")
-    shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")  # K3's committed report, to stay untouched
-    before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
-    outcome = run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", reports_dir=reports,
-                                                profile=DEEPSEEK_V3, systems="l40s,h200_sxm,b200_sxm",
-                                                layouts="tp8,dp8-ep", baseline="none", cache=False, parallel=2))
-    routing = json.loads(outcome.routing_path.read_text())
-    return {"outcome": outcome, "reports": reports, "before": before, "routing": routing,
-            "cells": {(c["system"], c["layout"]): c for c in routing["cells"]},
-            "labels": json.loads((outcome.report_dir / "labels.json").read_text())}
+    out = audit_beside_k3(tmp_path_factory, DEEPSEEK_V3, "l40s,h200_sxm,b200_sxm", "tp8,dp8-ep")
+    return {**out, "labels": json.loads((out["outcome"].report_dir / "labels.json").read_text())}
 
 
 def _value(cell, lane):

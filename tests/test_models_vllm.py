@@ -2,29 +2,18 @@
 its own report beside K3's (which it never touches), construction and post-load to the end, and what vLLM 0.33.0
 chooses for it: MXFP4 experts per SM family and layout, attention with sinks per SM family, and the FlashInfer
 attention candidate vLLM turns down here for sinks (resolve mode runs offline: no TRT-LLM cubins)."""
-import json
-import shutil
 
 import pytest
 
-from audit.core import AuditOptions, run_audit
 from audit.models.gpt_oss import GPT_OSS_120B
-from tests.conftest import ROOT
+from tests.conftest import audit_beside_k3
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def audit(vllm_env, tmp_path_factory):
-    reports = tmp_path_factory.mktemp("reports")
-    shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")  # K3's committed report, to stay untouched
-    before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
-    outcome = run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", reports_dir=reports,
-                                                profile=GPT_OSS_120B, systems="l40s,h100_sxm,b200_sxm",
-                                                layouts="tp1,tp8,dp8-ep", baseline="none", cache=False, parallel=2))
-    routing = json.loads(outcome.routing_path.read_text())
-    return {"outcome": outcome, "reports": reports, "before": before,
-            "cells": {(c["system"], c["layout"]): c for c in routing["cells"]}, "routing": routing}
+    return audit_beside_k3(tmp_path_factory, GPT_OSS_120B, "l40s,h100_sxm,b200_sxm", "tp1,tp8,dp8-ep")
 
 
 def _value(cell, lane):

@@ -19,6 +19,7 @@ library only, read by both modes and by the host):
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from dataclasses import dataclass, field
@@ -60,8 +61,10 @@ FIELDS = {"TITLE": "title", "TARGETS": "targets", "KERNELS": "kernels", "KERNEL_
           "EXPERTS_LABELS": "experts_labels", "EXPERTS_SOURCES": "experts_sources"}
 
 
+@functools.lru_cache(maxsize=None)
 def load(name: str) -> Scheme:
-    """The scheme module *name* as a :class:`Scheme`; an unknown name or an undeclared field is an error."""
+    """The scheme module *name* as a :class:`Scheme`; an unknown name or an undeclared field is an error. Loaded once
+    per process (profiles ask for their schemes on every lane group they label)."""
     if not name.isidentifier():
         raise UnknownScheme(f"quantization scheme {name!r}: not a module name under probes/schemes")
     try:

@@ -36,6 +36,7 @@ import time
 from probes import models as models_probes
 from probes.core.recorder import describe
 from probes.core.tiers import needs_gpu, not_resolved
+from probes.schemes import TRTLLM_AUTOTUNED
 
 DECODE_BATCHES = (1, 8, 64, 256)
 PREFILL_CHUNKS = (512, 2048, 8192)
@@ -218,10 +219,9 @@ def _marlin_block(runner, experts, tokens: int, vllm_config) -> str:
     return f"block_size_m={seen['args'][1]}"
 
 
-#: experts classes whose per-call kernel variant a GPU decides
-_TRTLLM = "FlashInfer's AutoTuner picks the TRTLLM-Gen tactic"
+#: experts classes whose per-call kernel variant a GPU decides, of no one quantization scheme (a scheme's own are
+#: its ``DEVICE_EXPERTS``)
 _GPU_EXPERTS = {
-    "TrtLlmNvFp4ExpertsMonolithic": _TRTLLM,
     "HummingGroupedExperts": "Humming's kernel launcher picks the config from the tuning table built at load by "
                              "the rows routed to this rank (M) on each call; it depends on M",
 }
@@ -252,10 +252,10 @@ def lane_moe_experts(models, vllm_config, works):
             source = f"{cls.__module__}:{cls.__qualname__}"
             for w in works:
                 if cname in device:
-                    kind = "autotuned" if device[cname] == _TRTLLM else "chosen on the device"
+                    kind = "autotuned" if device[cname] == TRTLLM_AUTOTUNED else "chosen on the device"
                     choice = needs_gpu(f"{kind} ({device[cname]}")
                     bucket = optional("vllm.model_executor.layers.fused_moe.utils:fi_moe_largest_bucket")
-                    if bucket is not None and device[cname] == _TRTLLM:
+                    if bucket is not None and device[cname] == TRTLLM_AUTOTUNED:
                         with contextlib.suppress(Exception):
                             choice += f", tuned to {bucket(runner.moe_config)} tokens"
                     choice += ")"

@@ -24,6 +24,10 @@ import importlib
 import re
 from dataclasses import dataclass, field
 
+#: a ``DEVICE_EXPERTS`` reason the shared dispatch stage reads as "autotuned" (it adds the autotuner's token bucket):
+#: FlashInfer's TRT-LLM-Gen experts, whatever the scheme
+TRTLLM_AUTOTUNED = "FlashInfer's AutoTuner picks the TRTLLM-Gen tactic"
+
 
 @dataclass(frozen=True)
 class Scheme:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from probes.core.targets import Kernel, Target
 from probes.observe import kernel_names as _names
 from probes.observe.kernel_names import KernelName
+from probes.schemes import TRTLLM_AUTOTUNED
 
 TITLE = "FP8 block (128x128)"
 _MOE = "vllm.model_executor.layers.fused_moe."
@@ -20,10 +21,9 @@ TARGETS: tuple[Target, ...] = (
            args=("backend",), title="MoE backend candidates"),
 )
 
-_TRTLLM = "FlashInfer's AutoTuner picks the TRTLLM-Gen tactic"
 DEVICE_EXPERTS = {
-    "TrtLlmFp8ExpertsMonolithic": _TRTLLM,
-    "TrtLlmFp8ExpertsModular": _TRTLLM,
+    "TrtLlmFp8ExpertsMonolithic": TRTLLM_AUTOTUNED,
+    "TrtLlmFp8ExpertsModular": TRTLLM_AUTOTUNED,
 }
 
 #: Fp8MoeBackend member prefix -> backend family

@@ -6,6 +6,7 @@ from __future__ import annotations
 from probes.core.targets import Kernel, Target
 from probes.observe import kernel_names as _names
 from probes.observe.kernel_names import KernelName
+from probes.schemes import TRTLLM_AUTOTUNED
 
 TITLE = "MXFP4"
 _MOE = "vllm.model_executor.layers.fused_moe."
@@ -27,10 +28,9 @@ TARGETS: tuple[Target, ...] = (
 )
 
 _MEGA = "BLOCK_M from DeepGEMM's MegaMoE scheduler, sized by a symmetric buffer allocated on the device"
-_TRTLLM = "FlashInfer's AutoTuner picks the TRTLLM-Gen tactic"
 DEVICE_EXPERTS = {
-    "TrtLlmMxfp4ExpertsMonolithic": _TRTLLM,
-    "TrtLlmMxfp4ExpertsModular": _TRTLLM,
+    "TrtLlmMxfp4ExpertsMonolithic": TRTLLM_AUTOTUNED,
+    "TrtLlmMxfp4ExpertsModular": TRTLLM_AUTOTUNED,
     "DeepGemmFP4Experts": "DeepGEMM's runtime picks the grouped GEMM's configuration per call",
     "DeepGemmMegaMoEExperts": _MEGA,
 }

@@ -18,7 +18,7 @@ def _parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="audit one pin and write reports/<pin>/ledger.md")
     a.add_argument("pin", help="a pin name from images.lock, e.g. v0.33.0")
-    a.add_argument("--model", default=None, help=f"the model to audit (see `serving-truth models`; default: "
+    a.add_argument("--model", default=default_model, help=f"the model to audit (see `serving-truth models`; default: "
                                                  f"{default_model}); reports of a model other than the default go "
                                                  "under reports/<model>/")
     a.add_argument("--runtime", default="auto", help="where to run the probes: local, docker or slurm (default: auto, "
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
     ac = sub.add_parser("accept", help="record every finding of an audited pin as accepted for the pin-bump gate")
     ac.add_argument("pin")
-    ac.add_argument("--model", default=None, help=f"whose report (default: {default_model})")
+    ac.add_argument("--model", default=default_model, help=f"whose report (default: {default_model})")
     ac.add_argument("--reports", default="reports")
     ac.add_argument("--lock", default="images.lock")
     ac.add_argument("--accepted", default="auto", metavar="FILE",
@@ -95,14 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diff", help="render reports/diffs/<from>..<to>.md from two audited pins")
     d.add_argument("from_pin")
     d.add_argument("to_pin")
-    d.add_argument("--model", default=None, help=f"whose reports (default: {default_model})")
+    d.add_argument("--model", default=default_model, help=f"whose reports (default: {default_model})")
     d.add_argument("--reports", default="reports")
 
     sm = sub.add_parser("summary", help="print the pull-request summary of a pin bump (markdown, about 250 words, "
                                         "from two audited pins' routing.json; the top of their diff)")
     sm.add_argument("from_pin")
     sm.add_argument("to_pin")
-    sm.add_argument("--model", default=None, help=f"whose reports (default: {default_model})")
+    sm.add_argument("--model", default=default_model, help=f"whose reports (default: {default_model})")
     sm.add_argument("--reports", default="reports")
 
     pp = sub.add_parser("pins", help="list the pins in images.lock")
@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
                                               "probes fired")
     st.add_argument("--pin", default="v0.33.0")
     st.add_argument("--lock", default="images.lock")
-    st.add_argument("--model", default=None, help=f"whose selftest slice to serve (default: {default_model})")
+    st.add_argument("--model", default=default_model, help=f"whose selftest slice to serve (default: {default_model})")
 
     lk = sub.add_parser("lock", help="maintain images.lock")
     lsub = lk.add_subparsers(dest="lock_command", required=True)
@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--pins", default="", help="comma list (default: every pin with a wheel)")
     rg.add_argument("--lock", default="images.lock")
     rg.add_argument("--reports", default="reports")
-    rg.add_argument("--model", default=None, help=f"whose reports (default: {default_model})")
+    rg.add_argument("--model", default=default_model, help=f"whose reports (default: {default_model})")
     rg.add_argument("--drop-envs", action="store_true",
                     help="remove each pin's environment after its audit (~9 GB each), except --keep-envs")
     rg.add_argument("--keep-envs", default="v0.33.0,v0.30.0",
@@ -167,6 +167,7 @@ def _parser() -> argparse.ArgumentParser:
                                             "against a plain import (reports/ is not touched)")
     vp.add_argument("--pins", default="", help="comma list (default: every pin with a wheel)")
     vp.add_argument("--lock", default="images.lock")
+    vp.add_argument("--model", default=default_model, help=f"whose probes to check (default: {default_model})")
 
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
     e.add_argument("pin")
@@ -183,11 +184,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _verify_pins(args, out, err) -> int:
+    from audit import models
     from audit.pincheck import verify_pins
 
     pins = [p.strip() for p in args.pins.split(",") if p.strip()]
+    profile = models.get(args.model)  # an unknown model is bad input before any work
     with err.status("verifying pins") as status:
-        checks = verify_pins(lock_path=args.lock, pins=pins or None,
+        checks = verify_pins(profile, lock_path=args.lock, pins=pins or None,
                              progress=lambda event, **f: status.update(f.get("text", event)))
     for c in checks:
         out.print(f"{c.pin}: {'ok' if c.ok else 'FAILED'} ({len(c.cells)} cell(s): {', '.join(c.cells)})")
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             from audit import models
             from audit.report.diff import write_diff
 
-            md, _, d = write_diff(models.reports_root(args.reports, models.get(args.model)), args.from_pin, args.to_pin)
+            profile = models.get(args.model)
+            md, _, d = write_diff(models.reports_root(args.reports, profile), args.from_pin, args.to_pin, profile)
             err.print("no change" if d["empty"] else f"{len(d['changes'])} change row(s)")
             out.print(str(md))
             return ExitCode.OK
@@ -263,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             from audit import models
             from audit.report.diff import diff_routings, load_routing
 
-            root = models.reports_root(args.reports, models.get(args.model))
-            d = diff_routings(load_routing(root, args.from_pin), load_routing(root, args.to_pin))
+            profile = models.get(args.model)
+            root = models.reports_root(args.reports, profile)
+            d = diff_routings(load_routing(root, args.from_pin), load_routing(root, args.to_pin), profile)
             out.print(d["summary"], markup=False, highlight=False, soft_wrap=True)
             return ExitCode.OK
         if args.command == "accept":
@@ -314,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "selftest-gpu":
             from audit.selftest import run_selftest
 
-            res = run_selftest(args.pin, lock_path=args.lock, model=args.model)
+            from audit import models
+
+            res = run_selftest(args.pin, lock_path=args.lock, profile=models.get(args.model))
             for lane, paths in res["fired"].items():
                 out.print(f"{lane}: {', '.join(paths)}")
             for lane, status in res["profiler"].items():

@@ -49,11 +49,10 @@ class AuditOutcome:
 
 def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True,
                       lock: str = "images.lock", expectations: str = "auto", baseline: str = "",
-                      profile: Profile | None = None) -> str:
+                      *, profile: Profile) -> str:
     """The command that audits the same inputs again: ``make audit`` with its variables, or the CLI where
     make has no variable for an option (``--no-cuda-toolkit``); defaults are left out."""
     lock = _display(Path(lock)) if lock != "images.lock" else lock
-    profile = profile or models.get(None)
     options = [  # (make variable, CLI option, value, whether it differs from the default)
         ("MODEL", "--model", profile.name, profile.name != models.DEFAULT),
         ("RUNTIME", "--runtime", runtime, runtime != "local" or not cuda_toolkit),
@@ -94,19 +93,19 @@ class AuditOptions:
     """What an audit is asked to do, besides its pin (the CLI's ``audit`` options; every field has the CLI's default).
 
     ``systems``/``layouts``: comma lists or lists of names, "all", or None (every system; the model's layouts but
-    its opt-in deployment options); ``profile``: the model (None:
-    the default); ``parallel``: agent processes (None: what the machine's cores and memory allow); ``timeout_s``: for
+    its opt-in deployment options); ``profile``: the model (required: the CLI's ``--model`` picks it, there is no
+    fallback); ``parallel``: agent processes (None: what the machine's cores and memory allow); ``timeout_s``: for
     the whole audit, environment included; ``baseline``: the pin to gate against ("auto": the previous pin with a
     report, "none": no gate); ``expectations``/``accepted``: files ("auto": the model's own); ``pass_env``,
     ``cluster``, ``wait``: the docker and slurm runtimes' options; ``mode``: resolve or observe, ``slice_name`` the
     model slice observe mode serves; ``replace``: replace the committed report even for a subset of cells;
     ``cache``: look evidence up in the evidence cache; ``postload_every_layer``: run post-load on every layer."""
+    profile: Profile
     lock_path: str | Path = "images.lock"
     runtime: str = "local"
     systems: str | list | None = None
     layouts: str | list | None = None
     reports_dir: str | Path = "reports"
-    profile: Profile | None = None
     parallel: int | None = None
     timeout_s: float | None = None
     cuda_toolkit: bool = True
@@ -126,13 +125,13 @@ class AuditOptions:
     plant_fault: str = ""
 
 
-def run_audit(pin_name: str, options: AuditOptions = AuditOptions(), *,
+def run_audit(pin_name: str, options: AuditOptions, *,
               progress: Progress = lambda *a, **k: None) -> AuditOutcome:
     import math
 
     o = options
 
-    profile = o.profile or models.get(None)
+    profile = o.profile
     started = time.monotonic()  # --timeout counts from here: building the environment is part of the audit
     if o.timeout_s is not None and not (isinstance(o.timeout_s, (int, float)) and math.isfinite(o.timeout_s)
                                       and o.timeout_s > 0):
@@ -346,13 +345,12 @@ def load_accepted_findings(spec: str | None, *, lock_path, profile: Profile) -> 
 
 
 def accept_findings(pin_name: str, *, reports_dir: str | Path = "reports", lock_path: str | Path = "images.lock",
-                    accepted: str | None = "auto", profile: Profile | None = None) -> tuple[Path, int]:
+                    accepted: str | None = "auto", profile: Profile) -> tuple[Path, int]:
     """Write the accepted-findings file from an audited pin's report: every failing verdict and required probe
     drift in it (notes already written for the same findings are kept). Atomic; returns (path, count)."""
     from audit.report.diff import load_routing
     from audit.report.gate import accepted_text, findings, load_accepted
 
-    profile = profile or models.get(None)
     reports_dir = models.reports_root(reports_dir, profile)
     lock = lockmod.load(lock_path)
     lock.get(pin_name)
@@ -418,12 +416,12 @@ def _read_run_json(run_dir: Path) -> dict:
     return meta
 
 
-def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
+def check_evidence_identity(files, meta: dict, pin, run_dir: Path, profile) -> None:
     """Every evidence file must say it is evidence of this run: its pin (by name and by the wheel's sha256,
     checked against the lock), one of the run's cells, and for resolve cells the ``vllm serve`` arguments that
     cell's layout gives. Evidence of another pin, another cell or other arguments is refused, never rendered
-    under this run's name."""
-    layouts = models.get(meta.get("profile")).layouts
+    under this run's name. *profile*: the model the run names."""
+    layouts = profile.layouts
     cells = {tuple(c) for c in meta.get("cells") or []}
     if not cells:
         raise EvidenceError("run.json names no cell", path=str(run_dir / "run.json"),
@@ -432,7 +430,7 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path) -> None:
         plan = json.loads((run_dir / "plan.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         plan = {}
-    model = models.get(meta.get("profile")).name
+    model = profile.name
     mode = (meta.get("run") or {}).get("mode")
     stories: dict[tuple, list[str]] = {}
     for f in files:
@@ -486,10 +484,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     meta = _read_run_json(run_dir)
     lock = lockmod.load(lock_path)
     pin = lock.get(meta["pin"])
-    profile = models.PROFILES.get(meta["profile"])
-    if profile is None:
-        raise EvidenceError(f"unknown model profile {meta['profile']!r}", path=str(run_dir / "run.json"),
-                            hint="known models: " + ", ".join(models.PROFILES))
+    profile = models.named_in(meta, what="run.json", path=str(run_dir / "run.json"), key="profile")
     reports_dir = models.reports_root(reports_dir, profile)
     missing = {(s, l): info for s, l, info in meta["missing"]}
     refreshed = refresh_missing(run_dir, meta["run"])  # JobsPending while a batch job has not ended
@@ -499,7 +494,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         meta["missing"] = [[k[0], k[1], v] for k, v in sorted(missing.items())]
         write_atomic(run_dir / "run.json", json.dumps(meta, indent=1, sort_keys=True))
     files = evidence.read_dir(run_dir / "evidence")
-    check_evidence_identity(files, meta, pin, run_dir)
+    check_evidence_identity(files, meta, pin, run_dir, profile)
     aborted = bool(meta["run"].get("aborted"))
     if not files and not aborted:
         raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}",
@@ -510,7 +505,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     if exp is not None:
         from audit.report.verdicts import attach
 
-        attach(routing, exp, display_path=exp_path)
+        attach(routing, exp, profile, display_path=exp_path)
     else:
         routing["verdicts_skipped"] = "no expectations were given (--expectations none): no claim was judged"
     unfinished = [(c["system"], c["layout"]) for c in routing["cells"] if c["status"] == "INCOMPLETE"]
@@ -549,14 +544,14 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         from audit.report.diff import diff_routings, load_routing
 
         base = load_routing(Path(reports_dir), baseline)
-        changes = diff_routings(base, routing)
+        changes = diff_routings(base, routing, profile)
         if gated:
             from audit.report.gate import judge_gate
 
             keys, shown = load_accepted_findings(accepted, lock_path=lock_path, profile=profile)
-            gate = judge_gate(base, routing, keys, accepted_path=shown, diff=changes)
+            gate = judge_gate(base, routing, keys, profile, accepted_path=shown, diff=changes)
             changes["gate"] = gate
-    files_out = report_files(routing, profile_title=profile.title, reproduce=meta["run"]["reproduce"],
+    files_out = report_files(routing, profile=profile, reproduce=meta["run"]["reproduce"],
                              changes=changes, label_map=exp.label_map if exp is not None else None)
     try:
         with DirLock(report_dir):
@@ -569,7 +564,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
 
         d = {k: v for k, v in changes.items() if k != "gate"}
         try:
-            write_diff(Path(reports_dir), baseline, pin.name, d)
+            write_diff(Path(reports_dir), baseline, pin.name, profile, d)
         except OSError as exc:
             raise ReportWriteError(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
                                    path=str(Path(reports_dir) / "diffs"), run_dir=str(run_dir)) from None
@@ -620,7 +615,7 @@ def _fuller_report(report_dir: Path, cells: list[tuple[str, str]]) -> int | None
 def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
                        pins: list[str] | None = None, drop_envs: bool = False, keep_envs: tuple[str, ...] = (),
                        progress: Progress = lambda *a, **k: None, cache: bool = True,
-                       from_runs: bool = False, profile: Profile | None = None) -> list[AuditOutcome]:
+                       from_runs: bool = False, profile: Profile) -> list[AuditOutcome]:
     """Audit every pin that has a wheel (or those named), in release order so that each ledger's "changes
     since" finds the previous pin's fresh report, replacing ``reports/<pin>/``; then write the diff between
     each pair of consecutive pins under ``reports/diffs/``. With ``drop_envs`` the environment of each pin
@@ -632,7 +627,6 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
     from audit.report.diff import write_diff
     from audit.runtimes.local import LocalRuntime
 
-    profile = profile or models.get(None)
     lock = lockmod.load(lock_path)
     chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and (not pins or p.name in pins)]
     unknown = sorted(set(pins or ()) - {p.name for p in chosen})
@@ -658,5 +652,5 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
             env = LocalRuntime().env_dir(pin)  # validated: a direct child of <cache>/envs
             shutil.rmtree(env, ignore_errors=True)
     for before, after in zip(chosen, chosen[1:]):
-        write_diff(models.reports_root(reports_dir, profile), before.name, after.name)
+        write_diff(models.reports_root(reports_dir, profile), before.name, after.name, profile)
     return outcomes

@@ -22,10 +22,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from audit import models
 from audit.core import AuditOptions, run_audit
 from audit.errors import AuditError, HarnessFaultError
 from audit.pins import lock as lockmod
+from audit.profiles import Profile
 from audit.runtimes.base import Progress
 from audit.systems import SYSTEMS
 
@@ -119,15 +119,15 @@ def _read_routing(path: Path) -> dict | None:
     return json.loads(found[0].read_text(encoding="utf-8"))
 
 
-def check_pin(pin_name: str, *, lock_path: str | Path = "images.lock", layout: str = "tp8",
+def check_pin(pin_name: str, profile: Profile, *, lock_path: str | Path = "images.lock", layout: str | None = None,
               progress: Progress = lambda *a, **k: None) -> PinCheck:
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
-    profile = models.get(None)
     res = PinCheck(pin=pin.name)
     systems = family_systems()
     with tempfile.TemporaryDirectory(prefix="verify-pins-") as scratch:
-        opts = AuditOptions(lock_path=lock_path, systems=systems, layouts=[layout], reports_dir=scratch,
+        opts = AuditOptions(lock_path=lock_path, systems=systems,
+                            layouts=[layout or next(iter(profile.layouts))], reports_dir=scratch,
                             expectations="none", baseline="none", accepted="none", cache=False, replace=True,
                             profile=profile)
         where = Path(scratch)
@@ -178,9 +178,9 @@ def check_pin(pin_name: str, *, lock_path: str | Path = "images.lock", layout: s
     return res
 
 
-def verify_pins(*, lock_path: str | Path = "images.lock", pins: list[str] | None = None,
+def verify_pins(profile: Profile, *, lock_path: str | Path = "images.lock", pins: list[str] | None = None,
                 progress: Progress = lambda *a, **k: None) -> list[PinCheck]:
-    """:func:`check_pin` for each pin with a wheel (or those named), in release order."""
+    """:func:`check_pin` of *profile*'s model for each pin with a wheel (or those named), in release order."""
     lock = lockmod.load(lock_path)
     chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and (not pins or p.name in pins)]
     for name in sorted(set(pins or ()) - {p.name for p in chosen}):
@@ -188,7 +188,7 @@ def verify_pins(*, lock_path: str | Path = "images.lock", pins: list[str] | None
     out = []
     for pin in chosen:
         progress("stage", text=f"verifying the harness against {pin.name}")
-        out.append(check_pin(pin.name, lock_path=lock_path, progress=progress))
+        out.append(check_pin(pin.name, profile, lock_path=lock_path, progress=progress))
     return out
 
 

@@ -1,7 +1,6 @@
 """``make selftest-gpu``: on a host with one NVIDIA GPU, serve a model's selftest slice with vLLM's real
 engine in observe mode and check that the kernel-entry probes of its selftest lanes fired (both are its
-profile's: ``selftest_slice``, ``selftest_lanes``; the default model's: K3's 4-layer slice, layer 0 KDA + dense
-MLP, layers 1-2 KDA + MoE, layer 3 MLA + MoE).
+profile's: ``selftest_slice``, ``selftest_lanes``; the model is the one ``--model`` names).
 
 Single GPU, tensor parallel 1: per-rank head counts are those of TP1, not of the TP8 lanes, so this checks the
 probes, not a production lane. Refuses to run without a GPU.
@@ -51,7 +50,7 @@ def detect_system():
 
 
 def run_selftest(pin_name: str = "v0.33.0", *, lock_path: str | Path = "images.lock", progress=lambda *a, **k: None,
-                 timeout_s: float | None = 3600, model: str | None = None) -> dict:
+                 timeout_s: float | None = 3600, profile) -> dict:
     from audit import models
     from audit.errors import UsageError
     from audit.evidence import files as evidence
@@ -60,7 +59,6 @@ def run_selftest(pin_name: str = "v0.33.0", *, lock_path: str | Path = "images.l
     from audit.runtimes.base import RunRequest, new_run_dir
     from audit.runtimes.local import LocalRuntime
 
-    profile = models.get(model)
     if not profile.selftest_slice or not profile.selftest_lanes:
         raise UsageError(f"{profile.name} has no GPU selftest (its profile names no selftest slice and lanes)",
                          hint="known models with one: " + ", ".join(

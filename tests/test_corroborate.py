@@ -7,6 +7,7 @@ import gzip
 import json
 
 from probes.core.recorder import Recorder
+from audit.models.kimi_k3 import KIMI_K3
 
 MAP = [  # entries as the observe agent records them (kernel-map): the real map's patterns for these paths
     {"path": "Marlin", "lane": "moe", "pattern": r"marlin_moe_wna16", "origin": "library:vllm/_moe_C*.so",
@@ -62,7 +63,7 @@ def _cell(tmp_path, *, traces, probe_rows, kernel_map=MAP, profiled=True):
 def _render(built):
     from audit.report.render import render_ledger
 
-    return render_ledger(built, profile_title="Kimi-K3", reproduce="make audit")
+    return render_ledger(built, profile=KIMI_K3, reproduce="make audit")
 
 
 def test_kernels_that_match_what_the_probes_counted_agree(tmp_path):

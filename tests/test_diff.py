@@ -5,6 +5,8 @@ import json
 from audit.report.diff import diff_routings, render_diff
 from tests.conftest import ROOT
 from tests.goldtest import compare
+from audit.models.gpt_oss import GPT_OSS_120B
+from audit.models.kimi_k3 import KIMI_K3
 
 DATA = ROOT / "tests" / "data"  # routing.json of real audits
 
@@ -16,16 +18,16 @@ def load(pin):
 def test_pin_against_itself_is_empty():
     for pin in ("v0.30.0", "v0.33.0"):
         r = load(pin)
-        d = diff_routings(r, copy.deepcopy(r))
+        d = diff_routings(r, copy.deepcopy(r), KIMI_K3)
         assert d["empty"] and d["changes"] == [] and d["unchanged_lanes"] == d["compared_lanes"] > 0
-        assert "**No change.**" in render_diff(d)
+        assert "**No change.**" in render_diff(d, KIMI_K3)
 
 
 def test_real_releases_diff_is_stable_and_grouped():
     old, new = load("v0.30.0"), load("v0.33.0")
-    first = render_diff(diff_routings(old, new))
-    assert first == render_diff(diff_routings(copy.deepcopy(old), copy.deepcopy(new)))
-    d = diff_routings(old, new)
+    first = render_diff(diff_routings(old, new, KIMI_K3), KIMI_K3)
+    assert first == render_diff(diff_routings(copy.deepcopy(old), copy.deepcopy(new), KIMI_K3), KIMI_K3)
+    d = diff_routings(old, new, KIMI_K3)
     keys = [(c["kind"], c["lane"] or c["field"], c["before"], c["after"]) for c in d["changes"]]
     assert len(keys) == len(set(keys)), "one upstream change must read as one row"
     compare("diff-v0.30.0..v0.33.0.md", first)
@@ -38,7 +40,7 @@ def test_a_single_change_is_one_row_naming_all_cells():
         for g in c["lanes"].get("mla.prefill", []):
             if g["value"] == "FlashAttnPrefillBackend":  # the default prefill backend (an option picks FlashInfer's)
                 g["value"] = "SomeNewPrefillBackend"
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     rows = [c for c in d["changes"] if c["lane"] == "mla.prefill"]
     assert len(rows) == 1 and rows[0]["after"] == "SomeNewPrefillBackend"
     built = {(c["system"], c["layout"]) for c in r["cells"]
@@ -50,10 +52,10 @@ def test_ledger_shows_changes_since_its_baseline():
     from audit.report.render import render_ledger
 
     old, new = load("v0.30.0"), load("v0.33.0")
-    text = render_ledger(new, profile_title="Kimi-K3", reproduce="x", changes=diff_routings(old, new))
+    text = render_ledger(new, profile=KIMI_K3, reproduce="x", changes=diff_routings(old, new, KIMI_K3))
     section = text.split("## Changes since `v0.30.0`", 1)[1].split("\n## ", 1)[0]
     assert "| Routed experts | MARLIN / MarlinExperts | HUMMING / HummingIndexedExperts |" in section
-    same = render_ledger(new, profile_title="Kimi-K3", reproduce="x", changes=diff_routings(new, new))
+    same = render_ledger(new, profile=KIMI_K3, reproduce="x", changes=diff_routings(new, new, KIMI_K3))
     assert "None: every lane of every cell audited in both pins routes the same way" in same
 
 
@@ -62,7 +64,7 @@ def test_attention_rejection_reason_drift_probe_errors_and_availability_are_chan
     changed = copy.deepcopy(r)
     cell = next(c for c in changed["cells"] if c.get("attention_candidates") and c["attention_candidates"]["rejected"])
     cell["attention_candidates"]["rejected"][0]["reasons"] = ["a new reason vLLM gives"]
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     rows = [c for c in d["changes"] if c["field"] == "attention candidates"]
     assert len(rows) == 1 and "a new reason vLLM gives" in rows[0]["after"] and not d["empty"]
     assert rows[0]["cells"] == [[cell["system"], cell["layout"]]]
@@ -72,7 +74,7 @@ def test_attention_rejection_reason_drift_probe_errors_and_availability_are_chan
     c0["probe_errors"] = [{"where": "kda.prefill", "error": {"type": "AttributeError", "message": "x"}}]
     key = next(iter(c0["availability"]))
     c0["availability"][key] = "flipped"
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     fields = {c["field"] for c in d["changes"]}
     assert {"probe errors", f"vLLM availability: {key}"} <= fields
 
@@ -83,7 +85,7 @@ def test_a_drifted_lane_is_explained_as_drift_not_as_a_missing_selector():
     c0 = changed["cells"][0]
     c0["lanes"]["kda.prefill"] = []
     c0["drift"] = [{"target": "kda.prefill", "title": "KDA prefill selector", "required": True, "attempts": []}]
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     row = next(c for c in d["changes"] if c["lane"] == "kda.prefill")
     assert row["after"] == "— (not seen: probe target drifted: kda.prefill)"
     assert any(c["field"] == "probe drift" for c in d["changes"])
@@ -93,7 +95,7 @@ def test_two_audits_of_one_pin_label_their_sides_distinctly():
     r = load("v0.33.0")
     sub = copy.deepcopy(r)
     sub["cells"] = sub["cells"][:1]
-    text = render_diff(diff_routings(r, sub))
+    text = render_diff(diff_routings(r, sub, KIMI_K3), KIMI_K3)
     assert "only in the *from* audit (`v0.33.0`)" in text and "only in the *to* audit" not in text
 
 
@@ -105,10 +107,10 @@ def test_an_availability_answer_only_one_audit_recorded_is_no_change():
         c["availability"].pop("nvidia_artifactory", None)
     for c in new["cells"]:
         c["availability"]["nvidia_artifactory"] = False
-    assert diff_routings(old, new)["empty"]
+    assert diff_routings(old, new, KIMI_K3)["empty"]
     for c in old["cells"]:
         c["availability"]["nvidia_artifactory"] = True
-    fields = {c["field"] for c in diff_routings(old, new)["changes"]}
+    fields = {c["field"] for c in diff_routings(old, new, KIMI_K3)["changes"]}
     assert fields == {"vLLM availability: nvidia_artifactory"}
 
 
@@ -121,10 +123,16 @@ def test_routings_of_two_models_are_refused_naming_both():
 
     k3, oss = load("v0.33.0"), load("gpt-oss-120b-v0.33.0")
     with pytest.raises(UsageError) as err:
-        diff_routings(k3, oss)
+        diff_routings(k3, oss, KIMI_K3)
     assert "'kimi-k3'" in str(err.value) and "'gpt-oss-120b'" in str(err.value)
     assert "--model gpt-oss-120b" in err.value.hint
-    assert diff_routings(oss, copy.deepcopy(oss))["empty"]  # one model's audits still compare
+    assert diff_routings(oss, copy.deepcopy(oss), GPT_OSS_120B)["empty"]  # one model's audits still compare
+    with pytest.raises(UsageError) as err:  # a profile handed down must be the routings' own
+        diff_routings(oss, copy.deepcopy(oss), KIMI_K3)
+    assert "'gpt-oss-120b', not of 'kimi-k3'" in str(err.value) and "--model gpt-oss-120b" in err.value.hint
+    unnamed = {k: v for k, v in oss.items() if k != "model"}
+    with pytest.raises(UsageError, match="names no model"):  # never read as the default model's
+        diff_routings(unnamed, copy.deepcopy(unnamed), KIMI_K3)
 
 
 def test_the_written_diff_names_its_model(tmp_path):
@@ -135,9 +143,9 @@ def test_the_written_diff_names_its_model(tmp_path):
         (tmp_path / pin).mkdir()
         (tmp_path / pin / "routing.json").write_text((DATA / f"routing-{pin}.json").read_text(encoding="utf-8"),
                                                      encoding="utf-8")
-    md, js, d = write_diff(tmp_path, "v0.30.0", "v0.33.0")
+    md, js, d = write_diff(tmp_path, "v0.30.0", "v0.33.0", KIMI_K3)
     assert json.loads(js.read_text(encoding="utf-8"))["model"] == "kimi-k3" == d["model"]
-    assert md.read_text(encoding="utf-8") == render_diff(d)
+    assert md.read_text(encoding="utf-8") == render_diff(d, KIMI_K3)
 
 
 # --- serving or information: what the gate fails on ---------------------------------------------------------------
@@ -158,7 +166,7 @@ def test_a_kernel_change_is_serving_and_a_count_or_a_newly_read_idle_lane_is_inf
     b200["postload"]["steps"] = b200["postload"].get("steps", 0) + 1  # a count
     old = copy.deepcopy(r)
     _cell(old, "b200_sxm", "tp8")["lanes"].pop("decode.specialized", None)  # an audit that did not read the lane
-    d = diff_routings(old, changed)
+    d = diff_routings(old, changed, KIMI_K3)
     kernel = _rows(d, lane="mla.prefill")
     assert len(kernel) == 1 and kernel[0]["serving"] and kernel[0]["class"] == "kernel"
     count = _rows(d, field="post-load")
@@ -170,7 +178,7 @@ def test_a_kernel_change_is_serving_and_a_count_or_a_newly_read_idle_lane_is_inf
     # the same lane newly read and *requested* is a change of what serves
     on = copy.deepcopy(changed)
     _cell(on, "b200_sxm", "tp8")["lanes"]["decode.specialized"][0]["value"] = "built: SpecializedDecode"
-    assert _rows(diff_routings(old, on), lane="decode.specialized")[0]["serving"]
+    assert _rows(diff_routings(old, on, KIMI_K3), lane="decode.specialized")[0]["serving"]
 
 
 def test_a_note_beside_an_unchanged_serving_value_is_information_and_a_changed_identity_is_not():
@@ -180,11 +188,11 @@ def test_a_note_beside_an_unchanged_serving_value_is_information_and_a_changed_i
     g_old, g_new = _cell(old, *cell)["lanes"][lane][0], _cell(new, *cell)["lanes"][lane][0]
     g_old.update(value="situ (MegaMoE; vLLM records no kernel-support check)", identity="situ (MegaMoE)")
     g_new.update(value="situ (MegaMoE; in the experts' declared activations situ, swiglu)", identity="situ (MegaMoE)")
-    row = _rows(diff_routings(old, new), lane=lane)
+    row = _rows(diff_routings(old, new, KIMI_K3), lane=lane)
     assert len(row) == 1 and not row[0]["serving"] and "only its note differs" in row[0]["information"]
     g_new.update(value="situ (MegaMoE; NOT in the experts' declared activations swiglu)",
                  identity="situ (MegaMoE; NOT declared)")
-    row = _rows(diff_routings(old, new), lane=lane)
+    row = _rows(diff_routings(old, new, KIMI_K3), lane=lane)
     assert len(row) == 1 and row[0]["serving"] and row[0]["class"] == "kernel"
 
 
@@ -193,12 +201,12 @@ def test_an_availability_answer_gates_only_where_a_selection_in_its_cell_moved()
     changed = copy.deepcopy(r)
     for c in changed["cells"]:
         c["availability"]["deep_ep"] = True
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     row = _rows(d, field="vLLM availability: deep_ep")
     assert len(row) == 1 and not row[0]["serving"] and "changed no selection" in row[0]["information"]
     assert d["serving_changes"] == 0
     _cell(changed, "b200_sxm", "dp8-ep")["lanes"]["moe"][0]["value"] = "DEEPEP / SomeExperts"
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     gating = [c for c in _rows(d, field="vLLM availability: deep_ep") if c["serving"]]
     assert gating and gating[0]["class"] == "availability" and ["b200_sxm", "dp8-ep"] in gating[0]["cells"]
 
@@ -208,11 +216,11 @@ def test_candidates_with_the_same_choice_and_a_newly_rejected_attention_backend_
     changed = copy.deepcopy(r)
     cell = next(c for c in changed["cells"] if len((c.get("attention_candidates") or {}).get("valid", [])) > 1)
     cell["attention_candidates"]["rejected"].append({"backend": "NEW_MLA", "reasons": ["not on this device"]})
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     row = _rows(d, field="attention candidates")
     assert len(row) == 1 and not row[0]["serving"] and "same valid backends" in row[0]["information"]
     cell["attention_candidates"]["valid"] = list(reversed(cell["attention_candidates"]["valid"]))
-    assert _rows(diff_routings(r, changed), field="attention candidates")[0]["serving"]
+    assert _rows(diff_routings(r, changed, KIMI_K3), field="attention candidates")[0]["serving"]
 
 
 def test_rows_name_the_cells_they_touched_not_a_product_of_systems_and_layouts():
@@ -220,7 +228,7 @@ def test_rows_name_the_cells_they_touched_not_a_product_of_systems_and_layouts()
     changed = copy.deepcopy(r)
     for system, layout in (("b200_sxm", "tp8"), ("h100_sxm", "tp16")):
         _cell(changed, system, layout)["lanes"]["mla.prefill"][0]["value"] = "SomeNewPrefillBackend"
-    row = _rows(diff_routings(r, changed), lane="mla.prefill")[0]
+    row = _rows(diff_routings(r, changed, KIMI_K3), lane="mla.prefill")[0]
     assert row["where"] == "tp8: b200_sxm; tp16: h100_sxm"
 
 
@@ -232,12 +240,12 @@ def test_a_claim_that_passes_only_because_serving_moved_under_it_says_so():
     for v in changed["verdicts"]["rows"]:
         if (v["claim"], v["system"], v["layout"], v["lane"]) == (failing["claim"], *cell, failing["lane"]):
             v["verdict"] = "MATCH"
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     turn = [c for c in _rows(d, kind="verdict") if c["turn"] == "no longer failing"]
     assert turn and "the claim or the harness changed" in turn[0]["because"]  # nothing served differently
     for g in _cell(changed, *cell)["lanes"][failing["lane"]]:
         g["value"] = "SomethingElse"
-    d = diff_routings(r, changed)
+    d = diff_routings(r, changed, KIMI_K3)
     turn = [c for c in _rows(d, kind="verdict") if c["turn"] == "no longer failing"]
     assert turn[0]["because"] == "claim now true because serving changed" and d["now_true_by_serving"] == 1
     assert "true now only because serving changed" in d["summary"]
@@ -245,15 +253,15 @@ def test_a_claim_that_passes_only_because_serving_moved_under_it_says_so():
 
 def test_the_pr_summary_is_short_deterministic_and_names_what_now_serves():
     old, new = load("v0.30.0"), load("v0.33.0")
-    d = diff_routings(old, new)
+    d = diff_routings(old, new, KIMI_K3)
     text = d["summary"]
     from audit.report.summary import WORDS
 
-    assert len(text.split()) <= WORDS and text == diff_routings(copy.deepcopy(old), copy.deepcopy(new))["summary"]
+    assert len(text.split()) <= WORDS and text == diff_routings(copy.deepcopy(old), copy.deepcopy(new), KIMI_K3)["summary"]
     assert text.startswith("**Kimi-K3, vLLM 0.30.0 → 0.33.0**") and "**The pin-bump gate fails**" in text
     assert ("tp8, tp16, tp8-mtp, tp8-fp8kv, tp8-dspark, tp8-eagle3: SM 9.0, every batch (decode 1–256, prefill "
             "512–8192): Routed experts") in text
     assert "marlin → humming" in text and "SM 9.0 = h100_sxm, h200_sxm" in text
-    top = render_diff(d).split("## Summary for the pull request\n\n", 1)[1]
+    top = render_diff(d, KIMI_K3).split("## Summary for the pull request\n\n", 1)[1]
     assert " ".join(top.split()).startswith(" ".join(text.split()))  # the diff opens with it (lines wrapped to fit)
-    assert "**No serving change**" in diff_routings(new, copy.deepcopy(new))["summary"]
+    assert "**No serving change**" in diff_routings(new, copy.deepcopy(new), KIMI_K3)["summary"]

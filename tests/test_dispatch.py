@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+from audit.models.kimi_k3 import KIMI_K3
 from audit.report import dispatch
 from audit.report import render
 from audit.evidence.files import EvidenceFile
@@ -20,7 +21,7 @@ def _file(choices: list[str], *, layers=(1, 2, 3), errors=None) -> EvidenceFile:
 
 
 def test_cell_table_and_spans():
-    d = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]))
+    d = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]), KIMI_K3)
     row = d["lanes"]["latent_tail"][0]
     assert d["workloads"] == ["decode 1", "decode 8", "decode 64", "decode 256", "prefill 512", "prefill 2048",
                               "prefill 8192"]
@@ -36,15 +37,15 @@ def test_cell_table_and_spans():
 
 def test_no_stage_no_entry():
     f = EvidenceFile(path=Path("x.jsonl"), header={}, records=[])
-    assert dispatch.cell_tiers(f) is None
+    assert dispatch.cell_tiers(f, KIMI_K3) is None
 
 
 def test_ledger_section_merges_cells_and_states_errors():
     r = load()
-    same = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]))
-    other = dispatch.cell_tiers(_file(["T1"] * 4 + ["T2"] * 3, errors={"mla": "ValueError: no builder"}))
+    same = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]), KIMI_K3)
+    other = dispatch.cell_tiers(_file(["T1"] * 4 + ["T2"] * 3, errors={"mla": "ValueError: no builder"}), KIMI_K3)
     r["cells"][0]["dispatch"], r["cells"][1]["dispatch"], r["cells"][2]["dispatch"] = same, json.loads(json.dumps(same)), other
-    text = render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    text = render.render_ledger(r, profile=KIMI_K3, reproduce="x")
     section = text.split("## Dispatch tiers", 1)[1].split("\n## ", 1)[0]
     names = [f"{c['system']}/{c['layout']}" for c in r["cells"][:3]]
     assert f"| {names[0]}, {names[1]} | `block_sparse_moe.experts` | 1-3 | **decode 1–64**: T0; **decode 256**: T1; " \
@@ -57,27 +58,27 @@ def test_ledger_section_merges_cells_and_states_errors():
 def test_ledger_without_dispatch_has_no_section():
     r = load()
     assert any(c.get("dispatch") for c in r["cells"])
-    assert "## Dispatch tiers" in render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    assert "## Dispatch tiers" in render.render_ledger(r, profile=KIMI_K3, reproduce="x")
     for c in r["cells"]:  # an audit from before the dispatch stage existed
         c.pop("dispatch", None)
-    assert "## Dispatch tiers" not in render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    assert "## Dispatch tiers" not in render.render_ledger(r, profile=KIMI_K3, reproduce="x")
 
 
 def test_diff_names_moved_tiers():
     from audit.report import diff
 
     before, after = load(), load()
-    before["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]))
-    after["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T1", "T1", "T2", "T2", "T1"]))
-    d = diff.diff_routings(before, after)
+    before["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]), KIMI_K3)
+    after["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T1", "T1", "T2", "T2", "T1"]), KIMI_K3)
+    d = diff.diff_routings(before, after, KIMI_K3)
     rows = [c for c in d["changes"] if c["kind"] == "dispatch"]
     assert [(r["field"], r["before"], r["after"], r["layers"]) for r in rows] == [
         ("Latent MoE tail tier · `block_sparse_moe.experts` at decode 64", "T0", "T1", "1-3"),
         ("Latent MoE tail tier · `block_sparse_moe.experts` at prefill 8192", "T2", "T1", "1-3")]
-    text = diff.render_diff(d)
+    text = diff.render_diff(d, KIMI_K3)
     assert "## Per-call tiers (level dispatch) (2)" in text
     assert "| Latent MoE tail tier · `block_sparse_moe.experts` at decode 64 | T0 | T1 | tp8: l40s | 1-3 |" in text
-    assert diff.diff_routings(before, before)["empty"]
+    assert diff.diff_routings(before, before, KIMI_K3)["empty"]
     assert dispatch._fold(["decode 1", "decode 8", "decode 256"], ["decode 1", "decode 8", "decode 64", "decode 256"]) \
         == "decode 1–8, decode 256"
 
@@ -91,7 +92,7 @@ def test_a_cell_built_only_in_the_newer_audit_shows_its_tiers_in_the_diff():
     cell = next(i for i, c in enumerate(after["cells"]) if c.get("dispatch"))
     before["cells"][cell].update(status="PARTIAL", dispatch=None,
                                  failure={"stage": "construct", "type": "builtins:NotImplementedError", "message": "x"})
-    d = diff.diff_routings(before, after)
+    d = diff.diff_routings(before, after, KIMI_K3)
     rows = [c for c in d["changes"] if c["kind"] == "dispatch"]
     assert rows and all(c["before"] == diff.NOT_BUILT for c in rows)
     assert all(c["cells"] == [[after["cells"][cell]["system"], after["cells"][cell]["layout"]]] for c in rows)
@@ -99,4 +100,4 @@ def test_a_cell_built_only_in_the_newer_audit_shows_its_tiers_in_the_diff():
     # an audit that resolved no tiers anywhere (older than the dispatch stage) still says nothing
     for c in before["cells"]:
         c["dispatch"] = None
-    assert not [c for c in diff.diff_routings(before, after)["changes"] if c["kind"] == "dispatch"]
+    assert not [c for c in diff.diff_routings(before, after, KIMI_K3)["changes"] if c["kind"] == "dispatch"]

@@ -193,7 +193,7 @@ def test_planted_threshold_changes_the_tier_table(probed_run, planted_run, tmp_p
            "platform_digests": {}, "vllm_commit": "", "python": "3.12"}
     ledger = render_ledger(routing.build_routing(evidence.read_dir(result.evidence_dir), KIMI_K3, pin=pin,
                                                  expected=[("b200_sxm", "tp8")]),
-                           profile_title="Kimi-K3", reproduce="x")
+                           profile=KIMI_K3, reproduce="x")
     section = ledger.split("### Latent MoE tail tier", 1)[1].split("\n### ", 1)[0]
     assert ("**decode 1–8**: TAIL_FUSION (deferred top-k finalize); **decode 64–256**: ALLREDUCE_OVERLAP; "
             "**prefill 512–8192**: COLUMN_PARALLEL") in section
@@ -209,7 +209,7 @@ def test_planted_threshold_changes_the_tier_table(probed_run, planted_run, tmp_p
     exp = expectations.load(claims)
 
     def verdict(cell):
-        return {r["verdict"] for r in judge({"cells": [cell]}, exp) if r["claim"] == "tail-64"}
+        return {r["verdict"] for r in judge({"model": KIMI_K3.name, "cells": [cell]}, exp, KIMI_K3) if r["claim"] == "tail-64"}
 
     assert verdict(_cell(probed_run, "b200_sxm", "tp8")) == {"MATCH"}
     assert verdict(planted) == {"MISMATCH"}

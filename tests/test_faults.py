@@ -421,10 +421,10 @@ def test_a_lock_outside_the_project_never_silently_judges_nothing(tmp_path, monk
     assert exp is not None and shown == "expectations/kimi-k3.toml"
     from audit.systems import select
 
-    cmd = reproduce_command("v0.33.0", list(SYSTEMS.values()), select("layout", None, LAYOUTS), "local", lock=str(lock))
+    cmd = reproduce_command("v0.33.0", list(SYSTEMS.values()), select("layout", None, LAYOUTS), "local", lock=str(lock), profile=KIMI_K3)
     assert cmd == f"make audit PIN=v0.33.0 LOCK={lock}"
     # the deployment options too: LAYOUTS=all, which a plain make audit leaves out
-    cmd = reproduce_command("v0.33.0", list(SYSTEMS.values()), list(LAYOUTS.values()), "local", lock=str(lock))
+    cmd = reproduce_command("v0.33.0", list(SYSTEMS.values()), list(LAYOUTS.values()), "local", lock=str(lock), profile=KIMI_K3)
     assert cmd == f"make audit PIN=v0.33.0 LAYOUTS=all LOCK={lock}"
     monkeypatch.chdir(tmp_path)  # from elsewhere: a clear error, never "no claims, exit 0"
     with pytest.raises(UsageError, match="no claims to judge"):

@@ -191,4 +191,4 @@ def test_an_edited_memo_entry_changes_nothing_in_the_routing(vllm_env, tmp_path_
     assert "memo_rejected" not in before["run"] and after["run"]["memo_rejected"] >= len(files)
     assert json.dumps(before["cells"], sort_keys=True) == json.dumps(after["cells"], sort_keys=True)
     assert "did not verify (edited, moved or malformed): each was computed again" in render_ledger(
-        after, profile_title="Kimi-K3", reproduce="x")
+        after, profile=KIMI_K3, reproduce="x")

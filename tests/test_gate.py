@@ -12,6 +12,7 @@ import time
 import pytest
 
 from audit.errors import ExitCode
+from audit.models.kimi_k3 import KIMI_K3
 from audit.report import gate
 from audit.report.diff import NOT_BUILT, NOT_READ, _ranges, diff_routings, render_diff
 from tests.conftest import ROOT
@@ -31,9 +32,9 @@ def _cell(routing, system, layout):
 def test_a_pin_against_itself_passes_once_its_findings_are_accepted(v033):
     found = gate.findings(v033)
     assert found, "the shipped claims fail on v0.33.0: the data must have findings"
-    g = gate.judge_gate(v033, v033, None)
+    g = gate.judge_gate(v033, v033, None, KIMI_K3)
     assert not g["serving_changes"] and not g["passed"] and len(g["new_findings"]) == len(found)
-    g = gate.judge_gate(v033, v033, {gate.finding_key(f) for f in found})
+    g = gate.judge_gate(v033, v033, {gate.finding_key(f) for f in found}, KIMI_K3)
     assert g["passed"] and g["accepted_findings"] == len(found) and not g["new_findings"]
 
 
@@ -43,7 +44,7 @@ def test_a_changed_path_fails_the_gate_with_no_claim_about_it(v033):
         r.pop("verdicts")  # no claim judged at all: the gate still sees the change
     cell = _cell(new, "b200_sxm", "tp8")
     cell["lanes"]["moe"][0]["value"] = "MARLIN / MarlinExperts"
-    g = gate.judge_gate(old, new, None)
+    g = gate.judge_gate(old, new, None, KIMI_K3)
     assert not g["passed"] and not g["new_findings"]
     [row] = g["serving_changes"]
     assert row["lane"] == "moe" and row["after"] == "MARLIN / MarlinExperts" and row["cells"] == [["b200_sxm", "tp8"]]
@@ -55,10 +56,10 @@ def test_package_versions_are_information_not_a_serving_change(v033):
     packages = cell["fingerprint"]["packages"]
     name = sorted(packages)[0]
     packages[name] = "0.0.0-other"
-    d = diff_routings(v033, new)
+    d = diff_routings(v033, new, KIMI_K3)
     [row] = [c for c in d["changes"] if c["kind"] == "cell"]
     assert row["field"] == f"package: {name}" and row["serving"] is False and d["serving_changes"] == 0
-    assert gate.judge_gate(v033, new, {gate.finding_key(f) for f in gate.findings(v033)})["passed"]
+    assert gate.judge_gate(v033, new, {gate.finding_key(f) for f in gate.findings(v033)}, KIMI_K3)["passed"]
 
 
 def test_lanes_a_construction_stop_hid_appear_as_changes(v033):
@@ -70,7 +71,7 @@ def test_lanes_a_construction_stop_hid_appear_as_changes(v033):
     cell.update(status="PARTIAL", lanes={}, candidates={},
                 failure={"stage": "model", "type": "builtins:NotImplementedError", "message": "planted refusal",
                          "outcome": "refused", "rule": "an explicit raise in vLLM's own code"})
-    d = diff_routings(old, v033)
+    d = diff_routings(old, v033, KIMI_K3)
     rows = [c for c in d["changes"] if c["kind"] == "path" and ["b200_sxm", "tp8"] in c["cells"]]
     assert {r["lane"] for r in rows} == set(built)
     read_after = set(v033.get("lanes_read_after_construction", ()))
@@ -83,12 +84,12 @@ def test_a_verdict_that_stays_mismatch_against_another_backend_is_a_change(v033)
     new = copy.deepcopy(v033)
     row = next(r for r in new["verdicts"]["rows"] if r["verdict"] == "MISMATCH")
     row["actual"] = "some_other_backend"
-    d = diff_routings(v033, new)
+    d = diff_routings(v033, new, KIMI_K3)
     [change] = [c for c in d["changes"] if c["kind"] == "verdict"]
     assert change["before"].startswith("MISMATCH (") and change["after"].startswith("MISMATCH (")
     assert "some_other_backend" in change["after"] and change["before"] != change["after"]
     # and the gate reads it as a new finding: the accepted one was against the other backend
-    g = gate.judge_gate(v033, new, {gate.finding_key(f) for f in gate.findings(v033)})
+    g = gate.judge_gate(v033, new, {gate.finding_key(f) for f in gate.findings(v033)}, KIMI_K3)
     assert [f["actual"] for f in g["new_findings"]] == ["some_other_backend"]
 
 
@@ -99,10 +100,10 @@ def test_model_level_lanes_read_model_not_minus_one():
 def test_the_diff_names_both_builds_and_flags_same_name_different_bytes(v033):
     new = copy.deepcopy(v033)
     new["pin"] = {**new["pin"], "name": "v0.33.0-rebuilt", "wheel_sha256": "f" * 64}
-    text = render_diff(diff_routings(v033, new))
+    text = render_diff(diff_routings(v033, new, KIMI_K3), KIMI_K3)
     assert v033["pin"]["wheel_sha256"] in text and "f" * 64 in text
     assert "Same vLLM version and wheel file name, different bytes" in text
-    assert "Same vLLM version" not in render_diff(diff_routings(v033, v033))
+    assert "Same vLLM version" not in render_diff(diff_routings(v033, v033, KIMI_K3), KIMI_K3)
 
 
 def test_accepted_findings_round_trip_and_bad_files_name_file_and_line(v033, tmp_path):
@@ -193,12 +194,12 @@ def test_what_moves_inside_a_deployment_refused_in_both_builds_is_not_a_serving_
     """dep8 on SM 8.9, 9.0 and 12.0: v0.30.0 refuses MegaMoE at load, v0.33.0 at construction. The lanes built
     before the refusal in one and not in the other are shown, marked, and do not fail the gate."""
     v030 = json.loads((DATA / "routing-v0.30.0.json").read_text())
-    d = diff_routings(v030, v033)
+    d = diff_routings(v030, v033, KIMI_K3)
     refused = {("l40s", "dep8"), ("h100_sxm", "dep8"), ("h200_sxm", "dep8"), ("rtx_pro_6000_server", "dep8")}
     inside = [c for c in d["changes"] if {tuple(x) for x in c["cells"]} <= refused]
     assert inside and any(c["kind"] == "path" and c["after"] == NOT_BUILT for c in inside)
     assert all(c["refused_in_both"] and not c["serving"] for c in inside)
-    assert "refused in both builds: serves nothing in either" in render_diff(d)
+    assert "refused in both builds: serves nothing in either" in render_diff(d, KIMI_K3)
 
 
 def test_a_gate_that_shares_no_cell_with_its_baseline_never_passes(v033):
@@ -213,7 +214,7 @@ def test_a_gate_that_shares_no_cell_with_its_baseline_never_passes(v033):
     base["cells"] = [c for c in base["cells"] if c["layout"] == "tp8"]
     cand = copy.deepcopy(v033)
     cand["cells"] = [c for c in cand["cells"] if c["layout"] == "tp16"]
-    g = gate.judge_gate(base, cand, {gate.finding_key(f) for f in gate.findings(cand)})
+    g = gate.judge_gate(base, cand, {gate.finding_key(f) for f in gate.findings(cand)}, KIMI_K3)
     assert g["cells_compared"] == 0 and not g["serving_changes"] and not g["new_findings"] and not g["passed"]
     lines = []
 
@@ -274,7 +275,7 @@ def test_the_terminal_lists_every_serving_change_grouped_by_kind_with_consistent
             self.out.append(str(text))
 
     old, new = json.loads((DATA / "routing-v0.30.0.json").read_text()), json.loads((DATA / "routing-v0.33.0.json").read_text())
-    gate = judge_gate(old, new, set())
+    gate = judge_gate(old, new, set(), KIMI_K3)
     out = AuditOutcome(pin="v0.33.0", report_dir=Path("."), ledger=None, routing_path=None, run_dir=Path("."),
                        cells=44, incomplete=0, partial=0, drift=0, verdicts={}, gate=gate)
     lines = Lines()

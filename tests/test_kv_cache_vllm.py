@@ -106,7 +106,7 @@ def test_claims_on_a_refused_batch_are_refused(fp8_cells):
     """The shipped fp8 claims: the decode one holds; the prefill one on the plain fp8 cache is REFUSED at each batch
     (vLLM raises there), never a MATCH on the backend it was built with; labels.json gives those batches no label."""
     exp = expectations.load(ROOT / "expectations" / "kimi-k3.toml")
-    rows = judge({"model": KIMI_K3.name, "cells": list(fp8_cells.values())}, exp)
+    rows = judge({"model": KIMI_K3.name, "cells": list(fp8_cells.values())}, exp, KIMI_K3)
     by_claim = {}
     for r in rows:
         if r["system"] == "b200_sxm":
@@ -117,7 +117,7 @@ def test_claims_on_a_refused_batch_are_refused(fp8_cells):
     assert by_claim["mla-prefill-fp8kv-fp8-query"] == {
         ("tp8-fp8kv-fp8prefill", w, "MATCH") for w in ("prefill 2048", "prefill 8192")}
     labels = build_labels({"model": KIMI_K3.name, "pin": {"name": "v0.33.0"},
-                           "cells": [fp8_cells[("b200_sxm", "tp8-fp8kv")]]}, exp.label_map)
+                           "cells": [fp8_cells[("b200_sxm", "tp8-fp8kv")]]}, KIMI_K3, exp.label_map)
     prefill = [r for r in labels["rows"] if r["harness_lane"] == "mla.prefill"]
     assert prefill
     entries = {e["tokens"]: e for r in prefill for e in r.get("by_tokens", [])}

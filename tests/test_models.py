@@ -21,11 +21,47 @@ GPT_ROUTING = ROOT / "tests" / "data" / "routing-gpt-oss-120b-v0.33.0.json"
 
 
 def test_the_registry_names_every_model_and_refuses_an_unknown_one():
-    assert models.get(None) is KIMI_K3 and models.DEFAULT == "kimi-k3"
+    assert models.get("kimi-k3") is KIMI_K3 and models.DEFAULT == "kimi-k3"  # the CLI's --model default
     assert models.get("gpt-oss-120b") is GPT_OSS_120B
     with pytest.raises(SelectionError) as e:
         models.get("llama")
     assert "unknown model 'llama'" in str(e.value) and e.value.known == ["kimi-k3", "gpt-oss-120b", "deepseek-v3"]
+    for missing in (None, ""):  # no fallback to the default model below the CLI
+        with pytest.raises(SelectionError):
+            models.get(missing)
+
+
+def test_a_stored_document_that_names_no_model_is_refused_never_read_as_the_default_models():
+    from audit.errors import EvidenceError, RenderError
+    from audit.report.perflabels import build_labels
+    from audit.report.render import render_ledger
+
+    routing = json.loads(GPT_ROUTING.read_text(encoding="utf-8"))
+    assert models.named_in(routing, what="routing.json") is GPT_OSS_120B
+    assert models.named_in({"profile": "deepseek-v3"}, what="run.json", key="profile").name == "deepseek-v3"
+    unnamed = {k: v for k, v in routing.items() if k != "model"}
+    with pytest.raises(EvidenceError, match="names no model") as e:
+        models.named_in(unnamed, what="routing.json", path="reports/x/routing.json")
+    assert e.value.path == "reports/x/routing.json"
+    with pytest.raises(EvidenceError, match="'llama', which this harness does not have"):
+        models.named_in({**routing, "model": "llama"}, what="routing.json")
+    # the renderer and the labeller take the profile handed down, and only the routing's own
+    with pytest.raises(RenderError, match="names no model"):
+        render_ledger(unnamed, profile=KIMI_K3, reproduce="x")
+    with pytest.raises(RenderError, match="of the model 'gpt-oss-120b', not of 'kimi-k3'"):
+        render_ledger(routing, profile=KIMI_K3, reproduce="x")
+    with pytest.raises(RenderError, match="labelled as 'kimi-k3'"):
+        build_labels(routing, KIMI_K3)
+    # claims are judged only against the model they are about
+    from audit.report import expectations
+    from audit.report.expectations import ExpectationsError
+    from audit.report.verdicts import judge
+
+    k3_claims = expectations.load(ROOT / "expectations" / "kimi-k3.toml")
+    with pytest.raises(ExpectationsError, match="about the model 'kimi-k3', the audit is of 'gpt-oss-120b'"):
+        judge(routing, k3_claims, GPT_OSS_120B)
+    with pytest.raises(RenderError, match="judged as 'kimi-k3'"):
+        judge(routing, k3_claims, KIMI_K3)
 
 
 @pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
@@ -85,7 +121,7 @@ def test_the_gpt_oss_ledger_renders_from_its_routing_and_fits():
     from audit.report.render import render_ledger
 
     routing = json.loads(GPT_ROUTING.read_text(encoding="utf-8"))
-    text = render_ledger(routing, profile_title="gpt-oss-120b",
+    text = render_ledger(routing, profile=GPT_OSS_120B,
                          reproduce="make audit PIN=v0.33.0 MODEL=gpt-oss-120b",
                          changes={"unavailable": "v0.32.0"})
     compare("ledger-gpt-oss-120b-v0.33.0.md", text)

@@ -226,4 +226,4 @@ def test_observe_agent_records_the_map_and_its_profiler_wiring_without_a_gpu(vll
                                   expected=[("b200_sxm", "tp1")])
     pf = built["cells"][0]["observed"]["profiler"]
     assert pf["traces"] == 0 and pf["map_not_in_build"] == []
-    assert "configured but wrote no trace" in render_ledger(built, profile_title="Kimi-K3", reproduce="make audit")
+    assert "configured but wrote no trace" in render_ledger(built, profile=KIMI_K3, reproduce="make audit")

@@ -13,6 +13,7 @@ import os, sys
 sys.path.insert(0, sys.argv[1])
 from probes.core.recorder import Recorder
 from probes.observe.session import Kernel, ObserveSession
+from audit.models.kimi_k3 import KIMI_K3
 
 rank = int(os.environ["RANK"])
 rec = Recorder(os.environ["SERVING_TRUTH_OUT"], role="worker",
@@ -82,11 +83,11 @@ def test_ranks_merge_with_disagreement_and_graph_replays(tmp_path):
     assert cell["observed"]["rank_disagree"] == [
         {"lane": "moe", "layer": 2, "phase": "prefill", "by_rank": {"0": ["Marlin"], "1": ["Triton"]}}]
 
-    attach(built, load(ROOT / "expectations" / "kimi-k3.toml"), display_path="expectations/kimi-k3.toml")
+    attach(built, load(ROOT / "expectations" / "kimi-k3.toml"), KIMI_K3, display_path="expectations/kimi-k3.toml")
     rd = [r for r in built["verdicts"]["rows"] if r["verdict"] == "RANK_DISAGREE"]
     assert rd and all(r["lane"] == "moe" and r["layers"] == "2" and r["evidence"] == "observed" for r in rd)
     assert "rank 0 ran Marlin; rank 1 ran Triton" in rd[0]["why"]
-    text = render_ledger(built, profile_title="Kimi-K3", reproduce="make audit")
+    text = render_ledger(built, profile=KIMI_K3, reproduce="make audit")
     assert "## Observed execution" in text and "**RANK_DISAGREE**" in text
     assert "graph `full num_tokens=8` (rank 0): captured once, replayed 5 time(s)" in text
     assert "| observed-in-graph |" in text

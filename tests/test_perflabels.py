@@ -18,13 +18,13 @@ def routing(pin):
 def test_labels_use_the_perf_database_vocabulary_and_agree_with_the_verdicts():
     exp = load(ROOT / "expectations" / "kimi-k3.toml")
     r = routing("v0.33.0")
-    doc = build_labels(r, exp.label_map)
+    doc = build_labels(r, KIMI_K3, exp.label_map)
     assert doc["rows"] and set(r["lane"] for r in doc["rows"]) <= set(KIMI_K3.perf_lanes) | {"unknown"}
     # each judged verdict row with a derived label says the same label as labels.json for that cell/layers (and, for
     # a row judged at one batch, as that batch's by_tokens entry)
     label_rows = {(l["system"], l["layout"], l["harness_lane"], l["layers"]): l for l in doc["rows"]}
     compared = 0
-    for v in judge(r, exp):
+    for v in judge(r, exp, KIMI_K3):
         row = label_rows.get((v["system"], v["layout"], v["lane"], v["layers"]))
         if not v.get("label") or row is None:
             continue
@@ -44,10 +44,8 @@ def test_labels_use_the_perf_database_vocabulary_and_agree_with_the_verdicts():
 
 def test_labels_are_deterministic_and_never_invent_a_lane():
     r = routing("v0.30.0")
-    assert labels_json(r) == labels_json(json.loads(json.dumps(r)))
+    assert labels_json(r, KIMI_K3) == labels_json(json.loads(json.dumps(r)), KIMI_K3)
     unknown = {"raw": {"source": "moe.routed", "fields": ["Mxfp4MoeBackend.SOMETHING_NEW", "x:Y", "z:Mxfp4MoEMethod"]}}
-    from audit.models import KIMI_K3
-
     assert moe_perf_lane(KIMI_K3, unknown) == "unknown"
     assert moe_perf_lane(KIMI_K3, {"raw": {"fields": ["Mxfp4MoeBackend.FLASHINFER_TRTLLM_MXFP4_BF16"]}}) == "w4a16_mxfp4"
 
@@ -55,7 +53,7 @@ def test_labels_are_deterministic_and_never_invent_a_lane():
 def test_incomplete_and_not_exercised_groups_are_listed_not_labelled():
     r = routing("v0.33.0")
     r["cells"][0]["status"] = "INCOMPLETE"
-    doc = build_labels(r, load_label_map(ROOT / "expectations" / "kernel_source_backends.toml"))
+    doc = build_labels(r, KIMI_K3, load_label_map(ROOT / "expectations" / "kernel_source_backends.toml"))
     first = r["cells"][0]
     assert not [l for l in doc["rows"] if (l["system"], l["layout"]) == (first["system"], first["layout"])]
     assert {"system": first["system"], "layout": first["layout"], "why": "the cell did not finish"} in doc["not_labelled"]
@@ -67,7 +65,7 @@ def test_labels_by_token_count_follow_the_path_that_serves_each_batch():
     512-token prefill chunk carries the decode kernel's label, longer chunks the prefill backend's; on SM100
     the tail tier moves with the batch."""
     exp = load(ROOT / "expectations" / "kimi-k3.toml")
-    rows = build_labels(routing("v0.33.0"), exp.label_map)["rows"]
+    rows = build_labels(routing("v0.33.0"), KIMI_K3, exp.label_map)["rows"]
 
     def row(system, layout, lane):
         found = [l for l in rows if (l["system"], l["layout"], l["harness_lane"]) == (system, layout, lane)]
@@ -91,7 +89,7 @@ def test_a_configuration_vllm_refuses_gets_no_labels():
     lane for those cells (a server there never starts), and says why; a simulation limit is no refusal."""
     for pin in ("v0.30.0", "v0.33.0"):
         r = routing(pin)
-        doc = build_labels(r)
+        doc = build_labels(r, KIMI_K3)
         refused = {(c["system"], c["layout"]) for c in r["cells"]
                    if c.get("load_refused") or (c.get("failure") or {}).get("outcome") == "refused"}
         assert ("h100_sxm", "dep8") in refused

@@ -102,17 +102,17 @@ def test_refusal_is_a_failing_verdict_with_where():
     exp = lambda claims: Expectations(path=Path("e.toml"), model="kimi-k3", framework="vllm",
                                       architecture=KIMI_K3.architecture, claims=tuple(claims))
     for exp, claims in ((exp([claim]), ["moe-dep"]), (exp([]), [""])):
-        rows = [v for v in verdicts.judge(r, exp) if v["system"] == "h100_sxm"]
+        rows = [v for v in verdicts.judge(r, exp, KIMI_K3) if v["system"] == "h100_sxm"]
         assert [(v["verdict"], v["claim"]) for v in rows] == [("REFUSED", c) for c in claims]
         assert GATE in rows[0]["why"] and "layers.1.block_sparse_moe.experts" in rows[0]["why"]
         assert rows[0]["layers"] == "1"
         assert verdicts.summary(rows)["REFUSED"] == 1 and "REFUSED" in verdicts.FAILING
         # the cell the gate passes is judged as before
-        assert not any(v["verdict"] == "REFUSED" for v in verdicts.judge(r, exp) if v["system"] == "b200_sxm")
+        assert not any(v["verdict"] == "REFUSED" for v in verdicts.judge(r, exp, KIMI_K3) if v["system"] == "b200_sxm")
 
 
 def test_ledger_says_where_vllm_refused():
-    text = render_ledger(_refused_routing(), profile_title="Kimi-K3", reproduce="x")
+    text = render_ledger(_refused_routing(), profile=KIMI_K3, reproduce="x")
     assert f"> **vLLM refuses to load in 1 cell(s):** h100_sxm/dep8 (`{GATE}` raised `NotImplementedError`" in text
     matrix = next(l for l in text.splitlines() if l.startswith("| Weights load (post-load) |"))
     assert "REFUSED by vLLM (layer 1): NotImplementedError: DeepGEMM MegaMoE requires SM100 GPUs." in matrix
@@ -121,7 +121,7 @@ def test_ledger_says_where_vllm_refused():
     r = _refused_routing()
     for c in r["cells"]:
         c["lanes"]["moe"] = [{"layers": [1], "ranges": "1", "value": "MEGA / Experts", "level": "construction"}]
-    moe = next(l for l in render_ledger(r, profile_title="Kimi-K3", reproduce="x").splitlines()
+    moe = next(l for l in render_ledger(r, profile=KIMI_K3, reproduce="x").splitlines()
                if l.startswith("| Routed experts |"))
     assert [c.strip() for c in moe.split("|")[2:-1]] == ["(refused at load) MEGA / Experts", "MEGA / Experts"]
     section = text.split("## Post-load", 1)[1].split("\n## ", 1)[0]

@@ -68,9 +68,9 @@ def _run(env030, tmp_path_factory, name, cells, *, plant=None, **kw):
     pin_info = {"name": PIN, "vllm_version": pin.vllm_version, "wheel": pin.wheel, "wheel_sha256": pin.wheel_sha256,
                 "image": "", "platform_digests": {}, "vllm_commit": "", "python": pin.python}
     r = routing.build_routing(files, KIMI_K3, pin=pin_info, expected=list(cells))
-    verdicts.attach(r, expectations.load(ROOT / "expectations" / "kimi-k3.toml"), display_path="kimi-k3.toml")
+    verdicts.attach(r, expectations.load(ROOT / "expectations" / "kimi-k3.toml"), KIMI_K3, display_path="kimi-k3.toml")
     return {"routing": r, "files": files, "cells": {(c["system"], c["layout"]): c for c in r["cells"]},
-            "ledger": render_ledger(r, profile_title="Kimi-K3", reproduce="x")}
+            "ledger": render_ledger(r, profile=KIMI_K3, reproduce="x")}
 
 
 @pytest.fixture(scope="module")

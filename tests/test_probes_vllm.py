@@ -179,7 +179,7 @@ def test_drift_reaches_the_ledger(probed_run):
     drift = [d for c in r["cells"] for d in c["drift"]]
     assert {d["target"] for d in drift} == {"test.drifted"}
     assert "has no attribute 'resolve_kda_prefill_backend_renamed'" in drift[0]["attempts"][0]
-    ledger = render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    ledger = render_ledger(r, profile=KIMI_K3, reproduce="x")
     section = ledger.split("## Probe drift", 1)[1].split("\n## ", 1)[0]
     assert "`test.drifted`" in section and "a selector renamed upstream" in section
 

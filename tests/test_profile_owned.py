@@ -24,21 +24,21 @@ def test_the_shared_dispatch_lanes_are_the_shared_probes_and_a_model_titles_exac
     assert list(dispatch.LANE_TITLES) == [lane for lane, _ in probe_dispatch.LANES]
     for profile in models.PROFILES.values():
         own = {lane for lane, _ in models_probes.load(profile.probes, resolve=True).lanes}
-        assert set(dispatch.lane_titles(profile.name)) == set(dispatch.LANE_TITLES) | own, profile.name
+        assert set(dispatch.lane_titles(profile)) == set(dispatch.LANE_TITLES) | own, profile.name
 
 
 def test_each_model_shows_its_dispatch_lanes_in_its_own_order():
-    assert list(dispatch.lane_titles(KIMI_K3.name)) == [
+    assert list(dispatch.lane_titles(KIMI_K3)) == [
         "serving_path", "specialized_decode", "latent_tail", "shared_overlap", "moe_experts", "router",
         "moe_routing", "moe_parallel", "down_proj_overlap", "mla", "mla_kv_cache", "low_latency_gemm", "lm_head", "kda_projection_overlap",
         "kda_batch"]
-    assert list(dispatch.lane_titles(GPT_OSS_120B.name)) == list(dispatch.LANE_TITLES)
-    assert "kda_batch" not in dispatch.lane_notes(GPT_OSS_120B.name)
+    assert list(dispatch.lane_titles(GPT_OSS_120B)) == list(dispatch.LANE_TITLES)
+    assert "kda_batch" not in dispatch.lane_notes(GPT_OSS_120B)
     k3 = {"dispatch": {"lanes": {"kda_batch": [], "serving_path": []}}}
-    assert set(dispatch.stand_ins([k3], KIMI_K3.name)) == {
+    assert set(dispatch.stand_ins([k3], KIMI_K3)) == {
         "dispatch `kda_batch`: KimiK3DeltaAttention._forward's inputs and callees",
         "dispatch `serving_path`: SpecializedDecode.plan's inputs"}
-    assert set(dispatch.stand_ins([k3], GPT_OSS_120B.name)) == set()  # no step path: its serving path needs none
+    assert set(dispatch.stand_ins([k3], GPT_OSS_120B)) == set()  # no step path: its serving path needs none
 
 
 def test_a_claims_dispatch_lanes_are_its_models(tmp_path):
@@ -99,7 +99,7 @@ def test_a_batch_route_sends_a_batch_to_the_lane_its_choice_names():
 @pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
 def test_what_a_profile_brings_is_about_its_own_lanes(profile):
     lanes = {lane.id for lane in profile.lanes}
-    titles = dispatch.lane_titles(profile.name)
+    titles = dispatch.lane_titles(profile)
     assert set(profile.dispatch.order) <= set(titles) and len(set(profile.dispatch.order)) == len(profile.dispatch.order)
     assert set(profile.dispatch.notes) | set(profile.dispatch.stand_ins) <= set(titles)
     if profile.step_path is not None:
@@ -113,9 +113,9 @@ def test_what_a_profile_brings_is_about_its_own_lanes(profile):
 def test_a_diff_is_in_its_models_words():
     for model, name in ((GPT_OSS_120B, "routing-gpt-oss-120b-v0.33.0.json"), (KIMI_K3, "routing-v0.33.0.json")):
         r = json.loads((ROOT / "tests" / "data" / name).read_text(encoding="utf-8"))
-        d = diff_routings(r, copy.deepcopy(r))
+        d = diff_routings(r, copy.deepcopy(r), model)
         assert d["model"] == model.name
-        assert f"\n{model.title}, {len(r['cells'])} cells (system × layout) compared." in render_diff(d)
+        assert f"\n{model.title}, {len(r['cells'])} cells (system × layout) compared." in render_diff(d, model)
 
 
 def test_model_hooks_are_declared_and_a_typo_is_refused_when_the_package_loads():

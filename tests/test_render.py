@@ -12,6 +12,7 @@ from audit.report import routing
 from audit.errors import RenderError
 from tests.conftest import ROOT
 from tests.goldtest import compare
+from audit.models.kimi_k3 import KIMI_K3
 
 FIXTURE = ROOT / "tests" / "data" / "routing-v0.33.0.json"  # routing.json of a real v0.33.0 audit
 
@@ -21,7 +22,7 @@ def load():
 
 
 def ledger(r):
-    return render.render_ledger(r, profile_title="Kimi-K3", reproduce="make audit PIN=v0.33.0")
+    return render.render_ledger(r, profile=KIMI_K3, reproduce="make audit PIN=v0.33.0")
 
 
 def test_ledger_gold():
@@ -73,18 +74,18 @@ def test_same_routing_same_bytes():
 
 def test_failed_render_keeps_previous_report(tmp_path, monkeypatch):
     r = load()
-    replace_dir(tmp_path, render.report_files(r, profile_title="Kimi-K3", reproduce="x"))
+    replace_dir(tmp_path, render.report_files(r, profile=KIMI_K3, reproduce="x"))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     broken = copy.deepcopy(r)
     broken["cells"][0]["lanes"] = None  # the template cannot render this
     with pytest.raises(RenderError):
-        replace_dir(tmp_path, render.report_files(broken, profile_title="Kimi-K3", reproduce="x"))
+        replace_dir(tmp_path, render.report_files(broken, profile=KIMI_K3, reproduce="x"))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_failed_write_keeps_previous_report(tmp_path, monkeypatch):
     r = load()
-    replace_dir(tmp_path, render.report_files(r, profile_title="Kimi-K3", reproduce="x"))
+    replace_dir(tmp_path, render.report_files(r, profile=KIMI_K3, reproduce="x"))
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     real_fsync, calls = os.fsync, []
 
@@ -98,7 +99,7 @@ def test_failed_write_keeps_previous_report(tmp_path, monkeypatch):
     changed = copy.deepcopy(r)
     changed["run"]["date"] = "2099-01-01"
     with pytest.raises(OSError):
-        replace_dir(tmp_path, render.report_files(changed, profile_title="Kimi-K3", reproduce="x"))
+        replace_dir(tmp_path, render.report_files(changed, profile=KIMI_K3, reproduce="x"))
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp files, nothing replaced
 
 
@@ -130,7 +131,7 @@ def test_a_claim_the_audit_could_not_judge_stays_in_the_verdicts_table():
     r = json.loads((ROOT / "tests" / "data" / "routing-v0.30.0.json").read_text(encoding="utf-8"))
     unjudged = [v for v in r["verdicts"]["rows"] if v["claim"] and v["verdict"] == "UNVERIFIED"]
     assert unjudged  # v0.30.0's DP8+EP cells stop at a simulation limit
-    text = render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    text = render.render_ledger(r, profile=KIMI_K3, reproduce="x")
     verdicts_section = text[text.index("## Verdicts against"):]
     main, _, rest = verdicts_section.partition("<details><summary>")
     collapsed = rest.partition("</details>")[0]
@@ -160,7 +161,7 @@ def test_ledger_lines_and_cells_fit_and_nothing_is_lost():
     from audit.report.render import render_ledger
 
     routing = json.loads((ROOT / "tests" / "data" / "routing-v0.33.0.json").read_text())
-    text = render_ledger(routing, profile_title="Kimi-K3", reproduce="make audit PIN=v0.33.0")
+    text = render_ledger(routing, profile=KIMI_K3, reproduce="make audit PIN=v0.33.0")
     lines = text.splitlines()
     rows = [l for l in lines if l.startswith("|") and l.rstrip().endswith("|")]
     assert max(len(l) for l in lines if l not in rows) <= 400
@@ -182,17 +183,18 @@ def test_ledger_lines_and_cells_fit_and_nothing_is_lost():
 def test_cell_lists_collapse_to_layouts_and_whole_sms():
     from audit.report.render import collapse_cells
 
+    K3_ORDER = list(KIMI_K3.layouts)
     audited = [f"{s}/{l}" for s in ("h100_sxm", "h200_sxm", "b200_sxm", "gb200", "l40s") for l in ("tp8", "dep8")]
-    assert collapse_cells(audited, audited) == "tp8, dep8: every audited system"
+    assert collapse_cells(audited, audited, K3_ORDER) == "tp8, dep8: every audited system"
     assert collapse_cells(["h100_sxm/tp8", "h200_sxm/tp8", "b200_sxm/tp8", "h100_sxm/dep8", "h200_sxm/dep8",
-                           "b200_sxm/dep8"], audited) == "tp8, dep8: SM 9.0, b200_sxm"
-    assert collapse_cells(["l40s/dep8", "gb200/tp8"], audited) == "tp8: gb200; dep8: l40s"
-    assert collapse_cells(["—/—"], audited) == "—"
+                           "b200_sxm/dep8"], audited, K3_ORDER) == "tp8, dep8: SM 9.0, b200_sxm"
+    assert collapse_cells(["l40s/dep8", "gb200/tp8"], audited, K3_ORDER) == "tp8: gb200; dep8: l40s"
+    assert collapse_cells(["—/—"], audited, K3_ORDER) == "—"
 
 
 def test_the_dispatch_stand_ins_are_listed_under_what_was_simulated():
     r = json.loads((ROOT / "tests" / "data" / "routing-v0.33.0.json").read_text(encoding="utf-8"))
-    text = render.render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    text = render.render_ledger(r, profile=KIMI_K3, reproduce="x")
     simulated = text[text.index("## What was simulated"):]
     simulated = simulated[:simulated.index("Simulated device per system")]
     assert "kda_batch" in simulated and "KimiK3DeltaAttention._forward's inputs and callees" in simulated
@@ -210,7 +212,7 @@ def test_tables_mark_the_batches_the_models_step_path_takes():
     from tests.conftest import ROOT
 
     r = json.loads((ROOT / "tests" / "data" / "routing-v0.33.0.json").read_text(encoding="utf-8"))
-    text = render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    text = render_ledger(r, profile=KIMI_K3, reproduce="x")
     marked = [line for line in text.split("\n") if "K3's specialized decode serves instead" in line]
     assert any(line.startswith("| KDA decode |") and "| fused_kda_decode (native) · at decode 1–64: K3's "
                "specialized decode serves instead |" in line for line in marked)

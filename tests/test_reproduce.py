@@ -49,15 +49,16 @@ def _model_pins():
 def test_each_committed_ledger_is_its_routing_rendered(profile, root, pin):
     """Every model's committed ledgers, each against the previous pin's committed routing of the same model."""
     routing = json.loads((root / pin / "routing.json").read_text(encoding="utf-8"))
-    assert routing.get("model", profile.name) == profile.name
+    assert routing["model"] == profile.name
     prev = lockmod.previous_pin(LOCK, pin)
     if prev is None:
         changes = None
     elif (root / prev.name / "routing.json").is_file():
-        changes = diff_routings(json.loads((root / prev.name / "routing.json").read_text(encoding="utf-8")), routing)
+        changes = diff_routings(json.loads((root / prev.name / "routing.json").read_text(encoding="utf-8")), routing,
+                                profile)
     else:
         changes = {"unavailable": prev.name}
-    text = render_ledger(routing, profile_title=profile.title, reproduce=routing["run"]["reproduce"], changes=changes)
+    text = render_ledger(routing, profile=profile, reproduce=routing["run"]["reproduce"], changes=changes)
     assert text == (root / pin / "ledger.md").read_text(encoding="utf-8"), \
         f"{root / pin / 'ledger.md'} is not what today's code renders from its routing.json: run `make reports`"
 

@@ -2,6 +2,7 @@
 import os
 import time
 
+from audit.models.kimi_k3 import KIMI_K3
 from audit.pins.lock import Pin
 from audit.runtimes.base import prune_runs
 
@@ -16,7 +17,7 @@ def test_prune_keeps_newest_and_ignores_pins_sharing_a_prefix(tmp_path):
         old = time.time() - 2 * 3600
         os.utime(runs / name, (old, old))
     os.utime(runs / mine[0], None)  # touched just now: maybe another audit's, kept whatever its name says
-    prune_runs(Pin(name="v0.33.0", vllm_version="0.33.0"), keep=5, root=tmp_path)
+    prune_runs(Pin(name="v0.33.0", vllm_version="0.33.0"), keep=5, root=tmp_path, layouts=KIMI_K3.layouts)
     left = sorted(p.name for p in runs.iterdir())
     assert left == sorted([mine[0]] + mine[2:] + other)
 
@@ -41,16 +42,16 @@ def test_from_runs_takes_the_newest_run_of_every_cell_and_nothing_less(tmp_path)
         return d
 
     pin = Pin(name="v0.33.0", vllm_version="0.33.0")
-    assert newest_full_run(pin, root=tmp_path) is None
+    assert newest_full_run(pin, root=tmp_path, layouts=KIMI_K3.layouts) is None
     full = run("v0.33.0-20261201T100000Z-1")
     run("v0.33.0-20261202T100000Z-2", cells=every[:3])                        # a subset audit
     run("v0.33.0-20261202T110000Z-3", missing=[["l40s", "tp8", {"reason": "killed"}]])
     run("v0.33.0-20261202T120000Z-4", aborted={"kind": "timeout"})
     run("v0.33.0-20261202T130000Z-5", mode="observe")
     run("v0.33.0-image-20261202T140000Z-6")                                 # another pin sharing the prefix
-    assert newest_full_run(pin, root=tmp_path) == full
+    assert newest_full_run(pin, root=tmp_path, layouts=KIMI_K3.layouts) == full
     newer = run("v0.33.0-20261202T150000Z-7")
-    assert newest_full_run(pin, root=tmp_path) == newer
+    assert newest_full_run(pin, root=tmp_path, layouts=KIMI_K3.layouts) == newer
 
 
 def test_prune_never_removes_the_newest_run_of_every_cell(tmp_path):
@@ -74,6 +75,6 @@ def test_prune_never_removes_the_newest_run_of_every_cell(tmp_path):
                                                            "run": {"mode": "resolve"}}))
         os.utime(runs / name, (old, old))
     pin = Pin(name="v0.33.0", vllm_version="0.33.0")
-    prune_runs(pin, keep=3, root=tmp_path)
+    prune_runs(pin, keep=3, root=tmp_path, layouts=KIMI_K3.layouts)
     assert sorted(p.name for p in runs.iterdir()) == sorted([names[1]] + names[-3:])
-    assert newest_full_run(pin, root=tmp_path) == runs / names[1]
+    assert newest_full_run(pin, root=tmp_path, layouts=KIMI_K3.layouts) == runs / names[1]

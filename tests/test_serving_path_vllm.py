@@ -115,11 +115,11 @@ def test_claims_and_labels_follow_the_serving_path(stock, tmp_path):
     cells, r = stock
     (tmp_path / "kernel_source_backends.toml").write_text((ROOT / "expectations" / "kernel_source_backends.toml").read_text())
     (tmp_path / "claims.toml").write_text(CLAIM)
-    verdicts.attach(r, expectations.load(tmp_path / "claims.toml"), display_path="claims.toml")
+    verdicts.attach(r, expectations.load(tmp_path / "claims.toml"), KIMI_K3, display_path="claims.toml")
     rows = {v["at"]: v for v in r["verdicts"]["rows"] if v["claim"] == "moe-trtllm-decode" and v.get("at")}
     assert rows["decode 8"]["verdict"] == "MISMATCH" and "specialized decode" in rows["decode 8"]["why"]
     assert rows["decode 256"]["verdict"] == "MATCH"
-    labels = build_labels(r, label_map=expectations.load(tmp_path / "claims.toml").label_map)
+    labels = build_labels(r, KIMI_K3, label_map=expectations.load(tmp_path / "claims.toml").label_map)
     moe = [row for row in labels["rows"] if (row["system"], row["layout"]) == CELL and row["harness_lane"] == "moe"]
     by = {e["tokens"]: e for e in moe[0]["by_tokens"]}
     assert by["decode 8"]["kernel_source"] == "vllm_specialized_decode_experts"

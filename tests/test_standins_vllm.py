@@ -66,7 +66,7 @@ def _run(vllm_env, tmp_path_factory, name, cells, *, plants=(), **kw):
     r = routing.build_routing(files, KIMI_K3, pin=pin_info, expected=list(cells))
     return {"routing": r, "files": {f.cell: f for f in files if f.cell},
             "cells": {(c["system"], c["layout"]): c for c in r["cells"]},
-            "ledger": render_ledger(r, profile_title="Kimi-K3", reproduce="x")}
+            "ledger": render_ledger(r, profile=KIMI_K3, reproduce="x")}
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from audit.errors import ExitCode
 from audit.report.expectations import ExpectationsError
 from audit.report.verdicts import judge, summary
 from tests.conftest import ROOT
+from audit.models.kimi_k3 import KIMI_K3
 
 DATA = ROOT / "tests" / "data"
 SHIPPED = ROOT / "expectations" / "kimi-k3.toml"
@@ -47,7 +48,7 @@ def test_shipped_expectations_load():
 
 def test_verdicts_on_the_real_v0_33_audit():
     shipped = expectations.load(SHIPPED)
-    rows = judge(routing(), shipped)
+    rows = judge(routing(), shipped, KIMI_K3)
     at_claims = {c.id for c in shipped.claims if c.at}  # claims about a batch size: judged per batch by design
     # Marlin claim: true on SM89, false on SM90 (Humming) and SM100 (TRT-LLM) in vLLM 0.33.0
     assert verdict_of(rows, "moe-w4a16-marlin", "l40s", "tp8", "moe") == "MATCH"
@@ -95,7 +96,7 @@ systems = ["sm90"]
 backend = "flashinfer_trtllm_gen"
 source = "test"
 ''')
-    rows = judge(routing(), expectations.load(path))
+    rows = judge(routing(), expectations.load(path), KIMI_K3)
     r = [x for x in rows if x["claim"] == "trtllm-on-hopper" and x["system"] == "h100_sxm"][0]
     assert r["verdict"] == "SILENT_FALLBACK"
     assert "rejected TrtLlmMxfp4Experts" in r["why"] and "kernel does not support" in r["why"]
@@ -127,7 +128,7 @@ source = "test"
         g["value"] = "MARLIN / MarlinExperts"
         g["raw"]["fields"] = ["Mxfp4MoeBackend.MARLIN", "vllm.model_executor.layers.fused_moe.fused_marlin_moe:MarlinExperts",
                               "vllm.model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod"]
-    rows = [x for x in judge(r, expectations.load(path)) if x["claim"] == "humming-on-hopper"]
+    rows = [x for x in judge(r, expectations.load(path), KIMI_K3) if x["claim"] == "humming-on-hopper"]
     assert rows and {x["verdict"] for x in rows} == {"SILENT_FALLBACK"}
     why = rows[0]["why"]
     assert why.startswith("vLLM rejected HummingIndexedExperts (HUMMING): planted: no"), why
@@ -144,7 +145,7 @@ systems = ["h100_sxm"]
 backend = "humming"
 forbidden = ["humming"]
 ''')
-    rows = judge(routing(), expectations.load(path))
+    rows = judge(routing(), expectations.load(path), KIMI_K3)
     assert verdict_of(rows, "no-humming", "h100_sxm", "tp8", "moe") == "MISMATCH"
 
 
@@ -186,7 +187,7 @@ def test_malformed_label_map(tmp_path):
 
 def test_verdicts_are_deterministic():
     exp = expectations.load(SHIPPED)
-    assert judge(routing(), exp) == judge(copy.deepcopy(routing()), exp)
+    assert judge(routing(), exp, KIMI_K3) == judge(copy.deepcopy(routing()), exp, KIMI_K3)
 
 
 def test_a_claim_on_a_drifted_lane_stays_visible_as_unverified():
@@ -200,7 +201,7 @@ def test_a_claim_on_a_drifted_lane_stays_visible_as_unverified():
     cell["lanes"]["kda.prefill"] = []
     cell["drift"] = [{"target": "kda.prefill_backend", "title": "KDA prefill selector", "required": True,
                       "attempts": []}]
-    rows = [v for v in judge(r, exp) if (v["system"], v["layout"], v["lane"]) ==
+    rows = [v for v in judge(r, exp, KIMI_K3) if (v["system"], v["layout"], v["lane"]) ==
             (cell["system"], cell["layout"], "kda.prefill")]
     assert sorted(v["claim"] for v in rows) == sorted(claimed)
     assert {v["verdict"] for v in rows} == {"UNVERIFIED"}
@@ -209,7 +210,7 @@ def test_a_claim_on_a_drifted_lane_stays_visible_as_unverified():
     r = routing()
     other = next(c for c in r["cells"] if c["status"] == "COMPLETE")
     other["status"] = "INCOMPLETE"
-    rows = [v for v in judge(r, exp) if (v["system"], v["layout"]) == (other["system"], other["layout"])]
+    rows = [v for v in judge(r, exp, KIMI_K3) if (v["system"], v["layout"]) == (other["system"], other["layout"])]
     assert rows and {v["verdict"] for v in rows} == {"UNVERIFIED"}
     assert summary(rows)["UNVERIFIED"] == len(rows)
 
@@ -235,7 +236,7 @@ systems = ["h100_sxm", "b200_sxm"]
 backend = "flash_attn"
 kernel_source = "flashattnprefillbackend"
 ''')
-    rows = judge(routing(), expectations.load(path))
+    rows = judge(routing(), expectations.load(path), KIMI_K3)
     short = _at(rows, "mla-prefill-chunks", "h100_sxm", "tp8", "prefill 512")
     assert short["verdict"] == "MATCH" and short["label"] == "flashattnmlabackend"
     assert "takes MLA's decode path" in short["why"] and "perf-db label flashattnprefillbackend differs" in short["why"]
@@ -267,7 +268,7 @@ systems = ["b200_sxm"]
 backend = "flashinfer_trtllm_gen"
 dispatch = { moe_experts = "tile 8" }
 ''')
-    rows = judge(routing(), expectations.load(path))
+    rows = judge(routing(), expectations.load(path), KIMI_K3)
     assert _at(rows, "tail-fusion", "b200_sxm", "tp8", "decode 1")["verdict"] == "MATCH"
     assert _at(rows, "tail-fusion", "b200_sxm", "tp8", "decode 64")["verdict"] == "MATCH"
     big = _at(rows, "tail-fusion", "b200_sxm", "tp8", "decode 256")
@@ -297,7 +298,7 @@ def test_a_tier_vllm_could_not_be_asked_for_is_unverified_never_a_mismatch(tmp_p
     cell = next(c for c in r["cells"] if (c["system"], c["layout"]) == ("b200_sxm", "tp8"))
     for entry in cell["dispatch"]["lanes"]["latent_tail"]:
         entry["tiers"]["decode 1"] = tiers.not_resolved("RuntimeError: planted")
-    row = _at(judge(r, expectations.load(path)), "tail-fusion", "b200_sxm", "tp8", "decode 1")
+    row = _at(judge(r, expectations.load(path), KIMI_K3), "tail-fusion", "b200_sxm", "tp8", "decode 1")
     assert row["verdict"] == "UNVERIFIED"
     assert row["why"] == "not judged: Latent MoE tail tier at decode 1: not resolved: RuntimeError: planted"
     # the parse wants the whole prefix: a choice that merely begins with the words is vLLM's choice
@@ -309,11 +310,11 @@ def test_tier_verdicts_fail_the_gate_and_render_with_their_batch_size(tmp_path):
     from audit.report.verdicts import FAILING, attach, grouped
 
     path = write_claims(tmp_path, _tail_fusion_at_b200_tp8("decode 256"))
-    r = attach(routing(), expectations.load(path), display_path="claims.toml")
+    r = attach(routing(), expectations.load(path), KIMI_K3, display_path="claims.toml")
     assert r["verdicts"]["summary"]["MISMATCH"] == 1 and "MISMATCH" in FAILING
     assert r["verdicts"]["claims"][0]["at"] == ["decode 256"]
     assert [g["at"] for g in grouped(r["verdicts"]["rows"]) if g["claim"] == "tail-fusion"] == ["decode 256"]
-    text = render_ledger(r, profile_title="Kimi-K3", reproduce="x")
+    text = render_ledger(r, profile=KIMI_K3, reproduce="x")
     assert "| MISMATCH | `tail-fusion` | Routed experts at decode 256 |" in text
 
 
@@ -346,14 +347,14 @@ def test_a_claim_no_cell_of_the_run_can_judge_stays_in_the_table_with_why():
     exp = expectations.load(SHIPPED)
     r = routing()
     r["cells"] = [c for c in r["cells"] if c["system"] == "b200_sxm"]
-    attach(r, exp, display_path="kimi-k3.toml")
+    attach(r, exp, KIMI_K3, display_path="kimi-k3.toml")
     rows = r["verdicts"]["rows"]
     assert {c.id for c in exp.claims} <= {v["claim"] for v in rows}
     apart = [v for v in rows if v["system"] == "—"]
     assert apart and {v["verdict"] for v in apart} == {"UNVERIFIED"}
     assert any("not audited in this run" in v["why"] and "h100_sxm/tp8" in v["why"] for v in apart)
     r = routing()
-    attach(r, exp, display_path="kimi-k3.toml")
+    attach(r, exp, KIMI_K3, display_path="kimi-k3.toml")
     assert any("the tp8-specdec layout does not exist on SM 9.0" in v["why"] for v in r["verdicts"]["rows"])
 
 
@@ -364,7 +365,7 @@ def test_a_refusal_at_load_is_one_event_on_the_layer_kind_vllm_refused():
     r = routing("v0.30.0")
     cell = next(c for c in r["cells"] if (c["system"], c["layout"]) == ("h200_sxm", "dep8"))
     assert cell["load_refused"]["kind"] == "moe"
-    rows = [v for v in judge(r, expectations.load(SHIPPED)) if (v["system"], v["layout"]) == ("h200_sxm", "dep8")]
+    rows = [v for v in judge(r, expectations.load(SHIPPED), KIMI_K3) if (v["system"], v["layout"]) == ("h200_sxm", "dep8")]
     refused = [v for v in rows if v["verdict"] == "REFUSED"]
     assert [(v["claim"], v["lane"]) for v in refused] == [("", "moe")]
     assert "refused at load" in refused[0]["why"] and "SM100" in refused[0]["why"]
@@ -376,7 +377,7 @@ def test_a_refusal_at_load_is_one_event_on_the_layer_kind_vllm_refused():
     for c in unknown["cells"]:
         if c.get("load_refused"):
             c["load_refused"]["kind"] = None
-    rows = [v for v in judge(unknown, expectations.load(SHIPPED)) if (v["system"], v["layout"]) == ("h200_sxm", "dep8")]
+    rows = [v for v in judge(unknown, expectations.load(SHIPPED), KIMI_K3) if (v["system"], v["layout"]) == ("h200_sxm", "dep8")]
     assert rows and all(v["verdict"] == "REFUSED" for v in rows)
 
 
@@ -399,7 +400,7 @@ layouts = ["tp8"]
 systems = ["b200_sxm"]
 backend = "flashinfer_trtllm_gen"
 ''', label_map=False)
-    rows = judge(routing(), expectations.load(path))
+    rows = judge(routing(), expectations.load(path), KIMI_K3)
     bf16 = [r for r in rows if r["claim"] == "trtllm-bf16"]
     assert {r["verdict"] for r in bf16} == {"MISMATCH"}
     assert "the claim's lane is w4a16_mxfp4" in bf16[0]["why"] and "lane w4a8_mxfp4_mxfp8" in bf16[0]["why"]
@@ -412,7 +413,7 @@ def test_one_story_per_batch_where_the_specialized_decode_takes_some_batches():
     stock kernel at a batch the specialized decode serves; the KDA prefill claim (a phase the stock path serves)
     stays one row."""
     exp = expectations.load(SHIPPED)
-    rows = judge(routing(), exp)
+    rows = judge(routing(), exp, KIMI_K3)
     decode = {r.get("at"): r for r in rows if (r["claim"], r["system"], r["layout"]) ==
               ("kda-generation-fused", "b200_sxm", "tp8-specdec")}
     assert set(decode) == {"decode 1", "decode 8", "decode 64", "decode 256"}

@@ -1,8 +1,9 @@
 """The models the harness audits: one profile each (``audit/models/<model>.py``), registered here.
 
-This registry is the only place that lists models. The CLI's ``--model`` (``MODEL=``) picks one by name;
-shared code (routing, verdicts, labels, rendering) finds a report's profile from the ``model`` its evidence
-names. The default model's reports and runs keep their historical places (``reports/<pin>/``); every other
+This registry is the only place that lists models. The CLI's ``--model`` (``MODEL=``) picks one by name
+(:data:`DEFAULT` when it is not given) and hands the profile down: routing, verdicts, labels, diffs and rendering
+take it as an argument and check that the documents they read are that model's. A stored document is read as
+the model it names (:func:`named_in`), never as a default one. The default model's reports and runs keep their historical places (``reports/<pin>/``); every other
 model's live under ``reports/<model>/<pin>/`` and are named ``<model>--<pin>-...`` among the runs.
 """
 from __future__ import annotations
@@ -19,12 +20,27 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (KIMI_K3, GPT_OSS_120B, DEEPS
 DEFAULT = KIMI_K3.name
 
 
-def get(name: str | None) -> Profile:
-    """The profile named *name* (None: the default model); an unknown name is bad input naming the known ones."""
-    if name in (None, ""):
-        return PROFILES[DEFAULT]
+def get(name: str) -> Profile:
+    """The profile named *name*; an unknown or missing name is bad input naming the known ones. There is no
+    fallback: a caller that has no model name asks the user (the CLI's ``--model`` defaults to :data:`DEFAULT`)."""
+    if not name or name not in PROFILES:
+        raise SelectionError("model", str(name or ""), known=list(PROFILES))
+    return PROFILES[name]
+
+
+def named_in(doc: dict, *, what: str, path: str | None = None, key: str = "model") -> Profile:
+    """The profile a stored document names (a routing's or a diff's ``model``, a run's ``profile``). A document
+    that names none, or a model this harness does not have, is refused: it is never read as the default model's."""
+    from audit.errors import EvidenceError
+
+    name = doc.get(key) if isinstance(doc, dict) else None
+    if not name:
+        raise EvidenceError(f"{what} names no model (no {key!r} key)", path=path,
+                            hint="it was not written by this harness's audit; audit the pin again "
+                                 "(serving-truth audit PIN --model MODEL)")
     if name not in PROFILES:
-        raise SelectionError("model", str(name), known=list(PROFILES))
+        raise EvidenceError(f"{what} is of the model {name!r}, which this harness does not have", path=path,
+                            hint="known models: " + ", ".join(PROFILES))
     return PROFILES[name]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from audit.report import dispatch
 from audit.report.perflabels import refusal
 from audit.report.verdicts import SEVERITY, whole_lane_row
-from audit.errors import UsageError
+from audit.errors import RenderError, UsageError
 
 DIFF_SCHEMA = 1
 
@@ -48,9 +48,10 @@ NOT_BUILT = "— (not built in this audit: construction stopped)"
 NOT_READ = "— (not read in this audit: construction stopped before the built modules were inspected)"
 
 
-def diff_routings(old: dict, new: dict) -> dict:
-    """Compare two routing models of one model. Rows group identical (lane, before, after) changes; routings of
-    two different models are refused (their lanes and layers are not the same things)."""
+def diff_routings(old: dict, new: dict, profile) -> dict:
+    """Compare two routing models of one model, *profile*'s (handed down by the caller). Rows group identical
+    (lane, before, after) changes; routings of two different models are refused (their lanes and layers are not the
+    same things), and so is a routing of another model than *profile*'s or of none."""
     a, b = old.get("model"), new.get("model")
     if a and b and a != b:
         raise UsageError(f"cannot diff routings of two models: the audit of {_build(old)['pin']!r} is of {a!r}, "
@@ -58,6 +59,14 @@ def diff_routings(old: dict, new: dict) -> dict:
                          hint=f"diff two pins of one model: serving-truth diff FROM TO --model {b} (each model's "
                               "reports live in their own directory: reports/<pin>/ for the default model, "
                               "reports/<model>/<pin>/ for the others)")
+    for side in (old, new):
+        named = side.get("model")
+        if not named:
+            raise UsageError(f"the audit of {_build(side)['pin']!r} names no model, so it cannot be diffed as "
+                             f"{profile.name}'s", hint="audit that pin again with this harness")
+        if named != profile.name:
+            raise UsageError(f"the audit of {_build(side)['pin']!r} is of {named!r}, not of {profile.name!r}",
+                             hint=f"diff its model's reports: serving-truth diff FROM TO --model {named}")
     titles = {**old.get("lane_titles", {}), **new.get("lane_titles", {})}
     old_cells = {(c["system"], c["layout"]): c for c in old["cells"]}
     new_cells = {(c["system"], c["layout"]): c for c in new["cells"]}
@@ -150,7 +159,7 @@ def diff_routings(old: dict, new: dict) -> dict:
             da = {"workloads": db.get("workloads", []), "lanes": {}, "absent": NOT_BUILT}
         if db is None and da and new_cells[cell].get("status") != "COMPLETE" and _has_dispatch(new):
             db = {"workloads": da.get("workloads", []), "lanes": {}, "absent": NOT_BUILT}
-        for what, before, after, layers in dispatch.diff_cells(da, db, new.get("model")):
+        for what, before, after, layers in dispatch.diff_cells(da, db, profile):
             add(dispatch_changes, (what, before, after), cell, layers)
 
     def information(kind: str, key: tuple) -> str:
@@ -204,8 +213,7 @@ def diff_routings(old: dict, new: dict) -> dict:
         """The cells a row touched, by layout (never a systems x layouts product): a whole SM reads "SM 10.0"."""
         from audit.report.render import collapse_cells
 
-        return collapse_cells([f"{s}/{l}" for s, l in cells], audited,
-                              _layout_order(new.get("model") or old.get("model")))
+        return collapse_cells([f"{s}/{l}" for s, l in cells], audited, list(profile.layouts))
 
     # the availability answers a cell changed count as serving where something in that cell changed serving
     # with them (the answer decided a selection); alone they are information
@@ -267,7 +275,7 @@ def diff_routings(old: dict, new: dict) -> dict:
     d = {
         "schema": DIFF_SCHEMA,
         # whose routings these are (the newer one's): the rendered diff names the model and orders its layouts
-        "model": new.get("model") or old.get("model"),
+        "model": profile.name,
         "from": _build(old), "to": _build(new),
         "changes": changes,
         "serving_changes": len(serving),
@@ -286,7 +294,7 @@ def diff_routings(old: dict, new: dict) -> dict:
     }
     from audit.report.summary import pr_summary
 
-    d["summary"] = pr_summary(d, old, new)
+    d["summary"] = pr_summary(d, old, new, profile)
     return d
 
 
@@ -294,15 +302,6 @@ def diff_routings(old: dict, new: dict) -> dict:
 SERVING_CLASSES = ("kernel", "refusal", "stop", "tier", "availability", "probe")
 #: lane values (our own vocabulary) that say the lane takes nothing: no kernel serves through it
 INACTIVE = ("not requested", "not taken", "not exercised", "stock path (")
-
-
-def _layout_order(model: str | None) -> list[str]:
-    from audit import models
-
-    try:
-        return list(models.get(model).layouts)
-    except Exception:  # a routing of a model this harness no longer has: alphabetical
-        return []
 
 
 def _inactive(value: str) -> bool:
@@ -486,26 +485,28 @@ def load_routing(reports_dir: Path, pin: str) -> dict:
     return data
 
 
-def render_diff(d: dict) -> str:
-    """The markdown diff, in the words of the diffed model's profile (``d["model"]``; absent: the default model)."""
-    from audit import models
+def render_diff(d: dict, profile) -> str:
+    """The markdown diff, in the words of the diffed model's *profile* (the one ``d["model"]`` names)."""
     from audit.report.fit import fit
     from audit.report.render import _env
 
-    profile = models.get(d.get("model"))
+    if d.get("model") != profile.name:
+        raise RenderError(f"this diff is of the model {d.get('model')!r}, not of {profile.name!r}; no report file "
+                          "was changed")
     return fit(_env(list(profile.layouts)).get_template("diff.md.j2").render(d=d, model_title=profile.title))
 
 
-def write_diff(reports_dir: Path, from_pin: str, to_pin: str, d: dict | None = None) -> tuple[Path, Path, dict]:
-    """Render reports/diffs/<from>..<to>.md and .json (both rendered before either is replaced); *d* is the
-    diff when the caller computed it already."""
+def write_diff(reports_dir: Path, from_pin: str, to_pin: str, profile,
+               d: dict | None = None) -> tuple[Path, Path, dict]:
+    """Render reports/diffs/<from>..<to>.md and .json of *profile*'s model (both rendered before either is
+    replaced); *d* is the diff when the caller computed it already."""
     from audit.fsutil import report_dir_for, write_all_atomic
 
     for pin in (from_pin, to_pin):
         report_dir_for(reports_dir, pin)  # names that are no plain directory name never reach a path
     if d is None:
-        d = diff_routings(load_routing(reports_dir, from_pin), load_routing(reports_dir, to_pin))
+        d = diff_routings(load_routing(reports_dir, from_pin), load_routing(reports_dir, to_pin), profile)
     out = Path(reports_dir) / "diffs"
     md, js = out / f"{from_pin}..{to_pin}.md", out / f"{from_pin}..{to_pin}.json"
-    write_all_atomic({js: json.dumps(d, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d)})
+    write_all_atomic({js: json.dumps(d, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d, profile)})
     return md, js, d

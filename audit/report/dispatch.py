@@ -44,29 +44,23 @@ STAND_INS: dict[str, tuple[str, str]] = {}
 STEP_PATH_SOURCE = "step_path"
 
 
-def _profile(model: str | None):
-    from audit import models
-
-    return models.get(model)
-
-
-def lane_titles(model: str | None) -> dict[str, str]:
-    """Every dispatch lane's title as *model*'s ledger names it (its profile's own titles over the shared ones), in
+def lane_titles(profile) -> dict[str, str]:
+    """Every dispatch lane's title as *profile*'s model's ledger names it (its profile's own titles over the shared ones), in
     the order its ledger shows them (its profile's ``dispatch.order``; lanes it does not order follow, the shared
     ones first)."""
-    own = _profile(model).dispatch
+    own = profile.dispatch
     titles = {**LANE_TITLES, **own.titles}
     order = [*own.order, *(lane for lane in titles if lane not in own.order)]
     return {lane: titles.get(lane, lane) for lane in order}
 
 
-def lane_notes(model: str | None) -> dict[str, str]:
-    return {**LANE_NOTES, **_profile(model).dispatch.notes}
+def lane_notes(profile) -> dict[str, str]:
+    return {**LANE_NOTES, **profile.dispatch.notes}
 
 
-def stand_ins(cells: list[dict], model: str | None) -> dict[str, str]:
-    """The dispatch stand-ins of the lanes any cell resolved (the shared lanes' and *model*'s own)."""
-    known = {**STAND_INS, **_profile(model).dispatch.stand_ins}
+def stand_ins(cells: list[dict], profile) -> dict[str, str]:
+    """The dispatch stand-ins of the lanes any cell resolved (the shared lanes' and *profile*'s own)."""
+    known = {**STAND_INS, **profile.dispatch.stand_ins}
     lanes = {lane for c in cells for lane in ((c.get("dispatch") or {}).get("lanes") or {})}
     return dict(known[lane] for lane in sorted(lanes) if lane in known)
 
@@ -83,8 +77,8 @@ def workload_key(w: dict) -> str:
     return f"{w['phase']} {w['tokens']}"
 
 
-def cell_tiers(f: EvidenceFile, model: str | None = None) -> dict | None:
-    """The cell's ``dispatch`` entry for routing.json (lanes in *model*'s ledger order), or None when the stage did
+def cell_tiers(f: EvidenceFile, profile) -> dict | None:
+    """The cell's ``dispatch`` entry for routing.json (lanes in *profile*'s ledger order), or None when the stage did
     not run."""
     stage = f.of_kind("dispatch-stage")
     if not stage:
@@ -99,7 +93,7 @@ def cell_tiers(f: EvidenceFile, model: str | None = None) -> dict | None:
             "source": r.get("source", ""), "tiers": tiers})
     for rows in lanes.values():
         rows.sort(key=lambda g: (g["role"] != "target", g["layers"][:1], g["group"]))
-    order = list(lane_titles(model))
+    order = list(lane_titles(profile))
     return {"workloads": [workload_key(w) for w in st.get("workloads", [])],
             "lanes": dict(sorted(lanes.items(), key=lambda kv: _lane_order(kv[0], order))),
             "errors": st.get("errors", {})}
@@ -115,7 +109,7 @@ def workload_order(key: str) -> tuple:
     return (PHASE_ORDER.get(phase, 9), int(rest.split(" ")[0]) if rest.split(" ")[0].isdigit() else 0)
 
 
-def ledger_tables(cells: list[dict], model: str | None = None) -> list[dict]:
+def ledger_tables(cells: list[dict], profile) -> list[dict]:
     """One table per lane across cells: rows with the same group, layers and tiers are merged and
     list their cells; columns are every workload any cell resolved (``—`` where a cell has none)."""
     by_lane: dict[str, dict] = {}
@@ -135,7 +129,7 @@ def ledger_tables(cells: list[dict], model: str | None = None) -> list[dict]:
                                                  "tiers": g["tiers"], "level": g["level"], "cells": []})
                 if name not in row["cells"]:
                     row["cells"].append(name)
-    out, titles, notes = [], lane_titles(model), lane_notes(model)
+    out, titles, notes = [], lane_titles(profile), lane_notes(profile)
     order = list(titles)
     for lane in sorted(by_lane, key=lambda lane: _lane_order(lane, order)):
         t = by_lane[lane]
@@ -181,7 +175,7 @@ def stage_errors(cells: list[dict]) -> list[dict]:
     return out
 
 
-def diff_cells(a: dict | None, b: dict | None, model: str | None = None):
+def diff_cells(a: dict | None, b: dict | None, profile):
     """(what, before, after, layers) for every choice that moved between two audits of one cell;
     workloads next to each other (in the cell's order) with the same move fold into one span. Nothing
     when either audit did not resolve dispatch tiers (an older report says nothing, not "—")."""
@@ -208,7 +202,7 @@ def diff_cells(a: dict | None, b: dict | None, model: str | None = None):
     folded: dict[tuple, list[str]] = {}
     for (lane, role, group, workload, before, after), layers in moved.items():
         folded.setdefault((lane, role, group, before, after, tuple(sorted(layers))), []).append(workload)
-    titles = lane_titles(model)
+    titles = lane_titles(profile)
     for (lane, role, group, before, after, layers), workloads in sorted(folded.items(), key=str):
         span = _fold(sorted(workloads, key=lambda w: order.index(w) if w in order else len(order)), order)
         what = f"{titles.get(lane, lane)} · `{group}`{' (draft)' if role != 'target' else ''} at {span}"

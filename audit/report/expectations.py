@@ -164,7 +164,7 @@ def load(path: str | Path) -> Expectations:
     perf_lanes, layout_names = profile.perf_lanes, list(profile.layouts)
     from audit.report.dispatch import lane_titles
 
-    dispatch_lanes = lane_titles(profile.name)
+    dispatch_lanes = lane_titles(profile)
     if not isinstance(data.get("claim", []), list):
         raise ExpectationsError("'claim' must be an array of tables ([[claim]])", path=sp,
                                 line=_key_line(text, 1, "claim"))

@@ -134,13 +134,14 @@ def accepted_text(routing: dict, *, source: str, keep_notes: dict[tuple, str] | 
     return "\n".join(lines)
 
 
-def judge_gate(baseline: dict, routing: dict, accepted: set[tuple] | None, *, accepted_path: str = "",
+def judge_gate(baseline: dict, routing: dict, accepted: set[tuple] | None, profile, *, accepted_path: str = "",
                diff: dict | None = None) -> dict:
-    """The gate's answer for *routing* against *baseline*: serving changes (diff rows), new findings, and
-    which cells it could not compare. *diff*: the two routings' diff where the caller computed it already."""
+    """The gate's answer for *routing* against *baseline* (both *profile*'s model's): serving changes (diff rows),
+    new findings, and which cells it could not compare. *diff*: the two routings' diff where the caller computed
+    it already."""
     from audit.report.diff import diff_routings
 
-    d = diff if diff is not None else diff_routings(baseline, routing)
+    d = diff if diff is not None else diff_routings(baseline, routing, profile)
     changes = [c for c in d["changes"] if c["serving"]]
     accepted = accepted or set()
     before = {finding_key(f) for f in findings(baseline)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+from audit.errors import RenderError
 from audit.report.dispatch import serving_group, serving_path, step_path_group, tier_choice
 from audit.report.expectations import sm_family
 from audit.report.labels import derive
@@ -104,11 +105,10 @@ def refusal(cell: dict) -> str | None:
     return None
 
 
-def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict:
-    """The labels file for one audit (see module doc), in its model's vocabulary (the profile's judged lanes)."""
-    from audit import models
-
-    profile = models.get(routing.get("model"))
+def build_labels(routing: dict, profile, label_map: dict[str, str] | None = None) -> dict:
+    """The labels file for one audit (see module doc), in its model's vocabulary (*profile*'s judged lanes)."""
+    if routing.get("model") != profile.name:
+        raise RenderError(f"the routing is of the model {routing.get('model')!r}, labelled as {profile.name!r}'s")
     rows, skipped = [], []
     for cell in routing["cells"]:
         system, layout = cell["system"], cell["layout"]
@@ -139,7 +139,7 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
                     row["by_tokens"] = _by_tokens(profile, cell, judged, g, label_map or {})
                 rows.append(row)
     rows.sort(key=lambda r: (r["lane"], r["system"], r["layout"], r["phase"], r["layers"]))
-    return {"schema": LABELS_SCHEMA, "model": routing.get("model"), "architecture": routing.get("architecture"),
+    return {"schema": LABELS_SCHEMA, "model": profile.name, "architecture": routing.get("architecture"),
             "pin": {k: routing.get("pin", {}).get(k) for k in ("name", "vllm_version", "wheel_sha256")},
             "vocabulary": {"lanes": sorted(set(profile.perf_lanes)),
                            "note": "lane and kernel_source as the perf database's expectations write them; "
@@ -147,8 +147,8 @@ def build_labels(routing: dict, label_map: dict[str, str] | None = None) -> dict
             "rows": rows, "not_labelled": skipped}
 
 
-def labels_json(routing: dict, label_map: dict[str, str] | None = None) -> str:
-    return json.dumps(build_labels(routing, label_map), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+def labels_json(routing: dict, profile, label_map: dict[str, str] | None = None) -> str:
+    return json.dumps(build_labels(routing, profile, label_map), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 __all__ = ["build_labels", "labels_json", "moe_perf_lane"]

@@ -24,9 +24,9 @@ def _md(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ").strip()
 
 
-def _env(layout_order: list[str] | None = None) -> jinja2.Environment:
+def _env(layout_order: list[str]) -> jinja2.Environment:
     """The templates' environment; ``layout_order`` orders layouts in collapsed cell lists (the model's own
-    layout order; None: the default model's)."""
+    layout order)."""
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("audit.report", "templates"),
         undefined=jinja2.StrictUndefined,
@@ -42,7 +42,7 @@ def _env(layout_order: list[str] | None = None) -> jinja2.Environment:
     return env
 
 
-def collapse_cells(cells: list[str], audited: list[str] | None = None, layout_order: list[str] | None = None) -> str:
+def collapse_cells(cells: list[str], audited: list[str] | None, layout_order: list[str]) -> str:
     """``system/layout`` ids, shortened: grouped by layout; a layout on every system of the audit reads "every
     audited system" (never a subset: a layout only some systems have names their SMs), a whole SM (all audited systems of one capability) reads "SM 10.0"; layouts with the same
     systems share one entry ("tp8, tp16: SM 10.0, h100_sxm")."""
@@ -59,10 +59,6 @@ def collapse_cells(cells: list[str], audited: list[str] | None = None, layout_or
         audited_by.setdefault(layout, set()).add(system)
     everyone = {c.partition("/")[0] for c in audited or cells}
     order = {name: i for i, name in enumerate(SYSTEMS)}
-    if layout_order is None:
-        from audit import models
-
-        layout_order = list(models.get(None).layouts)
     lay_order = {name: i for i, name in enumerate(layout_order)}
 
     def systems_text(layout: str, systems: set[str]) -> str:
@@ -192,10 +188,20 @@ def glance(routing: dict, changes: dict | None) -> dict:
     return out
 
 
-def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
-    from audit import models
+def check_model(routing: dict, profile) -> None:
+    """A routing is rendered, judged and labelled in the words of its own model's profile only: the profile handed
+    down must be the one the routing names (a routing that names none is refused, never read as some model's)."""
+    named = routing.get("model")
+    if not named:
+        raise RenderError(f"this routing names no model (rendering it as {profile.name!r} would be a guess); no "
+                          "report file was changed")
+    if named != profile.name:
+        raise RenderError(f"this routing is of the model {named!r}, not of {profile.name!r}; no report file was "
+                          "changed")
 
-    profile = models.get(routing.get("model"))
+
+def view_model(routing: dict, *, profile, reproduce: str) -> dict:
+    check_model(routing, profile)
     cells = routing["cells"]
     systems = [s for s in SYSTEMS.values() if any(c["system"] == s.name for c in cells)]
     known_layouts = [l for l in profile.layouts.values() if any(c["layout"] == l.name for c in cells)]
@@ -304,10 +310,10 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         for k, v in c.get("simulated", {}).items():
             merged.setdefault(k, set()).add(str(v))
     simulated = {k: "; ".join(sorted(v)) for k, v in sorted(merged.items())}
-    simulated.update(dispatch.stand_ins(cells, routing.get("model")))
+    simulated.update(dispatch.stand_ins(cells, profile))
     levels = sorted(set().union(*[_levels(c) for c in cells]))
     return {
-        "title": profile_title,
+        "title": profile.title,
         "routing": routing,
         "pin": {"image_config_digest": "", "image_tarball": "", **routing["pin"]},
         "run": {"vllm_commit": "", "runtime": "?", "python": "", "mode": "resolve", "date": "?",
@@ -317,7 +323,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "systems": systems,
         "sm_families": _sm_families(systems),
         "value_kernels": _value_kernels(profile, lane_titles),
-        "claim_words": _claim_words(routing),
+        "claim_words": _claim_words(routing, profile),
         "layouts": known_layouts,
         "matrices": matrices,
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],
@@ -359,7 +365,7 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
         "model_notes": {"glossary": (), "layer_numbers": "Layer numbers are vLLM's 0-based module indices.",
                         "candidates_of": "attention layers", "state_example": "", **profile.ledger_notes},
         # --- dispatch tiers (audit/report/dispatch.py, templates/dispatch.md.j2) ---
-        "dispatch_tables": dispatch.ledger_tables(cells, routing.get("model")),
+        "dispatch_tables": dispatch.ledger_tables(cells, profile),
         # a model whose own path serves some steps: the stock lanes' tables are not about those steps
         "dispatch_step_path": (f"; the {profile.step_path.name}'s\nown modules are not built, see its table"
                                if profile.step_path is not None else ""),
@@ -369,12 +375,12 @@ def view_model(routing: dict, *, profile_title: str, reproduce: str) -> dict:
     }
 
 
-def render_ledger(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None) -> str:
+def render_ledger(routing: dict, *, profile, reproduce: str, changes: dict | None = None) -> str:
+    """The ledger of *routing*, in the words of *profile* (its model's, handed down by the caller)."""
+    check_model(routing, profile)
     try:
-        from audit import models
-
-        template = _env(list(models.get(routing.get("model")).layouts)).get_template("ledger.md.j2")
-        return fit(template.render(**view_model(routing, profile_title=profile_title, reproduce=reproduce),
+        template = _env(list(profile.layouts)).get_template("ledger.md.j2")
+        return fit(template.render(**view_model(routing, profile=profile, reproduce=reproduce),
                                    changes=changes, glance=glance(routing, changes)))
     except (jinja2.TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise RenderError(f"the ledger could not be rendered from this routing ({type(exc).__name__}: {exc}); "
@@ -385,14 +391,15 @@ def routing_json(routing: dict) -> str:
     return json.dumps(routing, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-def report_files(routing: dict, *, profile_title: str, reproduce: str, changes: dict | None = None,
+def report_files(routing: dict, *, profile, reproduce: str, changes: dict | None = None,
                  label_map: dict[str, str] | None = None) -> dict[str, str]:
     """Everything a report directory holds, rendered (nothing is written): the ledger, routing.json and
     labels.json (the perf-database labels the evidence gives, see audit.report.perflabels)."""
     from audit.report.perflabels import labels_json
 
-    ledger = render_ledger(routing, profile_title=profile_title, reproduce=reproduce, changes=changes)
-    return {"routing.json": routing_json(routing), "ledger.md": ledger, "labels.json": labels_json(routing, label_map)}
+    ledger = render_ledger(routing, profile=profile, reproduce=reproduce, changes=changes)
+    return {"routing.json": routing_json(routing), "ledger.md": ledger,
+            "labels.json": labels_json(routing, profile, label_map)}
 
 
 def _sm_families(systems) -> list[dict]:
@@ -403,13 +410,13 @@ def _sm_families(systems) -> list[dict]:
     return [{"family": "SM " + ".".join(str(x) for x in k), "systems": v} for k, v in sorted(out.items())]
 
 
-def _claim_words(routing: dict) -> str:
+def _claim_words(routing: dict, profile) -> str:
     """The perf database's words (the claims' backend families) mapped to the kernels this ledger names, in one
     line: family -> its kernel sources here (from labels.json's rows, per batch where a step path serves)."""
     from audit.report.perflabels import build_labels
 
     words: dict[str, set[str]] = {}
-    for r in build_labels(routing)["rows"]:
+    for r in build_labels(routing, profile)["rows"]:
         for entry in [r, *(r.get("by_tokens") or [])]:
             family, source = entry.get("backend"), entry.get("kernel_source")
             if family and source and family != "unknown":

@@ -607,7 +607,7 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "standin_fit": _one(f, "standin_fit").get("items", {}),
         "harness_faults": harness_faults(f),
         # --- dispatch tiers (audit/report/dispatch.py): per-call choices by token count, None if not resolved ---
-        "dispatch": dispatch_tiers(f, profile.name),
+        "dispatch": dispatch_tiers(f, profile),
     }
 
 

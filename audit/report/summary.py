@@ -38,11 +38,12 @@ def _label_points(labels: dict) -> dict[tuple, dict[str, tuple]]:
     return out
 
 
-def label_changes(old: dict, new: dict) -> list[dict]:
+def label_changes(old: dict, new: dict, profile) -> list[dict]:
     """The perf-database rows whose label moved between two audits: one entry per (harness lane, before, after)
     with the cells and batch sizes it covers. A batch one audit splits out and the other does not compares against
     the other's whole-lane label."""
-    a, b = (_label_points(build_labels(r, (r.get("verdicts") or {}).get("label_map") or {})) for r in (old, new))
+    a, b = (_label_points(build_labels(r, profile, (r.get("verdicts") or {}).get("label_map") or {}))
+            for r in (old, new))
     moved: dict[tuple, dict] = {}
     for key in sorted(set(a) & set(b)):
         pa, pb = a[key], b[key]
@@ -100,12 +101,10 @@ def _lane_title(titles: dict, lane: str) -> str:
     return titles.get(lane, lane).split(" (")[0]
 
 
-def pr_summary(d: dict, old: dict, new: dict) -> str:
-    """The PR summary for the diff *d* of the routings *old* -> *new* (markdown, about 250 words at most)."""
-    from audit import models
+def pr_summary(d: dict, old: dict, new: dict, profile) -> str:
+    """The PR summary for the diff *d* of *profile*'s routings *old* -> *new* (markdown, about 250 words at most)."""
     from audit.report.render import collapse_cells
 
-    profile = models.get(new.get("model"))
     order = list(profile.layouts)
     audited = [f"{c['system']}/{c['layout']}" for c in new["cells"]]
     titles = new.get("lane_titles", {})
@@ -144,7 +143,7 @@ def pr_summary(d: dict, old: dict, new: dict) -> str:
     blocks = [head]
     body: list = []  # what follows the head; the SM families it names are spelled out after it
 
-    moved = label_changes(old, new)
+    moved = label_changes(old, new, profile)
     grouped: dict[tuple, list[dict]] = defaultdict(list)  # the lanes that moved in the same cells at the same batches
     for m in moved:
         grouped[(where(m["cells"]), _batches(m["batches"], every(m["cells"])))].append(m)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from audit.profiles import MOE_LANE
 from audit.report.dispatch import serving_group, tier_choice, workload_of, workload_order
-from audit.report.expectations import Expectations
+from audit.report.expectations import Expectations, ExpectationsError
 from audit.report.labels import derive
 from audit.report.routing import format_ranges, short
 from probes.core import tiers
@@ -68,26 +68,35 @@ class Judged:
         from audit.report.dispatch import lane_titles
 
         self.profile = profile
-        self.dispatch_titles = lane_titles(profile.name)
+        self.dispatch_titles = lane_titles(profile)
         self.lanes = tuple(j.lane for j in profile.judged)
         self.kind = {j.lane: j.kind for j in profile.judged}
         self.first_of_kind: dict[str, str] = {}
         for j in profile.judged:
             self.first_of_kind.setdefault(j.kind, j.lane)
 
-    @classmethod
-    def of(cls, routing: dict) -> "Judged":
-        from audit import models
 
-        return cls(models.get(routing.get("model")))
+def _same_model(routing: dict, exp: Expectations, profile) -> None:
+    """Claims, routing and profile must all be of one model: claims judged against another model's lanes would
+    judge nothing real, and a routing that names no model is refused, never judged as some model's."""
+    from audit.errors import RenderError
+
+    if routing.get("model") != profile.name:
+        raise RenderError(f"the routing is of the model {routing.get('model')!r}, judged as {profile.name!r}'s")
+    if exp.model != profile.name:
+        raise ExpectationsError(f"the claims are about the model {exp.model!r}, the audit is of {profile.name!r}",
+                                path=str(exp.path), hint=f"pass {profile.name}'s claims (expectations/"
+                                                          f"{profile.name}.toml) or --expectations none")
 
 
 def _candidate_family(profile, t: dict) -> str:
     return profile.moe_family(str(t.get("backend", "")))
 
 
-def judge(routing: dict, exp: Expectations) -> list[dict]:
-    v = Judged.of(routing)
+def judge(routing: dict, exp: Expectations, profile) -> list[dict]:
+    """Every claim of *exp* judged in every cell of *routing*, in the words of *profile* (the routing's model's)."""
+    _same_model(routing, exp, profile)
+    v = Judged(profile)
     rows = []
     for cell in routing["cells"]:
         system, layout = cell["system"], cell["layout"]
@@ -445,14 +454,13 @@ def grouped(rows: list[dict]) -> list[dict]:
                                                g["actual"], g["why"]))
 
 
-def unjudgeable(routing: dict, exp: Expectations, rows: list[dict]) -> list[dict]:
+def unjudgeable(routing: dict, exp: Expectations, rows: list[dict], profile) -> list[dict]:
     """Rows for the (system, layout) pairs a claim covers that this run cannot judge: a layout that does not
     exist on the system's SM, a system or layout this run did not audit. A claim is never dropped: each such
     pair is UNVERIFIED with the reason, one row per claim and reason."""
-    from audit import models
     from audit.systems import SYSTEMS
 
-    layouts = models.get(routing.get("model")).layouts
+    layouts = profile.layouts
     cells = {(c["system"], c["layout"]) for c in routing["cells"]}
     judged = {(r["claim"], r["system"], r["layout"]) for r in rows}
     out = []
@@ -475,10 +483,10 @@ def unjudgeable(routing: dict, exp: Expectations, rows: list[dict]) -> list[dict
     return out
 
 
-def attach(routing: dict, exp: Expectations, *, display_path: str) -> dict:
+def attach(routing: dict, exp: Expectations, profile, *, display_path: str) -> dict:
     """Judge and store the verdicts in the routing model (so ledger and diff see them)."""
-    rows = judge(routing, exp)
-    rows += unjudgeable(routing, exp, rows)
+    rows = judge(routing, exp, profile)
+    rows += unjudgeable(routing, exp, rows, profile)
     routing["verdicts"] = {"expectations": display_path, "summary": summary(rows), "rows": rows,
                            # the claims' label map (kernel source -> backend family): labels.json and the PR
                            # summary read a kernel in the claims' words from routing.json alone

@@ -140,8 +140,8 @@ def runs_of(pin: Pin, root: Path | None = None, prefix: str | None = None) -> li
     return sorted(p for p in (root or cache_root()).joinpath("runs").glob(f"{prefix}-*") if own.match(p.name))
 
 
-def prune_runs(pin: Pin, *, keep: int = 5, root: Path | None = None, prefix: str | None = None,
-               layouts: dict | None = None) -> None:
+def prune_runs(pin: Pin, *, layouts: dict, keep: int = 5, root: Path | None = None,
+               prefix: str | None = None) -> None:
     """Keep the newest *keep* run directories of this pin (:func:`runs_of`), and always its newest run of every
     cell (:func:`newest_full_run`: what ``make reports FROM_RUNS=1`` renders from), however many subset audits
     came after it."""
@@ -443,14 +443,11 @@ def collect_missing(request: RunRequest, *, fallback_log: Path | None = None) ->
     return missing
 
 
-def newest_full_run(pin, root: Path | None = None, *, prefix: str | None = None,
-                    layouts: dict | None = None) -> Path | None:
+def newest_full_run(pin, root: Path | None = None, *, prefix: str | None = None, layouts: dict) -> Path | None:
     """The newest run directory of *pin* (of the model with this run *prefix*) that covered every (system,
     layout) cell of that model's *layouts* and left evidence for each, unaborted; None when there is none."""
-    from audit import models
     from audit.systems import SYSTEMS, cells_of
 
-    layouts = layouts if layouts is not None else models.get(None).layouts
     every = sorted([s.name, l.name] for s, l in cells_of(list(SYSTEMS.values()), list(layouts.values())))
     for run in reversed(runs_of(pin, root, prefix)):
         try:

@@ -115,10 +115,10 @@ diff: setup
 FROM_RUNS ?=
 # Check the harness against every pinned release (fences, stand-in fit, availability): make reports runs it first.
 verify-pins: setup
-	$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(PINS),--pins $(call q,$(PINS)))
+	$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(PINS),--pins $(call q,$(PINS))) $(if $(MODEL),--model $(call q,$(MODEL)))
 
 reports: setup
-	$(if $(filter 1,$(FROM_RUNS)),,$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)))
+	$(if $(filter 1,$(FROM_RUNS)),,$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))))
 	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(filter 1,$(FROM_RUNS)),--from-runs)
 
 pins: setup

@@ -61,6 +61,12 @@ def test_each_committed_ledger_is_its_routing_rendered(profile, root, pin):
     text = render_ledger(routing, profile=profile, reproduce=routing["run"]["reproduce"], changes=changes)
     assert text == (root / pin / "ledger.md").read_text(encoding="utf-8"), \
         f"{root / pin / 'ledger.md'} is not what today's code renders from its routing.json: run `make reports`"
+    # labels.json too: the perf-database labels come from routing.json alone (its claims' label map included)
+    from audit.report.perflabels import labels_json
+
+    label_map = (routing.get("verdicts") or {}).get("label_map")
+    assert labels_json(routing, profile, label_map) == (root / pin / "labels.json").read_text(encoding="utf-8"), \
+        f"{root / pin / 'labels.json'} is not what today's code labels from its routing.json: run `make reports`"
 
 
 def test_the_third_model_is_committed_for_every_pin():

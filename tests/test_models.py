@@ -227,3 +227,21 @@ def test_deployment_options_are_left_out_by_default_and_audited_when_asked():
     assert KIMI_K3.layouts["tp8-fp8kv"].as_job()["opt_in"] is True and "opt_in" not in KIMI_K3.layouts["tp8"].as_job()
     out = subprocess.run([sys.executable, "-m", "audit.cli", "models"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "tp8-fp8kv (option)" in out.stdout and "tp8 (option)" not in out.stdout
+
+
+@pytest.mark.parametrize("profile", list(models.PROFILES.values()), ids=list(models.PROFILES))
+def test_a_models_own_kernel_packages_join_only_its_own_fingerprint(profile):
+    """The shared fingerprint names no model's kernels; K3's probes package adds FlashKDA (its KDA kernels), and
+    no other model's evidence lists them."""
+    from probes import models as models_probes
+    from probes.core import environment
+
+    own = models_probes.load(profile.probes, schemes=profile.schemes)
+    fp = environment.fingerprint({}, packages=own.fingerprint_packages, modules=own.fingerprint_modules)
+    assert set(environment.FINGERPRINT_MODULES) <= set(fp["modules"])
+    kda = {"flash_kda", "flashkda", "vllm._flashkda_C"}
+    assert not kda & set(environment.FINGERPRINT_MODULES) and "flash-kda" not in environment.FINGERPRINT_PACKAGES
+    if profile is KIMI_K3:
+        assert kda <= set(fp["modules"])
+    else:
+        assert not kda & set(fp["modules"])

@@ -13,11 +13,13 @@ import sys
 FINGERPRINT_PACKAGES = (
     "vllm", "torch", "triton", "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache",
     "deep-gemm", "deep_gemm", "nvidia-cutlass-dsl", "humming-kernels", "triton-kernels", "tilelang",
-    "quack-kernels", "tokenspeed-mla", "flash-kda", "flashkda", "transformers", "compressed-tensors",
+    "quack-kernels", "tokenspeed-mla", "transformers", "compressed-tensors",
     "cuda-python", "nvidia-cuda-nvcc", "nvidia-nccl-cu13", "nvidia-nccl-cu12", "xgrammar", "ninja",
 )
-FINGERPRINT_MODULES = ("deep_gemm", "flashinfer", "flash_kda", "flashkda", "triton_kernels", "humming",
-                       "cutlass", "tilelang", "vllm.third_party.deep_gemm", "vllm._flashkda_C")
+#: modules whose presence changes what vLLM selects for any model (a model's own kernel packages are its probes
+#: package's ``FINGERPRINT_PACKAGES`` / ``FINGERPRINT_MODULES``)
+FINGERPRINT_MODULES = ("deep_gemm", "flashinfer", "triton_kernels", "humming", "cutlass", "tilelang",
+                       "vllm.third_party.deep_gemm")
 FINGERPRINT_TOOLS = ("nvcc", "ninja", "gcc", "c++", "cc")
 FINGERPRINT_ENV_PREFIXES = ("VLLM_", "CUDA_", "TRITON_", "FLASHINFER_", "DG_", "TORCH_CUDA_ARCH", "PYTORCH_")
 #: set by the harness itself; not part of the audited environment (a plan can add to this list)
@@ -49,8 +51,9 @@ def _module_present(dotted: str) -> bool:
     return False
 
 
-def fingerprint(plan: dict | None = None) -> dict:
-    """What in this process's install and environment can change vLLM's choices.
+def fingerprint(plan: dict | None = None, *, packages: tuple = (), modules: tuple = ()) -> dict:
+    """What in this process's install and environment can change vLLM's choices: the shared packages and modules,
+    and the audited model's own (*packages*, *modules*: its probes package's).
 
     Variables the harness set (``plan["harness_env"]``, e.g. CUDA_HOME in the local runtime, where it
     is stated in the provenance instead) are left out; values of variables the user passed through
@@ -60,7 +63,7 @@ def fingerprint(plan: dict | None = None) -> dict:
     harness = set(_HARNESS_ENV) | set(plan.get("harness_env", ()))
     redact = set(plan.get("redact_env", ()))
     pkgs = {}
-    for name in FINGERPRINT_PACKAGES:
+    for name in dict.fromkeys(FINGERPRINT_PACKAGES + tuple(packages)):
         try:
             pkgs[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -71,7 +74,7 @@ def fingerprint(plan: dict | None = None) -> dict:
             env[k] = REDACTED if k in redact or any(w in k.upper() for w in _SECRET_WORDS) else v
     return {
         "packages": pkgs,
-        "modules": {mod: _module_present(mod) for mod in FINGERPRINT_MODULES},
+        "modules": {mod: _module_present(mod) for mod in dict.fromkeys(FINGERPRINT_MODULES + tuple(modules))},
         "tools": {t: bool(shutil.which(t)) for t in FINGERPRINT_TOOLS},
         "env": env,
         "python": sys.version.split()[0],

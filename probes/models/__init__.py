@@ -14,7 +14,9 @@ only one model has comes from its package, in two parts:
                   formats of :data:`probes.resolve.simulate.STAND_INS` and :data:`probes.resolve.standins.META_DEVICE_ARGS`);
     ``DEVICE_EXPERTS``  experts classes of the model whose per-call variant the device picks (class name ->
                   why), and ``EXPERTS_MODULES`` those that are modules of their own (no MoE runner around them);
-    ``SYMM_BUFFER_CACHES``  class attributes of such modules that cache a symmetric-memory buffer.
+    ``SYMM_BUFFER_CACHES``  class attributes of such modules that cache a symmetric-memory buffer;
+    ``FINGERPRINT_PACKAGES``, ``FINGERPRINT_MODULES``  the model's own kernel packages and modules whose presence
+                  changes what vLLM selects for it (added to the evidence's environment fingerprint).
 
 ``probes/models/<name>/resolve.py`` (resolve mode only; imports vLLM inside its functions), any of:
     ``LANES``                 (lane id, function) dispatch lanes run after the shared ones
@@ -64,6 +66,8 @@ class ModelProbes:
     experts_modules: tuple = ()
     #: class attributes of its experts modules that cache a symmetric-memory buffer (read at post-load)
     symm_buffer_caches: tuple = ()
+    fingerprint_packages: tuple = ()
+    fingerprint_modules: tuple = ()
     #: the quantization schemes whose additions are merged in (``probes/schemes``)
     schemes: tuple = ()
     #: the resolve-side module (None in observe mode, or when the model has none)
@@ -146,7 +150,9 @@ def load(name: str, *, resolve: bool = False, schemes=()) -> ModelProbes:
                       meta_device_args=tuple(getattr(data, "META_DEVICE_ARGS", ())),
                       device_experts=dict(getattr(data, "DEVICE_EXPERTS", {})),
                       experts_modules=tuple(getattr(data, "EXPERTS_MODULES", ())),
-                      symm_buffer_caches=tuple(getattr(data, "SYMM_BUFFER_CACHES", ())), resolve=side)
+                      symm_buffer_caches=tuple(getattr(data, "SYMM_BUFFER_CACHES", ())),
+                      fingerprint_packages=tuple(getattr(data, "FINGERPRINT_PACKAGES", ())),
+                      fingerprint_modules=tuple(getattr(data, "FINGERPRINT_MODULES", ())), resolve=side)
     return _with_schemes(own, parts)
 
 

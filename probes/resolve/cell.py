@@ -119,7 +119,8 @@ def prepare_process(plan: dict, Stage) -> dict:
     rec = Recorder(None, role="resolve-agent", meta={"mode": "resolve", "pin": plan.get("pin", ""),
                                                      "model": plan.get("model") or None,
                                                      "wheel_sha256": plan.get("wheel_sha256", "")})
-    rec.emit("fingerprint", **fingerprint(plan))
+    own = models_probes.load(plan.get("model_probes", ""), schemes=plan.get("schemes", ()))  # its data only
+    rec.emit("fingerprint", **fingerprint(plan, packages=own.fingerprint_packages, modules=own.fingerprint_modules))
     shared = {"rec": rec, "error": None, "probes": None, "platform": False, "retry": None, "imported": []}
     modules = [] if os.environ.get(NO_SHARED_IMPORTS) else list(plan.get("shared_imports", ()))
     if not modules:

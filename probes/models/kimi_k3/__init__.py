@@ -100,6 +100,10 @@ EXPERTS_MODULES = ("KimiK3MegaMoEExperts",)
 #: the symmetric-memory buffer cache its MegaMoE experts class keeps (releases before 0.33)
 SYMM_BUFFER_CACHES = ("_kimi_symm_buffer_cache",)
 
+#: FlashKDA, the KDA kernels vLLM may pick for K3's linear-attention layers: its packages, and vLLM's own build of it
+FINGERPRINT_PACKAGES = ("flash-kda", "flashkda")
+FINGERPRINT_MODULES = ("flash_kda", "flashkda", "vllm._flashkda_C")
+
 KDA = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
 FI_KDA = "flashinfer/kda_kernels"
 

@@ -70,3 +70,80 @@ def test_claims_are_judged_in_the_fp8_schemes_precision_lanes(audit):
     assert blackwell and all(r["verdict"] == "MATCH" for r in blackwell)
     moe_rows = [r for r in audit["labels"]["rows"] if r["harness_lane"] == "moe"]
     assert moe_rows and {r["lane"] for r in moe_rows} == {"w8a8_fp8_block"}
+
+
+# -- post-load through the FP8 stand-ins (DeepGEMM's scale layout, vLLM's compiled re-quantization) ---------------
+
+EAGER = "vllm.utils.deep_gemm:per_block_cast_to_fp8 (torch.compile)"
+DEEP_GEMM = "deep_gemm:transform_sf_into_required_layout"
+#: vLLM refuses (planted) once DeepGEMM's scale layout is made, after the weight was re-quantized: both stand-ins ran
+REFUSED_AFTER_LAYOUT = ("vllm.model_executor.layers.quantization.utils.fp8_utils", [
+    ("    return transform_sf_into_required_layout(\n        sf=ws,",
+     "    _planted = transform_sf_into_required_layout(\n        sf=ws,"),
+    ("        is_sfa=is_sfa,\n    )\n\n\ndef deepgemm_post_process_fp8_weight_block(",
+     "        is_sfa=is_sfa,\n    )\n    raise ValueError('planted: refused once the scale layout is made')\n\n\n"
+     "def deepgemm_post_process_fp8_weight_block("),
+])
+
+
+def _run_cells(vllm_env, tmp_path_factory, name, cells, *, plants=(), plant_fault=""):
+    from audit.evidence import files as evidence
+    from audit.models.deepseek_v3 import LAYOUTS
+    from audit.report import routing
+    from audit.runtimes import RunRequest
+    from audit.systems import SYSTEMS
+    from tests.plant import sitecustomize
+
+    rt, pin, _ = vllm_env
+    run_dir = tmp_path_factory.mktemp(name)
+    if plants:
+        (run_dir / "sitecustomize.py").write_text(sitecustomize(list(plants)), encoding="utf-8")
+    req = RunRequest(pin=pin, profile=DEEPSEEK_V3, cells=[(SYSTEMS[s], LAYOUTS[l]) for s, l in cells],
+                     run_dir=run_dir, parallel=2, plant_fault=plant_fault)
+    result = rt.run(req, lambda *a, **k: None)
+    assert result.missing == {}
+    files = evidence.read_dir(result.evidence_dir)
+    r = routing.build_routing(files, DEEPSEEK_V3, pin=pin.as_provenance(), expected=list(cells))
+    return {"files": {f.cell: f for f in files if f.cell}, "cells": {(c["system"], c["layout"]): c for c in r["cells"]}}
+
+
+def test_post_load_on_hopper_runs_to_the_end_through_the_fp8_stand_ins(audit):
+    """On SM 9.0 vLLM re-quantizes every block-FP8 linear weight to UE8M0 scales (its compiled helper, run eagerly)
+    and has DeepGEMM lay the scales out (its SM 9.0 FP32 branch): post-load runs to the end, both are listed and
+    ran, and the experts kernel is the one post-load built."""
+    for layout in ("tp8", "dp8-ep"):
+        key = ("h200_sxm", layout)
+        cell = audit["cells"][key]
+        assert cell["postload"]["limit"] == 0 and cell["postload"]["limits"] == [], key
+        assert EAGER in cell["simulated"] and DEEP_GEMM in cell["simulated"], key
+        assert {g["level"] for g in cell["lanes"]["moe.kernel"]} == {"post-load"}, key
+    calls = {}
+    for path in (audit["outcome"].run_dir / "evidence" / "h200_sxm--tp8").glob("evidence-*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("kind") == "simulated":
+                calls.update(rec["kernel_calls"])
+    assert calls.get("vllm.utils.deep_gemm.per_block_cast_to_fp8 (eager)", 0) > 0, calls
+    assert calls.get("deep_gemm transform_sf_into_required_layout (meta)", 0) > 0, calls
+    # on SM 10.0 the MLA weights' activation-style quantization op (vLLM's _C::per_token_group_fp8_quant_packed)
+    # has no meta kernel: the one limit left there, named as such
+    b200 = audit["cells"][("b200_sxm", "tp8")]["postload"]["limits"]
+    assert [l["vllm_function"].rsplit(":", 1)[1] for l in b200] == ["per_token_group_quant_fp8_packed_for_deepgemm"]
+
+
+def test_a_refusal_after_the_fp8_stand_ins_is_vllms(vllm_env, tmp_path_factory):
+    run = _run_cells(vllm_env, tmp_path_factory, "fp8-refused", [("h200_sxm", "tp8")], plants=[REFUSED_AFTER_LAYOUT])
+    cell = run["cells"][("h200_sxm", "tp8")]
+    r = cell["load_refused"]
+    assert r is not None and r["message"] == "planted: refused once the scale layout is made", r
+    assert r["function"].endswith("deepgemm_post_process_weight_scale_block") and r["type"] == "builtins:ValueError"
+    assert cell["harness_faults"] == [] and cell["postload"]["refused"] > 0 and cell["postload"]["limit"] == 0
+    calls = run["files"][("h200_sxm", "tp8")].of_kind("simulated")[-1]["kernel_calls"]
+    assert calls.get("vllm.utils.deep_gemm.per_block_cast_to_fp8 (eager)", 0) > 0, calls
+
+
+def test_a_fault_in_the_eager_stand_in_is_a_harness_fault(vllm_env, tmp_path_factory):
+    run = _run_cells(vllm_env, tmp_path_factory, "fp8-eager-fault", [("h200_sxm", "tp8")], plant_fault=EAGER)
+    cell = run["cells"][("h200_sxm", "tp8")]
+    assert [f["piece"] for f in cell["harness_faults"]][:1] == [EAGER], cell["harness_faults"]
+    assert cell["status"] == "INCOMPLETE" and cell["lanes"] == {}

@@ -232,6 +232,58 @@ def test_deep_gemm_meta_kernel_matches_the_upstream_torch_layout(vllm_env):
     assert "check_sf_layout" in out["bad_shape"]
 
 
+def test_deep_gemm_meta_kernel_takes_upstreams_fp32_branches(vllm_env):
+    """DeepGEMM's FP32 branches (SM 9.0, and any SM with the UE8M0 cast disabled): per-token scales get the
+    MN-major layout aligned as vLLM's own ``get_tma_aligned_size`` says, weight scales come back as they are once
+    they pass the SM 9.0 contiguity check; a scale that fails a check is refused as DeepGEMM's assertion."""
+    head = '''
+        import json, torch
+        from probes.resolve import simulate, standins
+        simulate.set_simulated({"device_name": "x", "capability": [%d, 0], "total_memory_gib": 1, "sm_count": 1}, 8)
+        archs = frozenset({9, 10})
+        w = torch.empty(56, 16, device="meta")
+    '''
+    sm90 = _in_env(vllm_env, head % 9 + '''
+        from vllm.utils.deep_gemm import get_tma_aligned_size
+        rows = []
+        for g, mn, k in ((None, 7168, 2048), (4, 130, 384), (None, 1, 128)):
+            shape = (mn, k // 128) if g is None else (g, mn, k // 128)
+            sf = torch.empty(shape, device="meta")
+            out = standins.transform_sf_meta(sf, mn, k, (1, 128, 128), num_groups=g, is_sfa=True, archs=archs)
+            a = get_tma_aligned_size(mn, 4)
+            want = (1, a) if g is None else (a * (k // 128), 1, a)
+            rows.append([list(out.shape), list(out.stride()), list(shape), list(want), str(out.dtype)])
+        same = standins.transform_sf_meta(w, 7168, 2048, (1, 128, 128), is_sfa=False, archs=archs) is w
+        try:
+            standins.transform_sf_meta(torch.empty(56, 32, device="meta")[:, :16], 7168, 2048, (1, 128, 128),
+                                       is_sfa=False, archs=archs)
+            strided = ""
+        except RuntimeError as exc:
+            strided = str(exc)
+        print(json.dumps({"rows": rows, "same": same, "strided": strided}))
+    ''')
+    for shape, stride, want_shape, want_stride, dtype in sm90["rows"]:
+        assert (shape, stride, dtype) == (want_shape, want_stride, "torch.float32")
+    assert sm90["same"]
+    assert "check_sf_layout" in sm90["strided"] and "transposed" in sm90["strided"]
+
+    sm100 = _in_env(vllm_env, head % 10 + '''
+        # the UE8M0 cast disabled: the FP32 branches, not the packed layout; K granularity 32 has none of those
+        disabled = standins.transform_sf_meta(w, 7168, 2048, (1, 128, 128), is_sfa=False, disable_ue8m0_cast=True,
+                                              archs=archs) is w
+        try:
+            standins.transform_sf_meta(torch.empty(128, 8, device="meta"), 128, 256, (1, 1, 32), is_sfa=False,
+                                       disable_ue8m0_cast=True, archs=archs)
+            no_cast = ""
+        except RuntimeError as exc:
+            no_cast = str(exc)
+        packed = standins.transform_sf_meta(w, 7168, 2048, (1, 128, 128), is_sfa=False, archs=archs)
+        print(json.dumps({"disabled": disabled, "no_cast": no_cast, "packed": [list(packed.shape), str(packed.dtype)]}))
+    ''')
+    assert sm100["disabled"] and "needs the UE8M0 cast" in sm100["no_cast"]
+    assert sm100["packed"] == [[7168, 4], "torch.int32"]  # with the cast: one int32 per 4 scales, per row
+
+
 def test_inert_flashinfer_kernels_leave_flashinfer_to_size_the_output(vllm_env):
     out = _in_env(vllm_env, '''
         import json, torch

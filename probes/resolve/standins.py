@@ -12,6 +12,8 @@ it. Each stand-in here does one of those and nothing else:
 * a **kernel** writes nothing: the library's own Python allocates its output (FlashInfer), or the library
   runs its own op on fake CUDA tensors, where it skips the kernel by design (Humming), or a meta kernel
   gives the output shape the op's upstream code gives (DeepGEMM, cited at the kernel);
+* a **compiled helper** (vLLM's own Python under ``torch.compile``) runs eagerly, uncompiled: the same torch
+  ops on meta tensors, with no device for Inductor to compile for;
 * anything a kernel *returns* besides its output buffer is :class:`Poison`: using it raises, so a stand-in
   never answers a size, a flag or a support question in the library's place.
 
@@ -402,12 +404,22 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
                       *, archs: frozenset = frozenset()):
     """The output of DeepGEMM's ``transform_sf_into_required_layout`` for a meta ``sf``, as its upstream code
     gives it (deepseek-ai/DeepGEMM csrc/apis/layout.hpp ``transform_sf_into_required_layout``, csrc/utils/
-    layout.hpp ``check_sf_layout``, csrc/jit_kernels/impls/smxx_layout.hpp
-    ``get_mn_major_tma_aligned_packed_ue8m0_tensor``): the same checks, and for FP32 scales with K granularity
-    32 or 128 the packed UE8M0 layout, int32 of shape (groups, mn, ceil(sf_k / 4)) with strides
-    (ceil(sf_k / 4) * align(mn, 4), 1, align(mn, 4)); already-packed int32 scales are returned as they are.
-    ``archs``: the SM majors the compiled DeepGEMM carries code for. Any other branch (SM 9.0's FP32 layouts,
-    an arch the build has no code for) raises: it is not simulated."""
+    layout.hpp ``check_sf_layout``, csrc/jit_kernels/impls/smxx_layout.hpp ``get_mn_major_tma_aligned_tensor``
+    and ``get_mn_major_tma_aligned_packed_ue8m0_tensor``; the branches below are the same in every release of
+    that file, 2025-08 to 2026-06), checks included:
+
+    * FP32 scales, granularity (1, 128), on SM 9 or with the UE8M0 cast disabled: the MN-major TMA-aligned FP32
+      layout, strides (sf_k * align(mn, 4), 1, align(mn, 4));
+    * FP32 scales, granularity (128, 128), on SM 9 or with the cast disabled: ``sf`` itself, once it passes the
+      SM 9.0 weight-scale check (contiguous, or contiguous with its last two dimensions transposed);
+    * FP32 scales, K granularity 32 or 128, on SM 10 / 12: the packed UE8M0 layout, int32 of shape
+      (groups, mn, ceil(sf_k / 4)) with strides (ceil(sf_k / 4) * align(mn, 4), 1, align(mn, 4)); with the cast
+      disabled DeepGEMM refuses (its own assertion);
+    * already-packed int32 scales, granularity (1, 32 or 128), on SM 10 / 12: ``sf`` itself, once its strides
+      pass the TMA check.
+
+    ``archs``: the SM majors the compiled DeepGEMM carries this code for (:func:`_compiled_archs`); any other
+    SM, and any case outside the branches above, raises :class:`SimulationLimit`: it is not simulated."""
     import torch
 
     if len(recipe) == 3:
@@ -418,6 +430,12 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
         if is_sfa is not None:
             raise deliberate(RuntimeError("DeepGEMM: a 2-part recipe takes no is_sfa"))
         gran_mn, gran_k = recipe
+
+    def refuse(check: str):
+        raise deliberate(RuntimeError(f"DeepGEMM check_sf_layout: {check} fails for scales {tuple(sf.shape)} with "
+                                      f"strides {tuple(sf.stride())} (mn={mn}, k={k}, granularity ({gran_mn}, "
+                                      f"{gran_k}), num_groups={num_groups})"))
+
     if sf.dtype not in (torch.float32, torch.int32):
         raise deliberate(RuntimeError(f"DeepGEMM check_sf_layout: scale dtype {sf.dtype}"))
     checks = [sf.dim() == (2 + (num_groups is not None)),
@@ -432,30 +450,54 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
     if arch not in archs:
         raise SimulationLimit(f"DeepGEMM's scale layout transform on SM {arch}.x: the compiled DeepGEMM carries no "
                               f"SM {arch} code for it (not simulated)")
-    if sf.dtype == torch.float32 and gran_k in (32, 128):
+    fp32 = sf.dtype == torch.float32
+    aligned = _align(mn, 4)  # TMA alignment: 16 bytes of 4-byte scales
+    if fp32 and gran_k == 128 and gran_mn in (1, 128) and (arch == 9 or disable_ue8m0_cast):
+        if gran_mn == 128:  # the SM 9.0 weight-scale check, then the scales as they are
+            if num_groups is not None and sf.stride(-3) != sf.size(-2) * sf.size(-1):
+                refuse("stride(-3) == size(-2) * size(-1)")
+            if not ((sf.stride(-1) == 1 and sf.stride(-2) == sf.size(-1))
+                    or (sf.stride(-1) == sf.size(-2) and sf.stride(-2) == 1)):
+                refuse("contiguous, or contiguous with the last two dimensions transposed")
+            return sf
+        batched = sf if sf.dim() == 3 else sf.unsqueeze(0)
+        groups, sf_k = batched.size(0), batched.size(2)
+        if ((batched.stride(0) == aligned * sf_k or sf.dim() == 2) and batched.stride(1) == 1
+                and batched.stride(2) == aligned):
+            return sf  # already MN-major and TMA-aligned: returned as it is
+        out = torch.empty_strided((groups, mn, sf_k), (aligned * sf_k, 1, aligned), dtype=torch.float32,
+                                  device="meta")
+        return out if sf.dim() == 3 else out.squeeze(0)
+    if fp32 and gran_k in (32, 128) and arch in (10, 12):
         if disable_ue8m0_cast:
             raise deliberate(RuntimeError("DeepGEMM: the packed UE8M0 layout needs the UE8M0 cast"))
         if psum_layout is not None:
             raise SimulationLimit("DeepGEMM's PSUM scale layout is not simulated")
         groups = sf.size(0) if sf.dim() == 3 else 1
         packed = _ceil_div(sf.size(-1), 4)
-        aligned = _align(mn, 4)  # TMA alignment: 16 bytes of int32
         out = torch.empty_strided((groups, mn, packed), (packed * aligned, 1, aligned), dtype=torch.int32,
                                   device="meta")
         return out if sf.dim() == 3 else out.squeeze(0)
-    if sf.dtype == torch.int32 and gran_mn == 1 and gran_k in (32, 128):
+    if sf.dtype == torch.int32 and gran_mn == 1 and gran_k in (32, 128) and arch in (10, 12):
+        if num_groups is not None and sf.stride(-3) != sf.stride(-1) * sf.size(-1):
+            refuse("stride(-3) == stride(-1) * size(-1)")
+        if not (sf.stride(-2) == 1 or mn == 1):
+            refuse("MN-major (stride(-2) == 1)")
+        if sf.stride(-1) != aligned:
+            refuse(f"TMA-aligned (stride(-1) == {aligned})")
         return sf
     raise SimulationLimit(f"DeepGEMM's {sf.dtype} scale transform with granularity ({gran_mn}, {gran_k}) on "
-                          f"SM {arch}.x is not simulated")
+                          f"SM {arch}.x{' with the UE8M0 cast disabled' if disable_ue8m0_cast else ''} is not "
+                          "simulated")
 
 
 def _compiled_archs(package_dir: str) -> frozenset:
-    """The SM majors a DeepGEMM build carries code for, read from its compiled extension: SM 10 always (every
-    build vLLM vendors has it), SM 12 where the extension's own checks name it."""
+    """The SM majors a DeepGEMM build carries scale-layout code for, read from its compiled extension: SM 9 and
+    SM 10 always (every release of the layout code has both), SM 12 where the extension's own checks name it."""
     import glob
     import os
 
-    archs = {10}
+    archs = {9, 10}
     for path in glob.glob(os.path.join(package_dir, "_C*.so")):
         with open(path, "rb") as fh:
             if b"arch_major == 12" in fh.read():
@@ -521,6 +563,50 @@ def _meta_or(original, fake):
         return fake(sf, *args, **kwargs) if getattr(sf, "is_meta", False) else foreign(original, sf, *args, **kwargs)
 
     return call
+
+
+# -- torch.compile'd helpers vLLM's post-load calls --------------------------------------------------------------
+
+#: vLLM helpers compiled with ``torch.compile`` that its post-load calls on weights: (module, function, why). On a
+#: GPU, Inductor compiles each into a kernel on first call; here there is no device to compile for (dynamo raises
+#: from torch.cuda's initialisation). Each runs as the Python vLLM wrote, eagerly on the meta tensors: the same
+#: torch ops, so the same output shapes and dtypes, and whatever it checks or raises it still does.
+EAGER_COMPILED: tuple[tuple[str, str, str], ...] = (
+    ("vllm.utils.deep_gemm", "per_block_cast_to_fp8",
+     "re-quantizes a block-FP8 weight with power-of-two (UE8M0) scales when vLLM uses DeepGEMM's UE8M0 format "
+     "(requant_weight_ue8m0_inplace at FP8 weight processing)"),
+)
+
+
+def install_eager_compiled(hooks) -> None:
+    for module, name, why in EAGER_COMPILED:
+        piece = f"{module}:{name} (torch.compile)"
+
+        def patch(mod, name=name, piece=piece):
+            from probes.core.patching import rebind
+
+            if not fence.fits(piece, mod, name):
+                return
+            compiled = getattr(mod, name)
+            original = getattr(compiled, "_torchdynamo_orig_callable", None)
+            if not callable(original):
+                FIT[piece] = (f"does not fit {fence.installed_version(mod)}: {mod.__name__}.{name} is not a "
+                              "torch.compile'd function (not applied: it runs as it is)")
+                return
+
+            @functools.wraps(original)
+            @fence.guard(piece)
+            def eager(*args, **kwargs):
+                _count(f"{mod.__name__}.{name} (eager)")
+                return foreign(original, *args, **kwargs)
+
+            setattr(mod, name, eager)
+            rebind(compiled, eager, ("vllm",), skip=mod)
+
+        SIMULATED[piece] = (f"runs eagerly as the Python vLLM wrote it, not compiled by Inductor (no GPU to compile "
+                            f"for): the same torch ops on meta tensors give the same shapes; {why}")
+        fence.register(piece, "stand-in")
+        hooks.register(module, patch, piece=f"install {piece}")
 
 
 def install_expert_map_on_cpu(hooks) -> None:
@@ -593,4 +679,5 @@ def install(hooks, model=None) -> None:
     install_humming(hooks)
     install_inert_jit(hooks)
     install_deep_gemm(hooks)
+    install_eager_compiled(hooks)
     install_expert_map_on_cpu(hooks)

@@ -56,6 +56,14 @@ class Poison:
         self._refuse()
 
 
+def declare(hooks, module: str, piece: str, patch, simulated: str) -> None:
+    """One stand-in: listed in ``SIMULATED`` with why it is shape-only, fenced as *piece*, and installed by *patch*
+    when *module* is imported."""
+    SIMULATED[piece] = simulated
+    fence.register(piece, "stand-in")
+    hooks.register(module, patch, piece=f"install {piece}")
+
+
 # -- device queries about a tensor's device ---------------------------------------------------------------------
 
 #: Calls that receive the device a tensor lives on where, on a GPU, weights sit on cuda:<local rank>;
@@ -148,9 +156,7 @@ def install_meta_device_args(hooks, model: tuple = ()) -> None:
             if owner is mod:  # a module-level function: also the copies ``from x import f`` made
                 rebind(raw, translated, (mod.__name__.split(".")[0],), skip=mod)
 
-        SIMULATED[piece] = f"a meta-device argument is passed as cuda:0: {why}"
-        fence.register(piece, "stand-in")
-        hooks.register(module, patch, piece=f"install {piece}")
+        declare(hooks, module, piece, patch, f"a meta-device argument is passed as cuda:0: {why}")
 
 
 def install_cuda_device_context(hooks) -> None:
@@ -385,9 +391,7 @@ def install_inert_jit(hooks) -> None:
             for gen in present:
                 setattr(mod, gen, fence.guard(piece)(lambda gen=gen: _InertJitSpec(f"{mod.__name__}:{gen}", piece)))
 
-        SIMULATED[piece] = f"inert (load nothing, write nothing): {why}"
-        fence.register(piece, "stand-in")
-        hooks.register(module, patch, piece=f"install {piece}")
+        declare(hooks, module, piece, patch, f"inert (load nothing, write nothing): {why}")
 
 
 # -- DeepGEMM: the scale-factor layout transform --------------------------------------------------------------
@@ -603,10 +607,8 @@ def install_eager_compiled(hooks) -> None:
             setattr(mod, name, eager)
             rebind(compiled, eager, ("vllm",), skip=mod)
 
-        SIMULATED[piece] = (f"runs eagerly as the Python vLLM wrote it, not compiled by Inductor (no GPU to compile "
-                            f"for): the same torch ops on meta tensors give the same shapes; {why}")
-        fence.register(piece, "stand-in")
-        hooks.register(module, patch, piece=f"install {piece}")
+        declare(hooks, module, piece, patch, "runs eagerly as the Python vLLM wrote it, not compiled by Inductor (no "
+                f"GPU to compile for): the same torch ops on meta tensors give the same shapes; {why}")
 
 
 def install_expert_map_on_cpu(hooks) -> None:
@@ -635,11 +637,9 @@ def install_expert_map_on_cpu(hooks) -> None:
 
         cls._calculate_expert_maps = _calculate_expert_maps
 
-    SIMULATED[piece] = (
-        "the expert map is built on the CPU when the default device is meta, as vLLM 0.33 does itself (its values "
-        "come from the configuration)")
-    fence.register(piece, "stand-in")
-    hooks.register("vllm.model_executor.layers.fused_moe.expert_map_manager", patch, piece=f"install {piece}")
+    declare(hooks, "vllm.model_executor.layers.fused_moe.expert_map_manager", piece, patch,
+            "the expert map is built on the CPU when the default device is meta, as vLLM 0.33 does itself (its values "
+            "come from the configuration)")
 
 
 def no_nccl() -> None:

@@ -1,11 +1,13 @@
-"""Resolve mode's stand-ins for what vLLM's post-load reaches below itself: device queries and kernels.
+"""Resolve mode's stand-ins for what vLLM's post-load reaches below itself: device queries, kernels and compiled
+helpers.
 
 vLLM's post-load converts each weight into the layout the chosen kernel reads, and builds the kernel
 objects. Below vLLM, libraries ask the device (FlashInfer, Humming) or launch a kernel that only moves
 values into a new layout (FlashInfer's scale swizzle, Humming's weight repack, DeepGEMM's scale
-transform). On the meta device the values do not exist, so only two things are needed to go on: the
-question answered for the simulated SKU, and the output tensor with the shape and dtype the library gives
-it. Each stand-in here does one of those and nothing else:
+transform); vLLM compiles some of its own helpers with ``torch.compile``. On the meta device the values do
+not exist, so only two things are needed to go on: the question answered for the simulated SKU, and the
+output tensor with the shape and dtype the library (or vLLM's helper) gives it. Each stand-in here does one
+of those and nothing else:
 
 * a **device query** is answered from the simulated SKU (its capability, or a driver attribute measured on
   the real GPU; an attribute nobody measured raises, so nothing is guessed);
@@ -17,8 +19,8 @@ it. Each stand-in here does one of those and nothing else:
 * anything a kernel *returns* besides its output buffer is :class:`Poison`: using it raises, so a stand-in
   never answers a size, a flag or a support question in the library's place.
 
-Each is registered as a post-import hook on the module that defines its target, declared in
-``SIMULATED`` (the ledger's "What was simulated") whether or not a cell reaches it, and counted when it
+Each is declared (:func:`declare`): a post-import hook on the module that defines its target, fenced, and
+listed in ``SIMULATED`` (the ledger's "What was simulated") whether or not a cell reaches it, and counted when it
 runs (``KERNEL_CALLS``). A refusal vLLM raises after any of them still raises: they decide nothing.
 Imported only by the resolve agent, inside the pinned environment.
 """

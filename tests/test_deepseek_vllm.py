@@ -125,8 +125,8 @@ def test_post_load_on_hopper_runs_to_the_end_through_the_fp8_stand_ins(audit):
                 calls.update(rec["kernel_calls"])
     assert calls.get("vllm.utils.deep_gemm.per_block_cast_to_fp8 (eager)", 0) > 0, calls
     assert calls.get("deep_gemm transform_sf_into_required_layout (meta)", 0) > 0, calls
-    # on SM 10.0 MLA's post-load calls vLLM's fused per-token-group quantization op (_C::per_token_group_fp8_quant_packed),
-    # which has no meta kernel: the one limit left there, named as such
+    # on SM 10.0 MLA's post-load calls vLLM's fused per-token-group quantization op
+    # (_C::per_token_group_fp8_quant_packed), which has no meta kernel: the one limit left there, named as such
     b200 = audit["cells"][("b200_sxm", "tp8")]["postload"]["limits"]
     assert [l["vllm_function"].rsplit(":", 1)[1] for l in b200] == ["per_token_group_quant_fp8_packed_for_deepgemm"]
 

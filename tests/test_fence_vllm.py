@@ -41,7 +41,7 @@ def _run(vllm_env, tmp_path_factory, name, cells, plant=(), survey=False):
     files = evidence.read_dir(result.evidence_dir)
     r = routing.build_routing(files, KIMI_K3, pin=pin.as_provenance(), expected=list(cells), missing=result.missing)
     return {"files": {f.cell: f for f in files if f.cell}, "cells": {(c["system"], c["layout"]): c for c in r["cells"]},
-            "missing": result.missing}
+            "missing": result.missing, "routing": r}
 
 
 def _fence(f) -> dict:
@@ -72,7 +72,10 @@ def test_a_clean_run_has_the_fences_on_and_no_fault(clean):
         assert cell["fence"]["on"] and cell["fence"]["pieces"] > 40, key
     # every stand-in that checked its target says how it fitted: the meta-device translations (with the
     # alternative that fitted) and the hook-installed ones alike
-    fit = clean["cells"][("h200_sxm", "dp8-ep")]["standin_fit"]
+    # (one account for the run: a target is checked where its module is imported, which warm imports may do ahead
+    # of the cell that needs it)
+    assert all("standin_fit" not in cell for cell in clean["cells"].values())
+    fit = clean["routing"]["standin_fit"]
     assert fit["humming.device:DeviceInfo.__new__|DeviceInfo.__init__(index=...)"].startswith(
         "fits humming-kernels") and "as DeviceInfo.__new__" in fit[
         "humming.device:DeviceInfo.__new__|DeviceInfo.__init__(index=...)"]

@@ -760,11 +760,19 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
             cells.append(incomplete_cell(system, layout, reason=info.get("reason", "no evidence was written"),
                                          log_tail=info.get("log_tail", "")))
     cells = scrub_paths(cells, dict(sorted((scrub or {}).items(), key=lambda kv: -len(kv[0]))))
+    # how each stand-in's target fitted the release is a fact of the release, not of a cell: a cell's process
+    # checks a target when its module is imported, which an SM process's warm imports (a speed-up that depends on
+    # what earlier runs learned) may do ahead of the cell. One account for the run, the union over its cells.
+    fit: dict[str, str] = {}
+    for c in cells:
+        for k, v in sorted((c.pop("standin_fit", None) or {}).items()):
+            fit.setdefault(k, v)
     run = dict(run or {})
     rejected = memo_rejected(files)
     if rejected:  # a fact of this run (what the memo held), like the evidence cache's hits: not of any cell
         run["memo_rejected"] = rejected
     return {"schema": ROUTING_SCHEMA, "model": profile.name, "architecture": profile.architecture,
+            "standin_fit": dict(sorted(fit.items())),
             "lane_titles": {lane.id: lane.title for lane in profile.lanes},
             # routing.json is written with sorted keys: the profile's lane order is kept as a list
             "lane_order": [lane.id for lane in profile.lanes],

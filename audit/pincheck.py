@@ -148,14 +148,12 @@ def check_pin(pin_name: str, profile: Profile, *, lock_path: str | Path = "image
         return res
     answers: dict = {}
     why: dict = {}
-    res.fit.update(routing.get("standin_fit") or {})
+    res.fit.update(routing.get("standin_fit") or {})  # the run's account (routing.build_routing)
     for c in routing["cells"]:
         name = f"{c['system']}/{c['layout']}"
         res.cells.append(name)
         if c["status"] == "INCOMPLETE" and not c.get("harness_faults"):
             res.unfinished.append(f"{name}: {(c.get('failure') or {}).get('message', '')[:200]}")
-        for k, v in (c.get("standin_fit") or {}).items():  # a routing.json from before the run-level account
-            res.fit.setdefault(k, v)
         for k, v in (c.get("availability") or {}).items():
             answers.setdefault(k, v)
         for k, v in (c.get("availability_why") or {}).items():

@@ -301,10 +301,7 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
               "pieces": max([(c.get("fence") or {}).get("pieces", 0) for c in evidenced] or [0]),
               "faults": len(faults),
               "planted": sorted({p for c in evidenced for p in (c.get("fence") or {}).get("planted") or []})}
-    fit: dict[str, str] = dict(routing.get("standin_fit") or {})
-    for c in cells:  # a routing.json written before the account moved to the run keeps it per cell
-        for k, v in (c.get("standin_fit") or {}).items():
-            fit.setdefault(k, v)
+    fit: dict[str, str] = routing.get("standin_fit") or {}
     merged: dict[str, set] = {}
     for c in complete:  # the union over cells; a value that differs per cell (e.g. world size) lists each
         for k, v in c.get("simulated", {}).items():

@@ -700,7 +700,7 @@ def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> 
             "raises": [], "probe_errors": [], "drift": [], "not_reached": [], "not_applicable": [], "config": {},
             "argv": [],
             "simulated": {}, "stand_in_calls": [], "device": {}, "availability": {}, "fingerprint": {},
-            "availability_why": {}, "fence": {"on": False, "pieces": 0, "planted": []}, "standin_fit": {},
+            "availability_why": {}, "fence": {"on": False, "pieces": 0, "planted": []},
             "harness_faults": []}
 
 
@@ -765,7 +765,7 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
     # what earlier runs learned) may do ahead of the cell. One account for the run, the union over its cells.
     fit: dict[str, str] = {}
     for c in cells:
-        for k, v in sorted((c.pop("standin_fit", None) or {}).items()):
+        for k, v in (c.pop("standin_fit", None) or {}).items():
             fit.setdefault(k, v)
     run = dict(run or {})
     rejected = memo_rejected(files)

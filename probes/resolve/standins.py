@@ -289,12 +289,10 @@ def install_humming(hooks) -> None:
         for name in present:
             setattr(mod, name, on_fake_cuda(getattr(mod, name), f"humming.ops.{name}", piece=HUMMING_OPS))
 
-    fence.register(HUMMING_OPS, "stand-in")
-    SIMULATED[HUMMING_OPS] = (
-        "given meta tensors, Humming's own op runs on fake CUDA tensors of the same shapes (torch's "
-        "FakeTensor): it computes and checks its output shape and skips its kernel, as it does under "
-        "torch.compile tracing")
-    hooks.register("humming.ops", ops, piece=f"install {HUMMING_OPS}")
+    declare(hooks, "humming.ops", HUMMING_OPS, ops,
+            "given meta tensors, Humming's own op runs on fake CUDA tensors of the same shapes (torch's "
+            "FakeTensor): it computes and checks its output shape and skips its kernel, as it does under "
+            "torch.compile tracing")
 
 
 def humming_facts(fields: list[str]) -> dict:

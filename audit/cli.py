@@ -590,14 +590,13 @@ def _gate_exit(gate: dict, strict: bool, outcome, err) -> int:
     """The pin-bump gate: SERVING_CHANGED (6) when serving changed against the baseline, else FINDINGS (1) when
     a finding is new (not in the accepted-findings file), else OK; --strict adds UNVERIFIED lanes as before."""
     base = gate["baseline"]["pin"]
+    from audit.report.changes import KINDS
+
     changes, new = gate["serving_changes"], gate["new_findings"]
-    classes = ", ".join(f"{k} {n}" for k, n in gate.get("by_class", {}).items() if n)
     fresh = gate.get("newly_failing", 0)
-    err.print(f"gate against {base}: {gate['cells_compared']} cell(s) compared; {len(changes)} serving change(s)"
-              + (f" ({classes})" if classes else "")
-              + f", {gate.get('information_changes', 0)} information row(s) not gated; {len(new)} new finding(s) "
-              f"({fresh} failing only now, {len(new) - fresh} failing in {base} too but not accepted), "
-              f"{gate['accepted_findings']} accepted"
+    err.print(f"gate against {base}: {gate['cells_compared']} cell(s) compared; {_escape(gate['headline'])}; "
+              f"{len(new)} new finding(s) ({fresh} failing only now, {len(new) - fresh} failing in {base} too but not "
+              f"accepted), {gate['accepted_findings']} accepted"
               + (f" ({gate['accepted_file']})" if gate["accepted_file"] else " (no accepted-findings file)"))
     only = gate["only_in_baseline"]
     if not gate["cells_compared"]:
@@ -609,10 +608,10 @@ def _gate_exit(gate: dict, strict: bool, outcome, err) -> int:
     if only:
         err.print(f"[yellow]note:[/yellow] {len(only)} cell(s) of {base} were not audited here and are not gated: "
                   + ", ".join(f"{s}/{l}" for s, l in only[:8]) + (" ..." if len(only) > 8 else ""))
-    # every serving change, grouped by kind with a count per kind (never the first N rows)
-    for klass in dict.fromkeys(c["class"] for c in changes):
+    # every serving change, grouped by kind in the table's order with a count per kind (never the first N rows)
+    for klass in sorted(dict.fromkeys(c["class"] for c in changes), key=lambda k: KINDS[k].rank):
         rows = [c for c in changes if c["class"] == klass]
-        err.print(f"  {klass} ({len(rows)}):")
+        err.print(f"  {KINDS[klass].word} ({len(rows)}):")
         for c in rows:
             err.print(f"    {_escape(c['title'])}: {_escape(str(c['before'])[:100])} -> {_escape(str(c['after'])[:100])} "
                       f"[{_escape(c.get('where') or '')}]")

@@ -8,6 +8,7 @@ both ways). Shared code reads these through the registry (:mod:`audit.models`) a
 from __future__ import annotations
 
 from audit.profiles import BackendLabels, BatchRoute, DispatchLanes, JudgedLane, Lane, ModelState, Profile, Slice, Source, StepPath
+from audit import lanevalue as values
 from audit.systems import Layout
 
 MTP_SPEC = '{"method": "mtp", "num_speculative_tokens": 3}'
@@ -67,31 +68,34 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
 
 
 
-def reading_tail_fusion(facts: dict, what: str, **_) -> str | None:
-    """The latent MoE tail fusion a runner ended with (its probes package's ``runner_facts``), in the ledger's words;
-    where K3's MoE block built no runner (MegaMoE), vLLM's attribute that decided it (``block_facts``)."""
+def reading_tail_fusion(facts: dict, what: str, **_) -> dict | None:
+    """The latent MoE tail fusion a runner ended with (its probes package's ``runner_facts``), as a lane value
+    record: the fused or unfused tail is the value, its token cap part of it, why it is so a note; where K3's MoE
+    block built no runner (MegaMoE), vLLM's attribute that decided it (``block_facts``)."""
     if what == "moe-block" and facts.get("runner_absent_because"):
         transform = facts.get("routed_output_transform")
-        return (f"not built: vLLM's `{facts['runner_absent_because']}` (the MegaMoE experts replace the latent MoE "
-                "runner that holds the fusion)" + (f"; the routed output transform runs unfused in "
-                                                   f"{transform.rsplit(':', 1)[-1]}" if transform else ""))
+        return values.inactive("not built", note=f"vLLM's `{facts['runner_absent_because']}`: the MegaMoE experts "
+                               "replace the latent MoE runner that holds the fusion" + (
+                                   f"; the routed output transform runs unfused in {transform.rsplit(':', 1)[-1]}"
+                                   if transform else ""))
     if what != "moe-runner" or "tail_fusion_enabled" not in facts:
         return None
     if not facts["tail_fusion_enabled"]:
-        return "off (not enabled at construction)"
+        return values.make("unfused tail", note="not enabled at construction")
     fused = facts.get("fused_path")
     if "moe_kernel" in facts and facts["moe_kernel"] is None and fused is True:
         # the fused path reads the MoE kernel built at load: without it, only construction's answer is known
-        return "enabled at construction; fused path not re-read (no MoE kernel was built)"
+        return values.make("fused tail", detail="enabled at construction",
+                           note="fused path not re-read: no MoE kernel was built")
     if fused is True:
         limit = facts.get("tail_max_tokens")
-        return "on (fused path holds" + (f"; fused tail up to {limit} tokens)" if limit else ")")
+        return values.make("fused tail", detail=f"up to {limit} tokens" if limit else "", note="fused path holds")
     if fused is False:
         why = facts.get("fused_path_fails")
-        if why:
-            return f"off (enabled at construction; vLLM's fused-path condition fails at `{why}`)"
-        return "off (enabled at construction; the fused path does not hold once the MoE kernel exists)"
-    return f"enabled at construction; fused path unknown ({fused})"
+        return values.make("unfused tail", note="enabled at construction; " + (
+            f"vLLM's fused-path condition fails at `{why}`" if why else
+            "the fused path does not hold once the MoE kernel exists"))
+    return values.make("fused tail", detail="enabled at construction", note=f"fused path unknown ({fused})")
 
 
 KIMI_K3 = Profile(

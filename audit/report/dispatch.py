@@ -8,8 +8,10 @@ each workload. Here those records become a compact table per cell and lane (``ro
 from __future__ import annotations
 
 from audit.evidence.files import EvidenceFile
+from audit.lanevalue import is_inactive, make, text
 from audit.profiles import StepPath
 from audit.report.layers import format_ranges
+from probes.core import tiers
 
 #: the dispatch lanes the shared probes resolve for any model (probes/resolve/dispatch.py), lane id -> title, in the
 #: order the ledger shows them; a model's own lanes, its titles for shared ones and its order are its profile's
@@ -176,9 +178,10 @@ def stage_errors(cells: list[dict]) -> list[dict]:
 
 
 def diff_cells(a: dict | None, b: dict | None, profile):
-    """(what, before, after, layers) for every choice that moved between two audits of one cell;
-    workloads next to each other (in the cell's order) with the same move fold into one span. Nothing
-    when either audit did not resolve dispatch tiers (an older report says nothing, not "—")."""
+    """Every per-call choice that moved between two audits of one cell, as dicts: ``lane``, ``role``, ``group``,
+    ``span`` (workloads next to each other in the cell's order with the same move fold into one span), ``before``,
+    ``after`` and ``layers`` (the group's own layer numbers: a draft's are its own). Nothing when either audit did
+    not resolve dispatch tiers (an older report says nothing, not "—")."""
     if not a or not b:
         return
     order = list(dict.fromkeys([*a.get("workloads", []), *b.get("workloads", [])]))
@@ -202,14 +205,13 @@ def diff_cells(a: dict | None, b: dict | None, profile):
     folded: dict[tuple, list[str]] = {}
     for (lane, role, group, workload, before, after), layers in moved.items():
         folded.setdefault((lane, role, group, before, after, tuple(sorted(layers))), []).append(workload)
-    titles = lane_titles(profile)
     for (lane, role, group, before, after, layers), workloads in sorted(folded.items(), key=str):
-        span = _fold(sorted(workloads, key=lambda w: order.index(w) if w in order else len(order)), order)
-        what = f"{titles.get(lane, lane)} · `{group}`{' (draft)' if role != 'target' else ''} at {span}"
-        yield what, before, after, [layer for layer in layers if layer >= 0]
+        works = sorted(workloads, key=lambda w: order.index(w) if w in order else len(order))
+        yield {"lane": lane, "role": role, "group": group, "span": fold(works, order), "workloads": works,
+               "before": before, "after": after, "layers": [layer for layer in layers if layer >= 0]}
 
 
-def _fold(workloads: list[str], order: list[str]) -> str:
+def fold(workloads: list[str], order: list[str]) -> str:
     """``decode 1``, ``decode 8``, ``decode 256`` (with 64 between them unchanged) -> ``decode 1–8, decode 256``."""
     runs: list[list[str]] = []
     for w in workloads:
@@ -258,14 +260,13 @@ def step_path_group(cell: dict, lane: str, group: dict, workload: str, path: Ste
     if path is None:
         return None
     choice = serving_path(cell, workload)
-    if not choice or not choice.endswith(f": {path.name}"):
+    if not choice or not tiers.takes_step_path(choice, path.name):
         return None
     part = path.parts.get(lane, f"stock lane outside the {path.name}")
     found = tier_choice(cell, path.lane, [], workload)
     detail = found[0] if found else path.name
     return {"layers": group["layers"], "ranges": group.get("ranges", ""), "level": "resolved (dispatch)",
-            "value": f"{path.name} ({part}): {detail}",
-            "raw": {"source": STEP_PATH_SOURCE, "fields": [part]}}
+            "value": make(f"{path.name} {part}", detail=detail), "raw": {"source": STEP_PATH_SOURCE, "fields": [part]}}
 
 
 def taken_by_step_path(cell: dict, lane: str, path: StepPath | None) -> list[str]:
@@ -273,10 +274,10 @@ def taken_by_step_path(cell: dict, lane: str, path: StepPath | None) -> list[str
     kernels (vLLM's graph dispatch and the path's prepared batch sizes decide; read off the serving-path tiers)."""
     if path is None or lane not in path.parts:
         return []
-    if all(str(g.get("value", "")).startswith("not exercised") for g in cell.get("lanes", {}).get(lane, [])):
+    if all(is_inactive(g.get("value")) for g in cell.get("lanes", {}).get(lane, [])):
         return []  # the lane serves no batch in this cell (no speculative decoding): nothing is taken from it
     return [w for w in (cell.get("dispatch") or {}).get("workloads", [])
-            if (serving_path(cell, w) or "").endswith(f": {path.name}")]
+            if tiers.takes_step_path(serving_path(cell, w) or "", path.name)]
 
 
 def step_path_mark(cell: dict, lane: str, path: StepPath | None) -> str:
@@ -285,7 +286,7 @@ def step_path_mark(cell: dict, lane: str, path: StepPath | None) -> str:
     taken = taken_by_step_path(cell, lane, path)
     if not taken:
         return ""
-    return f" · at {_fold(taken, list((cell.get('dispatch') or {}).get('workloads', [])))}: {path.owner} serves instead"
+    return f" · at {fold(taken, list((cell.get('dispatch') or {}).get('workloads', [])))}: {path.owner} serves instead"
 
 
 def serving_mark(cell: dict, lane: str, profile) -> str:
@@ -311,7 +312,7 @@ def serving_mark(cell: dict, lane: str, profile) -> str:
                 routed[taken].append(w)
     for taken, works in sorted(routed.items()):
         works.sort(key=every.index)
-        mark += f" · at {_fold(works, every)}: the batch takes {route.title}'s {taken}"
+        mark += f" · at {fold(works, every)}: the batch takes {route.title}'s {taken}"
     return mark
 
 
@@ -345,4 +346,4 @@ def serving_group(cell: dict, lane: str, group: dict, workload: str, profile) ->
     if other is None:
         return f"the batch takes the {taken} ({choice}), and this cell has no {served} evidence for these layers"
     return (served, other, f"a {workload} batch takes {route.title}'s {taken} ({drow.get('source', '')}), so "
-                           f"{other['value']} serves it")
+                           f"{text(other)} serves it")

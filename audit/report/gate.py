@@ -2,12 +2,11 @@
 
 Two questions, answered apart:
 
-* **Did serving change?** Every row of the routing diff (``audit/report/diff.py``) that decides how the
-  model is served: a routed path, a candidate vLLM tried or the reason it rejected one, a per-call tier,
-  construction or post-load (a refusal, a stop, a configuration vLLM now builds or no longer builds), an
-  activation check, the attention candidates, vLLM's availability answers, probe drift or probe errors.
-  Package versions and evidence levels are information, not changes of serving. This does not depend on
-  any claim: a regression no claim describes still fails the gate.
+* **Did serving change?** The rows of the routing diff (``audit/report/diff.py``) whose kind gates, as the
+  classification table (``audit/report/changes.py``) decides: a new or removed path, an experts class, a kernel, a
+  refusal (construction, load or a batch vLLM raises on), a simulation stop, probe drift, an availability answer
+  beside a selection that moved, a per-call tier. This module decides nothing about a difference itself; it does
+  not depend on any claim: a regression no claim describes still fails the gate.
 * **Are there new findings?** The failing verdicts (``verdicts.FAILING``) and required probe drift, less the
   findings the release owner accepted once (``accepted findings``: a file the way linters keep a baseline;
   ``serving-truth accept PIN`` writes it from an audited pin's report). A finding is matched on what it says
@@ -148,7 +147,7 @@ def judge_gate(baseline: dict, routing: dict, accepted: set[tuple] | None, profi
     new = [{**f, "in_baseline": finding_key(f) in before} for f in findings(routing) if finding_key(f) not in accepted]
     known = [f for f in findings(routing) if finding_key(f) in accepted]
     return {"baseline": d["from"], "candidate": d["to"], "serving_changes": changes,
-            "by_class": d["by_class"], "information_changes": d["information_changes"],
+            "by_class": d["by_class"], "information_changes": d["information_changes"], "headline": d["headline"],
             # new findings split the one way that keeps the counts consistent: failing only now, or failing in the
             # baseline too but not in the accepted-findings file
             "newly_failing": sum(1 for f in new if not f["in_baseline"]),

@@ -18,7 +18,8 @@ from audit.errors import RenderError
 from audit.report.dispatch import serving_group, serving_path, step_path_group, tier_choice
 from audit.report.expectations import sm_family
 from audit.report.labels import derive
-from audit.report.routing import short
+from audit.lanevalue import is_inactive, text
+from audit.report.refusals import cell_refused
 from audit.systems import SYSTEMS
 from probes.core import tiers
 
@@ -65,7 +66,7 @@ def _by_tokens(profile, cell: dict, judged, group: dict, label_map: dict[str, st
         else:
             slane, sgroup, note = serving
             label, family, _ = derive(profile, slane, sgroup, label_map)
-            entry.update(kernel_source=label, backend=family, harness_lane=slane)
+            entry.update(kernel_source=label, backend=family, harness_lane=slane, kernel=sgroup["value"].get("kernel", ""))
             if note:
                 entry["why"] = note
         choices = {}
@@ -87,22 +88,9 @@ def _by_tokens(profile, cell: dict, judged, group: dict, label_map: dict[str, st
         if refused:  # vLLM raises on this batch: it is not served, so it has no label
             entry.update(kernel_source="refused", backend="refused", why=refused)
             entry.pop("harness_lane", None)
+            entry.pop("kernel", None)
         out.append(entry)
     return out
-
-
-def refusal(cell: dict) -> str | None:
-    """Why vLLM refuses to serve this cell's configuration (its own check raised at construction or at
-    load), or None. A simulation limit is no refusal: the layers it reached keep their labels."""
-    r = cell.get("load_refused")
-    if r:
-        return (f"vLLM refuses to load it: {r.get('function', '')} raised {short(r.get('type', ''))}: "
-                f"{r.get('message', '')}")
-    f = cell.get("failure") or {}
-    if f.get("outcome") == "refused":
-        return (f"vLLM refuses to build it ({f.get('stage', '')}): {short(f.get('type', ''))}: "
-                f"{f.get('message', '')}")
-    return None
 
 
 def build_labels(routing: dict, profile, label_map: dict[str, str] | None = None) -> dict:
@@ -115,7 +103,7 @@ def build_labels(routing: dict, profile, label_map: dict[str, str] | None = None
         if cell.get("status") == "INCOMPLETE":
             skipped.append({"system": system, "layout": layout, "why": "the cell did not finish"})
             continue
-        refused = refusal(cell)
+        refused = cell_refused(cell)
         if refused:  # nothing serves there: a label would describe a server that never starts
             skipped.append({"system": system, "layout": layout, "why": refused})
             continue
@@ -123,16 +111,17 @@ def build_labels(routing: dict, profile, label_map: dict[str, str] | None = None
         for judged in profile.judged:
             lane, perf_lane, phase = judged.lane, judged.perf_lane, judged.phase
             for g in cell.get("lanes", {}).get(lane, []):
-                if str(g.get("value", "")).startswith("not exercised"):
-                    skipped.append({"system": system, "layout": layout, "lane": lane, "why": g["value"]})
+                if is_inactive(g.get("value")):
+                    skipped.append({"system": system, "layout": layout, "lane": lane, "why": text(g)})
                     continue
                 label, family, how = derive(profile, lane, g, label_map or {})
                 plane = perf_lane or moe_perf_lane(profile, g)
                 row = {"system": system, "sm": sm_family(sysobj) if sysobj else "", "layout": layout,
                        "lane": plane, "harness_lane": lane, "phase": g.get("phase", phase),
                        "tokens": "all", "layers": g["ranges"], "kernel_source": label, "backend": family,
+                       "kernel": g["value"].get("kernel", ""),
                        "how": how if plane != "unknown" else _UNKNOWN_PRECISION,
-                       "value": g["value"], "evidence": g.get("evidence", cell.get("evidence", "none"))}
+                       "value": text(g), "evidence": g.get("evidence", cell.get("evidence", "none"))}
                 tiers = _tiers(cell, judged, g["layers"])
                 if tiers:
                     row["dispatch"] = tiers
@@ -151,4 +140,4 @@ def labels_json(routing: dict, profile, label_map: dict[str, str] | None = None)
     return json.dumps(build_labels(routing, profile, label_map), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
-__all__ = ["build_labels", "labels_json", "moe_perf_lane"]
+__all__ = ["build_labels", "labels_json", "moe_perf_lane", "cell_refused"]

@@ -14,7 +14,9 @@ from audit import __version__
 from audit.report import dispatch
 from audit.errors import RenderError
 from audit.report.fit import fit
-from audit.report.routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges, short
+from audit.lanevalue import FLAGS, short, text
+from audit.report.routing import EVIDENCE_LEVELS, RESOLVE_LEVELS, STAGE_MEANING, STAGE_ORDER, format_ranges
+from probes.core import tiers
 from audit.systems import SYSTEMS
 from audit.report.verdicts import VERDICTS, grouped
 
@@ -86,11 +88,18 @@ def collapse_cells(cells: list[str], audited: list[str] | None, layout_order: li
 
 
 def _shown(group: dict) -> str:
-    """A lane group's value; observed groups carry their own level and phase, so no row passes an
+    """A lane group's value in words (audit/lanevalue.py); where vLLM raises on some of the batches it serves, that
+    first (a server given such a batch fails); observed groups carry their own level and phase, so no row passes an
     observation off as a resolution or a capture as an eager execution."""
+    value = group.get("value") if isinstance(group.get("value"), dict) else {}
+    words = text(group)
+    raised = value.get("raises")
+    if raised:
+        cause = raised["why"].split(": ", 1)[1] if tiers.refused(raised["why"]) else raised["why"]
+        words = f"raises at {raised['at']}: {cause} (built: {words})"
     if "evidence" not in group:
-        return group["value"]
-    return f"{group['value']} [{group['evidence']}, {group.get('phase', '?')}]"
+        return words
+    return f"{words} [{group['evidence']}, {group.get('phase', '?')}]"
 
 
 def _levels(cell: dict) -> set[str]:
@@ -135,7 +144,7 @@ def _load_summary(c: dict | None) -> str:
     if not post["ran"]:
         return f"not run: {post['error']['type']}"
     if post["limit"]:
-        return (f"stopped at a simulation limit in {post['limit']} of {post['steps']} steps; no refusal in the "
+        return (f"{post['limit']} of {post['steps']} steps stopped at a simulation limit; no refusal in the "
                 f"{post['ok']} that ran to the end")
     return f"simulated to the end: {post['steps']} steps, no refusal"
 
@@ -148,7 +157,22 @@ def _uniform(cells: list[dict], getter):
     return None, sorted(values)
 
 
-def glance(routing: dict, changes: dict | None) -> dict:
+def _dispatch_refusals(cells: list[dict], profile) -> list[dict]:
+    """The batches vLLM raises on (audit/report/refusals.py), grouped: {"at", "raised", "lanes", "cells"}."""
+    from audit.report.refusals import cell_refusals
+
+    out: dict[tuple, dict] = {}
+    for c in cells:
+        for r in cell_refusals(c, profile):
+            if r["stage"] == "dispatch":
+                e = out.setdefault((r["at"], r["raised"]), {"at": r["at"], "raised": r["raised"], "lanes": [],
+                                                            "cells": []})
+                e["cells"].append(f"{c['system']}/{c['layout']}")
+                e["lanes"] += [lane for lane in r["lanes"] if lane not in e["lanes"]]
+    return [out[k] for k in sorted(out)]
+
+
+def glance(routing: dict, changes: dict | None, profile=None) -> dict:
     """The opening summary a reviewer reads first: what moved since the baseline, what vLLM refuses and where,
     which claim failures are new and which predate it, and how far the evidence goes (every stop counted)."""
     from audit.report.verdicts import FAILING
@@ -157,6 +181,7 @@ def glance(routing: dict, changes: dict | None) -> dict:
     ids = lambda cs: [f"{c['system']}/{c['layout']}" for c in cs]  # noqa: E731
     refused_construct = [c for c in cells if c["status"] == "PARTIAL" and (c.get("failure") or {}).get("outcome") == "refused"]
     sim_construct = [c for c in cells if c["status"] == "PARTIAL" and (c.get("failure") or {}).get("outcome") != "refused"]
+    raising = _dispatch_refusals(cells, profile) if profile is not None else []
     reached = [c for c in cells if c.get("postload")]
     refused_load = [c for c in reached if c.get("load_refused")]
     post_limits = [c for c in reached if not c.get("load_refused") and (c["postload"].get("limit") or not c["postload"].get("ran"))]
@@ -165,7 +190,7 @@ def glance(routing: dict, changes: dict | None) -> dict:
         for g in c["postload"].get("limits") or [{"raised_in": "post-load did not run"}]:
             stops.setdefault(g.get("raised_in") or "?", []).append(f"{c['system']}/{c['layout']}")
     out = {"cells": len(routing["cells"]), "refused_construct": ids(refused_construct), "sim_construct": ids(sim_construct),
-           "reached": len(reached), "refused_load": ids(refused_load),
+           "reached": len(reached), "refused_load": ids(refused_load), "refused_dispatch": raising,
            "postload_clean": len(reached) - len(refused_load) - len(post_limits),
            "postload_stops": sorted((k, sorted(set(v))) for k, v in stops.items()),
            "observed": sum(1 for c in cells if str(c.get("evidence", "")).startswith("observed")),
@@ -178,9 +203,10 @@ def glance(routing: dict, changes: dict | None) -> dict:
         from audit.report.verdicts import verdict_before
 
         rows = changes.get("changes", [])
-        verdict_rows = [r for r in rows if r["kind"] == "verdict"]
+        verdict_rows = [r for r in rows if r["facet"] == "verdict"]
         # the diff already classed every row and every verdict turn: read them, never re-derive
         out["since"] = {"pin": changes["from"]["pin"], "serving": [r for r in rows if r.get("serving")],
+                        "headline": changes.get("headline", ""),
                         "serving_cells": changes["serving_cells"],
                         "new_failures": [{**r, "before": verdict_before(changes, r)} for r in verdict_rows
                                          if r.get("turn") == "newly failing"],
@@ -200,31 +226,14 @@ def check_model(routing: dict, profile) -> None:
                           "changed")
 
 
-def view_model(routing: dict, *, profile, reproduce: str) -> dict:
-    check_model(routing, profile)
-    cells = routing["cells"]
-    systems = [s for s in SYSTEMS.values() if any(c["system"] == s.name for c in cells)]
-    known_layouts = [l for l in profile.layouts.values() if any(c["layout"] == l.name for c in cells)]
-    lane_titles = routing.get("lane_titles", {})
-    # the profile's order (kept as a list: routing.json sorts object keys); an older routing without it
-    # falls back to its titles' order
-    lane_ids = routing.get("lane_order") or list(lane_titles) or sorted({k for c in cells for k in c["lanes"]})
+def _matrices(routing: dict, cells: list[dict], systems, layouts, lane_ids, profile) -> list[dict]:
+    """Per layout, one row per lane with a column per system (the "what it runs" tables)."""
     by = {(c["system"], c["layout"]): c for c in cells}
-    stopped = [c for c in cells if c["status"] == "PARTIAL"]
-    counts = (routing.get("verdicts") or {}).get("summary", {})
-
+    lane_titles = routing.get("lane_titles", {})
     lane_levels = routing.get("lane_levels", {})
-    backend_kernels = profile.backend_labels.kernels if profile.backend_labels is not None else {}
-
-    def named(lane: str, groups: list[dict]) -> list[dict]:
-        """A backend string (one word that names a different kernel per lane, e.g. K3's KDA ``native``) shown as
-        the kernel it enters in this lane, the string beside it: one name per kernel across lanes."""
-        kernels = backend_kernels.get(lane) or {}
-        return [{**g, "value": f"{kernels[g['value']]} ({g['value']})"} if isinstance(g.get("value"), str)
-                and g["value"] in kernels else g for g in groups]
-
-    matrices = []
-    for layout in known_layouts:
+    read_after = routing.get("lanes_read_after_construction", ())
+    out = []
+    for layout in layouts:
         rows = []
         if any(by.get((s.name, layout.name), {}).get("postload") for s in systems):
             rows.append(["Weights load (post-load)"] + [
@@ -240,50 +249,85 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
                 elif c["status"] == "INCOMPLETE":
                     row.append("INCOMPLETE")
                 else:
-                    row.append(_lane_summary(named(lane, c["lanes"].get(lane, [])), c,
-                                             lane in routing.get("lanes_read_after_construction", ()))
+                    row.append(_lane_summary(c["lanes"].get(lane, []), c, lane in read_after)
                                + dispatch.serving_mark(c, lane, profile))
             rows.append(row)
         levels = sorted(set().union(*[_levels(by[(s.name, layout.name)]) for s in systems
                                       if (s.name, layout.name) in by]))
-        matrices.append({"layout": layout, "rows": rows, "levels": levels})
+        out.append({"layout": layout, "rows": rows, "levels": levels})
+    return out
 
-    details = []
+
+def _family(group: dict) -> str:
+    """A group's backend family (the perf database's words) with vLLM's own selector value beside it."""
+    value = group.get("value") if isinstance(group.get("value"), dict) else {}
+    family, backend = value.get("family") or "—", value.get("backend")
+    return f"{family} (vLLM: `{backend}`)" if backend and backend.lower() != family else family
+
+
+def _details(routing: dict, cells: list[dict], systems, layouts, lane_ids, profile) -> list[dict]:
+    """Per system, per layout: every lane group with its layers, value, family and evidence level."""
+    by = {(c["system"], c["layout"]): c for c in cells}
+    lane_titles = routing.get("lane_titles", {})
+    out = []
     for s in systems:
         entries = []
-        for layout in known_layouts:
+        for layout in layouts:
             c = by.get((s.name, layout.name))
             if c is None:
                 continue
             lanes = []
             for lane in lane_ids:
                 mark = dispatch.serving_mark(c, lane, profile)
-                for g in named(lane, c["lanes"].get(lane, [])):
-                    lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"], "value": g["value"] + mark,
+                for g in c["lanes"].get(lane, []):
+                    lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"],
+                                  "value": _shown({k: v for k, v in g.items() if k != "evidence"}) + mark,
+                                  "family": _family(g),
                                   "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g
                                   else (f"{c['evidence']}, {g['level']}" if g.get("level") else c["evidence"])})
             entries.append({"layout": layout, "cell": c, "lanes": lanes})
-        details.append({"system": s, "entries": entries})
+        out.append({"system": s, "entries": entries})
+    return out
 
-    drift = {}
+
+def _across(cells: list[dict], key, each) -> list[dict]:
+    """The same item (by *key*) across cells as one entry listing its cells; *each* yields a cell's items."""
+    out: dict = {}
     for c in cells:
-        for d in c["drift"]:
-            key = d["target"]
-            drift.setdefault(key, {**d, "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
-    probe_errors: dict[tuple, dict] = {}
-    for c in cells:
-        for e in c.get("probe_errors", []):
-            err = e.get("error") or {}
-            key = (e.get("where"), err.get("type"), err.get("message"))
-            probe_errors.setdefault(key, {"where": key[0], "type": key[1] or "", "message": key[2] or "",
-                                          "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
+        for item in each(c):
+            out.setdefault(key(item), {**item, "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
+    return [out[k] for k in sorted(out, key=str)]
+
+
+def _problems(cells: list[dict]) -> dict:
+    """Drifted probe targets, probe errors, harness faults and the fences, across cells."""
+    drift = _across(cells, lambda d: d["target"], lambda c: c["drift"])
+    probe_errors = _across(cells, lambda e: (e["where"], e["type"], e["message"]), lambda c: (
+        {"where": e.get("where"), "type": (e.get("error") or {}).get("type") or "",
+         "message": (e.get("error") or {}).get("message") or ""} for e in c.get("probe_errors", [])))
+    faults = _across(cells, lambda e: (e["piece"], e["type"], e["message"]), lambda c: c.get("harness_faults") or [])
+    evidenced = [c for c in cells if c["status"] != "INCOMPLETE" or c.get("harness_faults")]
+    fences = {"cells": len(evidenced), "on": sum(1 for c in evidenced if (c.get("fence") or {}).get("on")),
+              "pieces": max([(c.get("fence") or {}).get("pieces", 0) for c in evidenced] or [0]),
+              "faults": len(faults),
+              "planted": sorted({p for c in evidenced for p in (c.get("fence") or {}).get("planted") or []})}
+    return {"drift": sorted(drift, key=lambda d: d["target"]), "probe_errors": probe_errors,
+            "harness_faults": faults, "fences": fences}
+
+
+def _postload_limits(cells: list[dict]) -> list[dict]:
+    """The places the simulation could not go further, across cells."""
     limits: dict[tuple, dict] = {}
-    for c in cells:  # the places the simulation could not go further, across cells
+    for c in cells:
         for g in (c.get("postload") or {}).get("limits", []):
-            key = (g["raised_in"], g["type"], g["message"])
-            e = limits.setdefault(key, {**g, "count": 0, "cells": []})
+            e = limits.setdefault((g["raised_in"], g["type"], g["message"]), {**g, "count": 0, "cells": []})
             e["count"] += g["count"]
             e["cells"].append(f"{c['system']}/{c['layout']}")
+    return sorted(limits.values(), key=lambda e: (-e["count"], e["raised_in"], e["message"]))
+
+
+def _environment(cells: list[dict], routing: dict, profile) -> dict:
+    """What every complete cell agrees on about the environment, and what the simulation stood in for."""
     complete = [c for c in cells if c["status"] != "INCOMPLETE"]
     fingerprint, fp_diff = _uniform(complete, lambda c: c.get("fingerprint", {}))
     availability, av_diff = _uniform(complete, lambda c: c.get("availability", {}))
@@ -291,74 +335,65 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
     for c in complete:
         for k, v in (c.get("availability_why") or {}).items():
             why.setdefault(k, v)
-    faults: dict[tuple, dict] = {}
-    for c in cells:  # the same fault (piece, error) across cells is one row
-        for e in c.get("harness_faults") or []:
-            key = (e["piece"], e["type"], e["message"])
-            faults.setdefault(key, {**e, "cells": []})["cells"].append(f"{c['system']}/{c['layout']}")
-    evidenced = [c for c in cells if c["status"] != "INCOMPLETE" or c.get("harness_faults")]
-    fences = {"cells": len(evidenced), "on": sum(1 for c in evidenced if (c.get("fence") or {}).get("on")),
-              "pieces": max([(c.get("fence") or {}).get("pieces", 0) for c in evidenced] or [0]),
-              "faults": len(faults),
-              "planted": sorted({p for c in evidenced for p in (c.get("fence") or {}).get("planted") or []})}
-    fit: dict[str, str] = routing.get("standin_fit") or {}
     merged: dict[str, set] = {}
     for c in complete:  # the union over cells; a value that differs per cell (e.g. world size) lists each
         for k, v in c.get("simulated", {}).items():
             merged.setdefault(k, set()).add(str(v))
     simulated = {k: "; ".join(sorted(v)) for k, v in sorted(merged.items())}
     simulated.update(dispatch.stand_ins(cells, profile))
-    levels = sorted(set().union(*[_levels(c) for c in cells]))
+    return {"fingerprint": {"packages": {}, "modules": {}, "tools": {}, "env": {}, "python": "?", **(fingerprint or {})},
+            "fingerprint_differs": bool(fp_diff), "availability": availability or {}, "availability_why": why,
+            "availability_differs": bool(av_diff), "simulated": simulated,
+            "standin_fit": dict(sorted((routing.get("standin_fit") or {}).items()))}
+
+
+def _verdict_view(routing: dict) -> dict:
+    counts = (routing.get("verdicts") or {}).get("summary", {})
+    return {"verdicts": routing.get("verdicts"),
+            "verdict_groups": grouped(routing["verdicts"]["rows"]) if routing.get("verdicts") else [],
+            # in the verdicts' own order (routing.json stores the counts with sorted keys)
+            "verdict_counts": [(k, counts[k]) for k in VERDICTS if counts.get(k)],
+            "unjudged_claims": sum(1 for r in (routing.get("verdicts") or {}).get("rows", [])
+                                   if r["claim"] and r["verdict"] == "UNVERIFIED")}
+
+
+def view_model(routing: dict, *, profile, reproduce: str) -> dict:
+    """Everything the ledger's template shows, from the routing (and the model's profile for its words)."""
+    check_model(routing, profile)
+    cells = routing["cells"]
+    systems = [s for s in SYSTEMS.values() if any(c["system"] == s.name for c in cells)]
+    layouts = [l for l in profile.layouts.values() if any(c["layout"] == l.name for c in cells)]
+    lane_titles = routing.get("lane_titles", {})
+    # the profile's order (kept as a list: routing.json sorts object keys); an older routing without it
+    # falls back to its titles' order
+    lane_ids = routing.get("lane_order") or list(lane_titles) or sorted({k for c in cells for k in c["lanes"]})
+    stopped = [c for c in cells if c["status"] == "PARTIAL"]
     return {
-        "title": profile.title,
-        "routing": routing,
+        "title": profile.title, "routing": routing,
         "pin": {"image_config_digest": "", "image_tarball": "", **routing["pin"]},
         "run": {"vllm_commit": "", "runtime": "?", "python": "", "mode": "resolve", "date": "?",
                 "cuda_toolkit": "not recorded", "aborted": None, "image": None, "architecture_note": "",
                 "inventory": None, "slice": None, **routing.get("run", {})},
-        "harness_version": __version__,
-        "systems": systems,
-        "sm_families": _sm_families(systems),
-        "value_kernels": _value_kernels(profile, lane_titles),
-        "claim_words": _claim_words(routing, profile),
-        "layouts": known_layouts,
-        "matrices": matrices,
+        "harness_version": __version__, "systems": systems, "sm_families": _sm_families(systems),
+        "claim_words": _claim_words(routing, profile), "flags": FLAGS, "layouts": layouts,
+        "matrices": _matrices(routing, cells, systems, layouts, lane_ids, profile),
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],
-        "details": details,
-        "drift": sorted(drift.values(), key=lambda d: d["target"]),
-        "probe_errors": [probe_errors[k] for k in sorted(probe_errors, key=str)],
+        "details": _details(routing, cells, systems, layouts, lane_ids, profile),
+        **_problems(cells),
         "incomplete": [c for c in cells if c["status"] == "INCOMPLETE"],
         "not_applicable": sorted({t for c in cells for t in c.get("not_applicable", [])}),
         "partial": [c for c in stopped if (c.get("failure") or {}).get("outcome") != "limit"],
         "sim_stopped": [c for c in stopped if (c.get("failure") or {}).get("outcome") == "limit"],
         "load_refused": [c for c in cells if c.get("load_refused")],
         "postload_cells": [c for c in cells if c.get("postload")],
-        "postload_limits": sorted(limits.values(), key=lambda e: (-e["count"], e["raised_in"], e["message"])),
-        "resolve_levels": RESOLVE_LEVELS,
+        "postload_limits": _postload_limits(cells), "resolve_levels": RESOLVE_LEVELS,
         "profiler_disagree": [c for c in cells if ((c.get("observed") or {}).get("profiler") or {}).get("disagree")],
-        "fingerprint": {"packages": {}, "modules": {}, "tools": {}, "env": {}, "python": "?", **(fingerprint or {})},
-        "fingerprint_differs": bool(fp_diff),
-        "availability": availability or {},
-        "availability_why": why,
-        "availability_differs": bool(av_diff),
-        "harness_faults": [faults[k] for k in sorted(faults)],
-        "fences": fences,
-        "standin_fit": dict(sorted(fit.items())),
+        **_environment(cells, routing, profile),
         "memo_rejected": int((routing.get("run") or {}).get("memo_rejected", 0)),
-        "simulated": simulated,
-        "levels": levels,
-        "level_text": EVIDENCE_LEVELS,
-        "stage_order": STAGE_ORDER,
-        "stage_meaning": STAGE_MEANING,
-        "reproduce": reproduce,
-        "verdicts": routing.get("verdicts"),
-        "verdict_groups": grouped(routing["verdicts"]["rows"]) if routing.get("verdicts") else [],
-        # in the verdicts' own order (routing.json stores the counts with sorted keys)
-        "verdict_counts": [(k, counts[k]) for k in VERDICTS if counts.get(k)],
-        "unjudged_claims": sum(1 for r in (routing.get("verdicts") or {}).get("rows", [])
-                               if r["claim"] and r["verdict"] == "UNVERIFIED"),
-        "lane_titles": lane_titles,
-        "kind_titles": profile.kind_titles,
+        "levels": sorted(set().union(*[_levels(c) for c in cells])), "level_text": EVIDENCE_LEVELS,
+        "stage_order": STAGE_ORDER, "stage_meaning": STAGE_MEANING, "reproduce": reproduce,
+        **_verdict_view(routing),
+        "lane_titles": lane_titles, "kind_titles": profile.kind_titles,
         "model_notes": {"glossary": (), "layer_numbers": "Layer numbers are vLLM's 0-based module indices.",
                         "candidates_of": "attention layers", "state_example": "", **profile.ledger_notes},
         # --- dispatch tiers (audit/report/dispatch.py, templates/dispatch.md.j2) ---
@@ -366,8 +401,7 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
         # a model whose own path serves some steps: the stock lanes' tables are not about those steps
         "dispatch_step_path": (f"; the {profile.step_path.name}'s\nown modules are not built, see its table"
                                if profile.step_path is not None else ""),
-        "dispatch_errors": dispatch.stage_errors(cells),
-        "dispatch_level": dispatch.LEVEL_TEXT,
+        "dispatch_errors": dispatch.stage_errors(cells), "dispatch_level": dispatch.LEVEL_TEXT,
         "dispatch_unsimulated": dispatch.unsimulated(cells),
     }
 
@@ -378,7 +412,7 @@ def render_ledger(routing: dict, *, profile, reproduce: str, changes: dict | Non
     try:
         template = _env(list(profile.layouts)).get_template("ledger.md.j2")
         return fit(template.render(**view_model(routing, profile=profile, reproduce=reproduce),
-                                   changes=changes, glance=glance(routing, changes)))
+                                   changes=changes, glance=glance(routing, changes, profile)))
     except (jinja2.TemplateError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise RenderError(f"the ledger could not be rendered from this routing ({type(exc).__name__}: {exc}); "
                           "no report file was changed") from exc
@@ -393,7 +427,9 @@ def report_files(routing: dict, *, profile, reproduce: str, changes: dict | None
     """Everything a report directory holds, rendered (nothing is written): the ledger, routing.json and
     labels.json (the perf-database labels the evidence gives, see audit.report.perflabels)."""
     from audit.report.perflabels import labels_json
+    from audit.report.values import finish
 
+    finish(routing, profile, label_map)  # the records' family and cell flags, in the claims' words
     ledger = render_ledger(routing, profile=profile, reproduce=reproduce, changes=changes)
     return {"routing.json": routing_json(routing), "ledger.md": ledger,
             "labels.json": labels_json(routing, profile, label_map)}
@@ -419,18 +455,3 @@ def _claim_words(routing: dict, profile) -> str:
             if family and source and family != "unknown":
                 words.setdefault(family, set()).add(source)
     return "; ".join(f"`{f}`: {', '.join(f'`{k}`' for k in sorted(ks))}" for f, ks in sorted(words.items()))
-
-
-def _value_kernels(profile, lane_titles: dict) -> list[dict]:
-    """What each value of the lanes whose value is a backend string (the profile's ``backend_labels``) enters, per
-    lane: one value can be a different kernel in each lane (K3: ``native`` in KDA decode and in KDA spec-verify).
-    Only lanes this ledger has (a model without such lanes: none)."""
-    backend = profile.backend_labels
-    if backend is None:
-        return []
-    by_value: dict[str, list[str]] = {}
-    for lane, kernels in backend.kernels.items():
-        for value, kernel in kernels.items():
-            if isinstance(value, str) and lane in lane_titles:
-                by_value.setdefault(value, []).append(f"{lane_titles.get(lane, lane)}: `{kernel}`")
-    return [{"term": backend.term, "value": v, "meaning": "; ".join(k)} for v, k in sorted(by_value.items())]

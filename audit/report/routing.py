@@ -16,9 +16,12 @@ from audit.evidence.files import EvidenceFile
 from audit.report.layers import format_ranges
 from audit.report.observed import merge as merge_observed
 from audit.profiles import MOE_LANE, Lane, Profile
+from audit import lanevalue as values
+from audit.lanevalue import ROUTING_SCHEMA, short
 
-#: 2: one verdict for a refusal by vLLM's own code, at construction or load (REFUSED; was CRASH / LOAD_REFUSED)
-ROUTING_SCHEMA = 2
+#: 2: one verdict for a refusal by vLLM's own code, at construction or load (REFUSED; was CRASH / LOAD_REFUSED);
+#: 3: lane values as records (audit/report/values.py), schema 2's sentences derived from them
+__all__ = ["ROUTING_SCHEMA", "short", "build_routing", "build_cell", "format_ranges"]
 EVIDENCE_LEVELS = {
     "resolved": "resolved: vLLM's own selection code ran under a simulated NVIDIA platform; no kernel executed",
     "observed": "observed: the kernel entry was hit in the serving process on a real GPU (eager)",
@@ -51,37 +54,19 @@ def layer_of(name: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def short(value) -> str:
-    """Display form: enum member name, class name; lists joined with ' / '."""
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, (list, tuple)):
-        return " / ".join(short(v) for v in value)
-    text = str(value)
-    if ":" in text and not text.startswith("<"):
-        return text.rsplit(":", 1)[1].rsplit(".", 1)[-1]
-    if re.fullmatch(r"[A-Za-z_][\w]*\.[A-Z][A-Z0-9_]+", text):  # Enum.MEMBER
-        return text.split(".", 1)[1]
-    if re.fullmatch(r"[a-z_][\w]*(\.[\w]+)+\.[A-Z]\w*", text):  # dotted class path
-        return text.rsplit(".", 1)[1]
-    return text
-
-
 def collapse(per_layer: dict[int, object], raw: dict[int, dict] | None = None) -> list[dict]:
     """Group layers with the same value; groups ordered by their first layer. With ``raw``, each
     group also keeps the undisplayed evidence of its first layer (what labels are derived from)."""
     groups: dict[str, list[int]] = defaultdict(list)
-    values: dict[str, object] = {}
+    by_key: dict[str, object] = {}
     for layer in sorted(per_layer):
         key = repr(per_layer[layer])
         groups[key].append(layer)
-        values[key] = per_layer[layer]
+        by_key[key] = per_layer[layer]
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
     out = []
     for key, layers in ordered:
-        group = {"layers": layers, "ranges": format_ranges(layers), "value": values[key]}
+        group = {"layers": layers, "ranges": format_ranges(layers), "value": by_key[key]}
         if raw is not None:
             group["raw"] = raw[layers[0]]
         out.append(group)
@@ -135,7 +120,10 @@ def _module_kind(f: EvidenceFile, profile: Profile, module: str) -> str | None:
 
 
 def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None, readings: dict | None = None,
-                 state=None) -> dict[int, dict]:
+                 state=None, kernels: dict | None = None) -> dict[int, dict]:
+    """Per layer, the lane's value (a record, audit/report/values.py) with the evidence it was read from (``raw``):
+    the first source that answers for a layer gives its value. *kernels*: the kernels the lane's backend strings
+    enter (its profile's ``backend_labels``)."""
     per_layer: dict[int, dict] = {}
     for source in lane.sources:
         if source.kind == "postload":
@@ -152,8 +140,7 @@ def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None, readings
             for layer, items in found.items():
                 if layer not in per_layer:
                     raw = [[leaf, *vals] for leaf, vals in sorted(items)]
-                    per_layer[layer] = {"raw": raw,
-                                        "value": ", ".join(f"{leaf}: {short(v)}" for leaf, *v in raw)}
+                    per_layer[layer] = {"raw": raw, "value": values.from_modules(raw)}
             continue
         for r in f.of_kind(source.kind):
             if r.get("target") != source.target:
@@ -161,15 +148,15 @@ def _lane_values(f: EvidenceFile, lane: Lane, post: dict | None = None, readings
             layer = layer_of(r.get("scope"))
             if layer is None or layer in per_layer:
                 continue
-            raw = [_field(r, p) for p in source.fields]
-            if all(v is None for v in raw):
+            shown = [_field(r, p) for p in source.fields]
+            if all(v is None for v in shown):
                 continue  # this record does not carry the lane's answer (e.g. an attribute of other releases)
-            text = " / ".join(short(v) for v in raw)
-            raw = raw + [_field(r, p) for p in source.extra]
+            value = values.from_fields(shown, label=source.label, kernels=kernels)
             if lane.exercised_if and not _field(r, lane.exercised_if[0]):
-                text = f"not exercised: {lane.exercised_if[1]}"
-            per_layer[layer] = {"raw": raw, "source": source.target,
-                                "value": f"{source.label} {text}".strip() if source.label else text}
+                value = values.inactive(f"not exercised: {lane.exercised_if[1]}", kernel=value["kernel"],
+                                        backend=value["backend"])
+            per_layer[layer] = {"raw": shown + [_field(r, p) for p in source.extra], "source": source.target,
+                                "value": value}
     return per_layer
 
 
@@ -388,119 +375,134 @@ def _postload_level(post: dict, layer: int, role: str = "target") -> str:
     return "post-load"
 
 
-def _no_runner(facts: dict) -> str:
+def _no_runner(facts: dict) -> dict:
     """What a model's MoE block that built no MoE runner says about why (its probes package's ``block_facts``)."""
-    return f"none: no MoE runner is built (vLLM's `{facts['runner_absent_because']}`)"
+    return values.inactive("none: no MoE runner is built",
+                           note=f"vLLM's `{facts['runner_absent_because']}`")
 
 
-def _dispatch_combine(facts: dict) -> str:
+def _dispatch_combine(facts: dict) -> tuple[str, str]:
     """How experts that are a module of their own (no MoE runner around them) dispatch and combine, from what they
-    hold: a prepare/finalize object, or none (the experts kernel does it over its own buffers)."""
+    hold: (who does it, the rest in words): a prepare/finalize object, or none (the experts kernel does it over its
+    own buffers)."""
     if facts.get("prepare_finalize"):
-        return f"dispatch/combine: {short(facts['prepare_finalize'])}"
-    kernel = f"DeepGEMM `{facts['kernel']}`" if facts.get("kernel") else "the experts' own kernel"
-    text = f"dispatch/combine inside {kernel}"
+        return f"dispatch/combine by {short(facts['prepare_finalize'])}", ""
+    who = (f"dispatch/combine inside DeepGEMM `{facts['kernel']}`" if facts.get("kernel") else
+           "dispatch/combine inside the experts' own kernel")
+    parts = []
     if facts.get("symm_buffer_cache"):
-        text += f" over a symmetric-memory buffer (class cache `{facts['symm_buffer_cache']}`, filled at the first forward)"
-    text += "; no prepare/finalize object" + ("" if facts.get("has_moe_config") else ", no MoE config")
+        parts.append(f"over a symmetric-memory buffer (class cache `{facts['symm_buffer_cache']}`, filled at the "
+                     "first forward)")
+    parts.append("no prepare/finalize object" + ("" if facts.get("has_moe_config") else ", no MoE config"))
     if facts.get("all2all_manager"):
-        text += (f"; all2all backend {facts.get('all2all_backend')}: its {short(facts['all2all_manager'])} exists on "
-                 "the EP group, these experts hold no reference to it")
-    return text
+        parts.append(f"all2all backend {facts.get('all2all_backend')}: its {short(facts['all2all_manager'])} exists "
+                     "on the EP group, these experts hold no reference to it")
+    return who, "; ".join(parts)
 
 
-def _reading_kernel(facts: dict, what: str, **_) -> str | None:
+def _reading_kernel(facts: dict, what: str, **_) -> dict | None:
     if what == "moe-block":
         return None  # the block's experts are read on their own module
     if what == "mega-moe":
+        experts = short(facts.get("experts"))
         if "transformed" not in facts:
-            state = f"{short(facts.get('experts'))} keeps no post-load state"
+            state = "keeps no post-load state"
         else:
-            experts = short(facts.get("experts"))
-            state = f"{experts} weights transformed" if facts["transformed"] else f"{experts} weights not transformed"
+            state = "weights transformed" if facts["transformed"] else "weights not transformed"
         if "has_moe_config" not in facts:  # evidence from before the harness read how they dispatch
-            return state
-        # identity: the post-load state and who dispatches (a prepare/finalize class, or the experts kernel)
-        who = short(facts["prepare_finalize"]) if facts.get("prepare_finalize") else f"in {facts.get('kernel') or 'kernel'}"
-        return f"{state}; {_dispatch_combine(facts)}", f"{state}; dispatch/combine {who}"
+            return values.make(experts, detail=state)
+        who, rest = _dispatch_combine(facts)
+        return values.make(experts, detail=f"{state}; {who}", note=rest)
     if facts.get("moe_kernel") is None:
-        return "no kernel object built"
+        return values.make("", detail="no kernel object built")
     fused = short(facts.get("fused_experts") or facts.get("moe_kernel"))
     if not facts.get("prepare_finalize"):
-        return fused
-    text = f"{fused} with {short(facts.get('prepare_finalize'))}"
-    return text + (f" (all2all: {short(facts['all2all_manager'])})" if facts.get("all2all_manager") else "")
+        return values.make(fused)
+    detail = f"with {short(facts.get('prepare_finalize'))}"
+    if facts.get("all2all_manager"):
+        detail += f" (all2all: {short(facts['all2all_manager'])})"
+    return values.make(fused, detail=detail)
 
 
-def _reading_activation(facts: dict, what: str, checks: dict, **_) -> str | None:
+def _reading_activation(facts: dict, what: str, checks: dict, **_) -> dict | None:
+    """The activation the experts run and whether the kernel takes it: the activation is the value; a kernel that
+    does not take it (vLLM asked, or the experts declare activations that leave it out) is part of its identity;
+    which experts class and how the check was recorded is a note (the experts class is the routed experts lane's)."""
     if what == "moe-block":
         return None
     if what == "mega-moe":
         act = facts.get("activation") or "none"
         allowed = facts.get("format_activations")
-        # (value, identity): the identity is what decides serving; whether vLLM records a check is a note,
-        # unless the experts declare activations that leave this one out
         experts = short(facts.get("experts"))
-        # the identity leaves the class out: which experts class serves is the routed experts lane's change
         if allowed is None:
-            return f"{act} ({experts}; vLLM records no kernel-support check)", f"{act} (experts module)"
-        ok = "in" if act in allowed else "NOT in"
-        return (f"{act} ({experts}; {ok} the experts' declared activations {', '.join(allowed)})",
-                f"{act} (experts module)" if ok == "in" else f"{act} (experts module; NOT declared)")
+            return values.make(act, note=f"{experts}; vLLM records no kernel-support check")
+        if act in allowed:
+            return values.make(act, note=f"{experts}; in the experts' declared activations {', '.join(allowed)}")
+        return values.make(act, detail="NOT declared by the experts",
+                           note=f"{experts}; their declared activations: {', '.join(allowed)}")
     act = short(facts.get("layer_activation"))
     kernel = facts.get("fused_experts") or facts.get("experts_cls")
     asked = checks.get(short(kernel)) if kernel else None
-    if asked is None:
-        checked = "vLLM did not ask the kernel about it"
-    else:
-        checked = "vLLM asked the kernel: " + ("supported" if asked else "NOT supported")
     declared = facts.get("kernel_supports_activation")
-    note = "" if declared in (None, True) or asked is not None else "; the kernel does not declare it"
-    return f"{act} ({short(kernel)}; {checked}{note})"
+    if asked is None:
+        note = f"{short(kernel)}; vLLM did not ask the kernel about it"
+        if declared not in (None, True):
+            return values.make(act, detail="NOT declared by the kernel", note=note)
+        return values.make(act, note=note)
+    if not asked:
+        return values.make(act, detail="NOT supported by the kernel", note=f"{short(kernel)}; vLLM asked the kernel")
+    return values.make(act, note=f"{short(kernel)}; vLLM asked the kernel: supported")
 
 
-def _reading_deferred(facts: dict, what: str, **_) -> str | None:
+def _reading_deferred(facts: dict, what: str, **_) -> dict | None:
     if what == "moe-block" and facts.get("runner_absent_because"):
         return _no_runner(facts)
     if what != "moe-runner" or "defer_requested" not in facts:
         return None
     if not facts.get("defer_requested"):
-        return "not requested"
+        return values.inactive("not requested")
     if facts.get("defer_effective"):
         cap = facts.get("defer_max_tokens")
-        text = f"deferred (up to {cap} tokens)" if isinstance(cap, int) and cap >= 0 else "deferred (no token cap)"
-        if "moe_kernel" in facts and facts["moe_kernel"] is None:  # experts built at load may lower the cap
-            text += "; cap as at construction (no MoE kernel was built)"
-        return text
+        detail = f"up to {cap} tokens" if isinstance(cap, int) and cap >= 0 else "no token cap"
+        note = ("cap as at construction (no MoE kernel was built)"
+                if "moe_kernel" in facts and facts["moe_kernel"] is None else "")  # kernels built at load may lower it
+        return values.make("deferred", detail=detail, note=note)
     why = facts.get("defer_fails")
-    return f"requested, not in effect on this deployment (vLLM's condition fails at `{why}`)" if why else \
-        "requested, not in effect on this deployment"
+    return values.make("not deferred", note="requested, not in effect on this deployment" +
+                       (f": vLLM's condition fails at `{why}`" if why else ""))
 
 
 #: the post-load readings of vLLM's shared MoE layers, by name (a lane's ``Source("postload", name)``); a model's
-#: readings of its own modules' facts are its profile's (``Profile.postload_readings``)
+#: readings of its own modules' facts are its profile's (``Profile.postload_readings``). Each turns a module's
+#: post-load facts into a lane value record (audit/report/values.py), or None where it does not apply.
 POSTLOAD_READINGS = {"moe_kernel": _reading_kernel, "activation": _reading_activation,
                      "deferred_finalize": _reading_deferred}
 
 
-def _postload_values(f: EvidenceFile, reading: str, post: dict, readings: dict, state=None) -> dict[int, dict]:
-    if state is not None and reading == state.key:  # the model state: one model-wide answer
-        sd = post.get(state.key)
-        if not sd:
-            return {}
-        if not sd["requested"]:
-            value, level = "not requested", "construction"
+def _model_state_value(post: dict, state) -> dict[int, dict]:
+    """The model state (one model-wide answer, on layer -1): requested or not, built, refused at load, or stopped
+    at a simulation limit."""
+    sd = post.get(state.key)
+    if not sd:
+        return {}
+    if not sd["requested"]:
+        value, level = values.inactive("not requested"), "construction"
+    else:
+        step = sd.get("step") or {}
+        if step.get("outcome") == "ok":
+            value, level = values.make(short(sd["built"]), note="built"), "post-load"
+        elif step.get("outcome") == "refused":
+            value = values.make("", detail="refused at load", note=step.get("message", ""))
+            level = "construction; vLLM refused at load"
         else:
-            step = sd.get("step") or {}
-            if step.get("outcome") == "ok":
-                value, level = f"built: {short(sd['built'])}", "post-load"
-            elif step.get("outcome") == "refused":
-                value, level = f"refused at load: {step.get('message', '')}", "construction; vLLM refused at load"
-            else:
-                value = f"requested; not built in simulation ({short(step.get('type', ''))})"
-                level = "construction; post-load stopped at a simulation limit"
-        # one model-wide answer, shown on the model's first layer group
-        return {-1: {"value": value, "level": level, "raw": [], "source": f"postload.{state.key}"}}
+            value = values.make("", detail="requested; not built in simulation", note=short(step.get("type", "")))
+            level = "construction; post-load stopped at a simulation limit"
+    return {-1: {"value": value, "level": level, "raw": [], "source": f"postload.{state.key}"}}
+
+
+def _postload_values(f: EvidenceFile, reading: str, post: dict, readings: dict, state=None) -> dict[int, dict]:
+    if state is not None and reading == state.key:
+        return _model_state_value(post, state)
     fn = readings[reading]
     checks: dict[int, dict] = defaultdict(dict)
     for r in post["_activation_checks"]:
@@ -514,9 +516,8 @@ def _postload_values(f: EvidenceFile, reading: str, post: dict, readings: dict, 
             continue
         value = fn(r.get("facts") or {}, r.get("what", ""), checks=checks.get(layer, {}))
         if value is not None:
-            value, identity = value if isinstance(value, tuple) else (value, value)
             out[layer] = {"value": value, "level": _postload_level(post, layer, r.get("role", "target")), "raw": [],
-                          "source": f"postload.{reading}", **({"identity": identity} if identity != value else {})}
+                          "source": f"postload.{reading}"}
     return out
 
 
@@ -539,16 +540,14 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     kinds = _layer_kinds(f, profile)
     post = _postload(f, profile)
     readings = {**POSTLOAD_READINGS, **profile.postload_readings}
+    kernels = profile.backend_labels.kernels if profile.backend_labels is not None else {}
     for lane in profile.lanes:
-        per_layer = _lane_values(f, lane, post, readings, profile.model_state)
+        per_layer = _lane_values(f, lane, post, readings, profile.model_state, kernels.get(lane.id))
         levels = {k: v.get("level", lane.level) for k, v in per_layer.items()}
         groups = collapse({k: (v["value"], levels[k]) for k, v in per_layer.items()},
                           raw={k: {"source": v.get("source", ""), "fields": v["raw"]} for k, v in per_layer.items()})
-        identity = {v["value"]: v["identity"] for v in per_layer.values() if "identity" in v}
         for g in groups:  # each row says how far the simulation went for it
             g["value"], g["level"] = g["value"]
-            if g["value"] in identity:  # what of the value decides serving, where the value also carries a note
-                g["identity"] = identity[g["value"]]
             if g["layers"] == [-1]:  # a model-wide answer
                 g["ranges"] = "model"
         lanes[lane.id] = groups
@@ -684,7 +683,7 @@ def observed_cell(system: str, layout: str, observed: dict, profile) -> dict:
     lanes: dict[str, list] = {}
     for row in observed["rows"]:
         lanes.setdefault(row["lane"], []).append({
-            "layers": row["layers"], "ranges": row["ranges"], "value": row["path"], "phase": row["phase"],
+            "layers": row["layers"], "ranges": row["ranges"], "value": values.make(row["path"]), "phase": row["phase"],
             "evidence": row["evidence"], "raw": _observed_raw(row, profile)})
     cell.update(status="COMPLETE", evidence="observed", failure=None, lanes=lanes, observed=observed,
                 layer_kinds={})
@@ -771,7 +770,7 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
     rejected = memo_rejected(files)
     if rejected:  # a fact of this run (what the memo held), like the evidence cache's hits: not of any cell
         run["memo_rejected"] = rejected
-    return {"schema": ROUTING_SCHEMA, "model": profile.name, "architecture": profile.architecture,
+    routing = {"schema": ROUTING_SCHEMA, "model": profile.name, "architecture": profile.architecture,
             "standin_fit": dict(sorted(fit.items())),
             "lane_titles": {lane.id: lane.title for lane in profile.lanes},
             # routing.json is written with sorted keys: the profile's lane order is kept as a list
@@ -782,3 +781,4 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
             "lanes_read_after_construction": sorted(lane.id for lane in profile.lanes
                                                     if lane.sources and all(s.kind == "module" for s in lane.sources)),
             "pin": pin, "run": run, "cells": cells}
+    return routing

@@ -1,295 +1,469 @@
-"""The pull-request summary of a pin bump: at most about 250 words of markdown a reviewer pastes into the PR.
+"""The pull-request summary of a pin bump: the markdown a reviewer pastes into the PR, the one part of the audit most
+of them read. A view of the diff's classed rows (``audit/report/diff.py``, classed by ``audit/report/changes.py``)
+and of the two audits' ``routing.json``; deterministic, and self-contained: every sentence is true as written.
 
-Generated from the two audits' ``routing.json`` and their diff (``audit/report/diff.py``), deterministic, and
-self-contained: every sentence is true as written, without another section to qualify it. It says
+Most important first, and nothing consequential behind "and N more":
 
-* the gate's answer and the count of serving changes by kind;
-* what now serves what, in the perf database's words (its lane, backend family and kernel source, from
-  ``audit/report/perflabels.py``), per cell group and batch size: these are the rows a perf database must
-  re-measure;
-* the other kernel-level changes (lanes no perf label covers) and the per-call tiers that moved;
-* refusals that appeared or went away;
-* claims newly failing and no longer failing (a claim true now only because serving changed says so);
-* the caveats for the changed rows: the evidence level, post-load stops at a simulation limit, choices only a
-  GPU can make ("needs GPU").
+* the gate's answer, with every count in one unit (rows of the diff) and every audited system named (the unchanged
+  ones as unchanged);
+* every serving change, ranked by its kind (experts class and new paths, refusals, kernels, stops, per-call
+  choices): a kernel, experts-class, path or refusal row is always named; per-call choices are grouped by lane
+  (each lane named, with its rows' cells);
+* the perf-database rows whose label moved (re-measure them), per layout with that layout's own batch sizes;
+* refusals that appeared, went away, moved stage, or stand in both builds (a batch vLLM raises on included);
+* claims newly failing or no longer failing, with their batches, and claims that fail against another backend now;
+* the caveats that apply to the changed rows (post-load stops as "N of M steps"; choices made on the device).
+
+A word budget (about :data:`WORDS`) shortens only what may be shortened: long before/after values are cut to their
+head (the diff holds them whole), information is never listed here, and where it is still over, change rows of one
+lane and kind are grouped into one line that names each.
 """
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
+from audit.report import changes as classes
 from audit.report.dispatch import workload_order
-from audit.report.perflabels import build_labels, refusal
+from audit.report.perflabels import build_labels
+from audit.report.refusals import cell_refusals
 
-#: the word budget ("about 250 words"); bullet lists are cut (with a count of what was left out and where it is)
-#: to keep within it, the perf-db rows last
-WORDS = 270
+#: the word budget: about this many words before grouping rows of one lane into one line
+WORDS = 450
 
 
 def _label_points(labels: dict) -> dict[tuple, dict[str, tuple]]:
-    """(system, layout, harness lane) -> {batch: (perf lane, backend, kernel source)}; "all" where the row has no
-    per-batch split."""
+    """(system, layout, harness lane) -> {batch: (perf lane, family, kernel source, kernel)}; "all" where the row
+    has no per-batch split."""
     out: dict[tuple, dict[str, tuple]] = defaultdict(dict)
     for r in labels["rows"]:
-        key = (r["system"], r["layout"], r["harness_lane"])
-        out[key]["all"] = (r["lane"], r["backend"], r["kernel_source"])
+        k = (r["system"], r["layout"], r["harness_lane"])
+        out[k]["all"] = (r["lane"], r["backend"], r["kernel_source"], r.get("kernel", ""))
         for t in r.get("by_tokens") or []:
-            out[key][t["tokens"]] = (r["lane"], t.get("backend", "unknown"), t.get("kernel_source", "unknown"))
+            out[k][t["tokens"]] = (r["lane"], t.get("backend", "unknown"), t.get("kernel_source", "unknown"),
+                                   t.get("kernel", ""))
     return out
 
 
 def label_changes(old: dict, new: dict, profile) -> list[dict]:
-    """The perf-database rows whose label moved between two audits: one entry per (harness lane, before, after)
-    with the cells and batch sizes it covers. A batch one audit splits out and the other does not compares against
-    the other's whole-lane label."""
+    """The perf-database rows whose label moved between two audits: one entry per (harness lane, before, after) with,
+    per layout, the systems and batch sizes it covers (never a product of layouts and batches). A batch one audit
+    splits out and the other does not compares against the other's whole-lane label."""
     a, b = (_label_points(build_labels(r, profile, (r.get("verdicts") or {}).get("label_map") or {}))
             for r in (old, new))
     moved: dict[tuple, dict] = {}
-    for key in sorted(set(a) & set(b)):
-        pa, pb = a[key], b[key]
-        batches = sorted((set(pa) | set(pb)) - {"all"}, key=workload_order)
-        points = batches or ["all"]
-        for t in points:
+    for k in sorted(set(a) & set(b)):
+        pa, pb = a[k], b[k]
+        batches = sorted((set(pa) | set(pb)) - {"all"}, key=workload_order) or ["all"]
+        for t in batches:
             before, after = pa.get(t, pa.get("all")), pb.get(t, pb.get("all"))
             if before is None or after is None or before == after:
                 continue
-            row = moved.setdefault((key[2], before, after), {"cells": set(), "batches": set()})
-            row["cells"].add(key[:2])
-            row["batches"].add(t)
+            per = moved.setdefault((k[2], before, after), {}).setdefault(k[1], {"systems": set(), "batches": set()})
+            per["systems"].add(k[0])
+            per["batches"].add(t)
     out = []
-    for (lane, before, after), row in sorted(moved.items()):
-        out.append({"harness_lane": lane, "perf_lane": after[0], "before": before, "after": after,
-                    "cells": sorted(row["cells"]), "batches": sorted(row["batches"], key=workload_order)})
+    for (lane, before, after), layouts in sorted(moved.items()):
+        perf = after[0] if after[0] != "unknown" else before[0]
+        out.append({"harness_lane": lane, "perf_lane": perf, "before": before, "after": after,
+                    "layouts": {lay: {"systems": sorted(v["systems"]), "batches": sorted(v["batches"], key=workload_order)}
+                                for lay, v in layouts.items()},
+                    "rows": sum(len(v["systems"]) * len(v["batches"]) for v in layouts.values())})
     return out
 
 
-def _batches(batches: list[str], every: set[str]) -> str:
-    if batches == ["all"]:
-        return "every batch"
-    if every and set(batches) >= every:
-        by_phase: dict[str, list[str]] = defaultdict(list)
-        for b in sorted(every, key=workload_order):
-            by_phase[b.split(" ")[0]].append(b.split(" ", 1)[1].split(" ")[0])
-        return "every batch (" + ", ".join(f"{p} {v[0]}–{v[-1]}" if len(v) > 1 else f"{p} {v[0]}"
-                                           for p, v in by_phase.items()) + ")"
-    by_phase: dict[str, list[str]] = defaultdict(list)
-    for b in batches:
-        phase, _, size = b.partition(" ")
-        by_phase[phase].append(size)
-    out = []
-    for phase, sizes in by_phase.items():
-        # verify batches ("32 (8x4)"): requests of a fixed number of tokens each, said in words
-        shapes = [re.fullmatch(r"\d+ \((\d+)x(\d+)\)", size) for size in sizes]
-        if all(shapes) and len({m.group(2) for m in shapes}) == 1:
-            out.append(f"{phase} of {', '.join(m.group(1) for m in shapes)} requests × {shapes[0].group(2)} tokens")
-        else:
-            out.append(f"{phase} {', '.join(sizes)}")
-    return "; ".join(out)
+class View:
+    """What every block of the summary reads: the diff, both audits, the model's profile, and how cells and
+    systems are named."""
+
+    def __init__(self, d: dict, old: dict, new: dict, profile):
+        from audit.report.render import collapse_cells
+        from audit.systems import SYSTEMS
+
+        self.d, self.old, self.new, self.profile = d, old, new, profile
+        self.audited = [f"{c['system']}/{c['layout']}" for c in new["cells"]]
+        self.order = list(profile.layouts)
+        self.titles = {**old.get("lane_titles", {}), **new.get("lane_titles", {})}
+        self.rows = d["changes"]
+        self.serving = [r for r in self.rows if r.get("serving")]
+        self._collapse = collapse_cells
+        self.systems = SYSTEMS
+        self.layouts_of = {c["layout"] for c in new["cells"]}
+        self.tight = False
+
+    def where(self, cells) -> str:
+        return self._collapse([f"{s}/{l}" for s, l in cells], self.audited, self.order)
+
+    def on(self, systems, layouts) -> str:
+        """The systems of some cells in words ("SM 10.0, SM 10.3", "every audited system"), the layouts left out."""
+        cells = [(s, lay) for lay in layouts for s in systems]
+        text = self.where(cells)
+        return text.split(": ", 1)[1] if ";" not in text and ": " in text else text
+
+    def title(self, lane: str) -> str:
+        """A lane's title without its parenthesized detail."""
+        return self.titles.get(lane, lane).split(" (")[0]
+
+    def family(self, name: str) -> str:
+        """``SM 10.0`` -> "SM 10.0 (b200_sxm, gb200)"; a system name as it is."""
+        members = sorted({c["system"] for c in self.new["cells"] if c["system"] in self.systems
+                          and f"SM {self.systems[c['system']].sm}" == name})
+        return f"{name} ({', '.join(members)})" if members else name
 
 
-def _pair(before: tuple, after: tuple) -> str:
-    """before -> after in the perf database's words: the backend family, and the kernel source where the family
-    stays the same (a new class inside one family)."""
-    if before[1] == after[1]:
-        return f"{before[1]}, class `{before[2]}` → `{after[2]}`"
-    return f"{before[1]} → {after[1]} (`{after[2]}`)"
-
-
-def _lane_title(titles: dict, lane: str) -> str:
-    """A lane's title without its parenthesized detail ("KDA kernel by batch type (decode, ...)" reads
-    "KDA kernel by batch type")."""
-    return titles.get(lane, lane).split(" (")[0]
-
-
-def pr_summary(d: dict, old: dict, new: dict, profile) -> str:
-    """The PR summary for the diff *d* of *profile*'s routings *old* -> *new* (markdown, about 250 words at most)."""
-    from audit.report.render import collapse_cells
-
-    order = list(profile.layouts)
-    audited = [f"{c['system']}/{c['layout']}" for c in new["cells"]]
-    titles = new.get("lane_titles", {})
-    diff_name = f"{d['from']['pin']}..{d['to']['pin']}.md"
-
-    def where(cells) -> str:
-        return collapse_cells([f"{s}/{l}" for s, l in cells], audited, order)
-
-    workloads = {(c["system"], c["layout"]): set((c.get("dispatch") or {}).get("workloads", [])) for c in new["cells"]}
-
-    def every(cells) -> set:
-        """The workloads every one of *cells* was audited at."""
-        sets = [workloads.get(tuple(c), set()) for c in cells]
-        return set.intersection(*sets) if sets else set()
-
-    serving = [c for c in d["changes"] if c["serving"]]
-    words = {"kernel": "kernel", "refusal": "refusal", "stop": "simulation stop", "tier": "per-call choice",
-             "availability": "availability answer", "probe": "probe drift or error"}
-    kinds = ", ".join(f"{n} {words.get(k, k)}" for k, n in d["by_class"].items() if n)
-    levels = sorted({str(c.get("evidence", "")).split(" ")[0] for c in new["cells"]} - {""})
-    pins = "" if (d["from"]["pin"], d["to"]["pin"]) == (f"v{d['from']['vllm_version']}", f"v{d['to']['vllm_version']}") \
-        else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
-    evidence = {"resolved": "resolved (vLLM's selection code on a simulated platform, no kernel ran)",
-                "observed": "observed (kernel entries hit on a real GPU)"}
-    head = (f"**{profile.title}, vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}**{pins}: "
-            f"{d['cells_compared']} cells (system × layout) compared; evidence "
-            f"{', '.join(evidence.get(x, x) for x in levels) or 'none'}. ")
-    if not d["cells_compared"]:
-        head += "**Nothing was judged**: the two audits share no cell."
-    elif serving:
-        head += (f"**The pin-bump gate fails** (exit 6) on "
-                 f"{d['serving_changes']} serving change rows in {d['serving_cells']} cells ({kinds}); "
-                 f"{d['information_changes']} other rows change no kernel (versions, counts, notes).")
-    else:
-        head += f"**No serving change**; {d['information_changes']} rows change no kernel (versions, counts, notes)."
-    blocks = [head]
-    body: list = []  # what follows the head; the SM families it names are spelled out after it
-
-    moved = label_changes(old, new, profile)
-    grouped: dict[tuple, list[dict]] = defaultdict(list)  # the lanes that moved in the same cells at the same batches
-    for m in moved:
-        grouped[(where(m["cells"]), _batches(m["batches"], every(m["cells"])))].append(m)
-    # the widest changes first (most cells)
-    ordered = sorted(grouped.items(), key=lambda kv: (-max(len(m["cells"]) for m in kv[1]), kv[0]))
-    def moved_text(ms: list[dict]) -> str:
-        # several lanes that now go to one backend family (a step path taking them all) read as one arrow
-        if len(ms) > 1 and len({m["after"][1] for m in ms}) == 1 and all(m["before"][1] != m["after"][1] for m in ms):
-            return (", ".join(f"{_lane_title(titles, m['harness_lane'])} (`{m['perf_lane']}`: {m['before'][1]})"
-                              for m in ms) + f" → {ms[0]['after'][1]}")
-        return "; ".join(f"{_lane_title(titles, m['harness_lane'])} (`{m['perf_lane']}`) "
-                         f"{_pair(m['before'], m['after'])}" for m in ms)
-
-    lines = [f"- {cells}, {batches}: {moved_text(ms)}" for (cells, batches), ms in ordered]
-    body.append(("**Perf-db rows whose kernel changed (re-measure them):**", lines, 3) if lines else
-                  "**Perf-db rows:** no label moved; none needs re-measuring.")
-
-    labelled = {m["harness_lane"] for m in moved}
-    judged = {j.lane for j in profile.judged}
-    other = [c for c in serving if c["class"] == "kernel" and c["kind"] == "path"
-             and not (c["lane"] in judged and c["lane"] in labelled)]
-    if other:
-        body.append(("**Kernel-level changes no perf-db row covers:**",
-                       [f"- {_lane_title(titles, c['lane'])}, {c['where']}: {_side(c['before'], d['from'])} → "
-                        f"{_side(c['after'], d['to'])}" for c in sorted(other, key=lambda c: -len(c["cells"]))], 1))
-    tiers: dict[str, set] = defaultdict(set)
-    for c in serving:
-        if c["class"] == "tier":
-            tiers[c["title"].split(" · ")[0].split(" (")[0]].update(tuple(x) for x in c["cells"])
-    if tiers:
-        body.append(("**Per-call choices that moved** (vLLM's dispatch at a batch size; before/after in the diff):",
-                       [f"- {t}: {where(cells)}" for t, cells in tiers.items()], 2))
-
-    old_cells = {(c["system"], c["layout"]): c for c in old["cells"]}
-    appeared = [(c["system"], c["layout"]) for c in new["cells"]
-                if (c["system"], c["layout"]) in old_cells and refusal(c) and not refusal(old_cells[(c["system"], c["layout"])])]
-    gone = [(c["system"], c["layout"]) for c in new["cells"]
-            if (c["system"], c["layout"]) in old_cells and not refusal(c) and refusal(old_cells[(c["system"], c["layout"])])]
-    ref = []
-    if appeared:
-        ref.append(f"vLLM now refuses {where(appeared)}")
-    if gone:
-        ref.append(f"vLLM no longer refuses {where(gone)}")
-    body.append("**Refusals** (vLLM's own check says no): " + ("; ".join(ref) if ref else "none appeared or went away")
-                  + ".")
-
-    verdicts = [c for c in d["changes"] if c["kind"] == "verdict" and c.get("turn")]
-
-    def before(c: dict) -> str:
-        from audit.report.verdicts import verdict_before
-
-        return verdict_before(d, c)
-
-    claims = [f"`{c['field']}` {c['turn']}: {before(c)} → {c['after']} ({c['where']})"
-              + (", true now only because serving changed under it" if c.get("because", "").startswith("claim now")
-                 else "") for c in verdicts]
-    body.append("**Claims:** " + ("; ".join(claims) if claims else "none newly failing, none newly passing") + ".")
-
-    caveats = []
-    changed_cells = {tuple(x) for c in serving for x in c["cells"]}
-    stops: dict[str, list] = defaultdict(list)
-    for c in new["cells"]:
-        for g in (c.get("postload") or {}).get("limits") or []:
-            if (c["system"], c["layout"]) in changed_cells:
-                stops[str(g.get("raised_in", "")).rsplit(":", 1)[0]].append((c["system"], c["layout"]))
-    gpu = sorted({tuple(x) for c in serving for x in c["cells"] if "needs GPU" in str(c["after"])})
-    for raised_in, cells in sorted(stops.items()):
-        both = set(cells) == set(gpu)
-        caveats.append(f"in {where(cells)} post-load stopped at a simulation limit ({raised_in} needs a GPU), so what "
-                       "is built at load is not known" + ("; some new choices there are made on the device (needs "
-                                                          "GPU)" if both else ""))
-        if both:
-            gpu = []
-    if gpu:
-        caveats.append(f"in {where(gpu)} some new choices are made on the device (needs GPU)")
-    if caveats:
-        caveats[-1] += " (an observe run confirms them)"
-    body.append("**Caveats:** " + "; ".join(caveats) + "." if caveats else "**Caveats:** none.")
-    # the SM families named above, with the audited systems each stands for (a reader counts cells with it)
-    named = sorted({f for b in body for f in re.findall(r"SM \d+\.\d+", b if isinstance(b, str) else " ".join(b[1]))})
-    from audit.systems import SYSTEMS
-
-    fams = []
-    for fam in named:
-        members = sorted({c["system"] for c in new["cells"] if c["system"] in SYSTEMS
-                          and f"SM {SYSTEMS[c['system']].sm}" == fam})
-        if members:
-            fams.append(f"{fam} = {', '.join(members)}")
-    if fams:
-        blocks[0] += f" Systems: {'; '.join(fams)}."
-    blocks += body
-    blocks.append("**To merge:** only if every change is intended: re-measure these rows, fix the claims or "
-                  "`make accept` them, confirm GPU-only choices by an observe run."
-                  if serving or claims else "**To merge:** nothing to re-measure.")
-    return _fit(blocks, f"see the diff, {diff_name}")
-
-
-def _side(text: str, build: dict) -> str:
-    """One side of a change in a sentence: "—" (no value in that audit) reads "absent in <version>"."""
-    return f"absent in {build['vllm_version']}" if str(text) == "—" else _short(text)
-
-
-def _short(text: str, n: int = 10) -> str:
+def _short(text: str, n: int = 12) -> str:
     words = str(text).split()
     return " ".join(words[:n]) + (" …" if len(words) > n else "")
 
 
-def _fit(blocks: list, more: str) -> str:
-    """Join the blocks within the word budget. A list block is (head, lines, priority); lists are cut from the end,
-    the least important first, each cut list saying how many entries the diff's tables hold beyond it."""
-    def text(bs, cut) -> str:
-        out = []
-        for i, b in enumerate(bs):
-            if isinstance(b, str):
-                out.append(b)
-            elif len(b[1]) == 1 and cut.get(i):  # cut to nothing: one line saying how many and where
-                out.append(f"{b[0].split(' (')[0].rstrip(':*')}:** {cut[i]}; {more}.")
-            else:
-                out.append("\n".join([b[0], *b[1]]))
-        return "\n\n".join(out)
+def _head(v: View) -> str:
+    d = v.d
+    levels = sorted({str(c.get("evidence", "")).split(" ")[0] for c in v.new["cells"]} - {"", "none"})
+    evidence = {"resolved": "resolved (vLLM's selection code on a simulated platform; no kernel ran)",
+                "observed": "observed (kernel entries hit on a real GPU)"}
+    pins = "" if (d["from"]["pin"], d["to"]["pin"]) == (f"v{d['from']['vllm_version']}", f"v{d['to']['vllm_version']}") \
+        else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
+    head = (f"**{v.profile.title}, vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}**{pins}: "
+            f"{d['cells_compared']} cells (system × layout) compared; evidence "
+            f"{', '.join(evidence.get(x, x) for x in levels) or 'none'}. ")
+    if not d["cells_compared"]:
+        return head + "**Nothing was judged**: the two audits share no cell."
+    head += ("**The pin-bump gate fails** (exit 6): " if v.serving else "**No serving change**: ") + d["headline"] + \
+        " (information rows change no kernel; the diff lists them with the reason)."
+    return head + " " + _systems(v)
 
-    full = [b if isinstance(b, str) else (b[0], list(b[1]), b[2]) for b in blocks]
-    cut: dict[int, int] = {i: 0 for i, b in enumerate(full) if not isinstance(b, str)}
 
-    def shown(counts: dict[int, int]) -> list:
-        """The blocks with *counts* entries cut from the end of each list (a cut list ends with how many more)."""
-        out = []
-        for i, b in enumerate(full):
-            if isinstance(b, str) or not counts.get(i):
-                out.append(b)
-            else:
-                kept = b[1][:len(b[1]) - counts[i]]
-                out.append((b[0], kept + [f"- … and {counts[i]} more: {more}"], b[2]))
-        return out
+def _systems(v: View) -> str:
+    """Every audited system, by SM family: those a serving row touched, and the unchanged ones."""
+    touched = {c[0] for r in v.serving for c in r["cells"]}
+    by_sm: dict[str, list[str]] = defaultdict(list)
+    for name in dict.fromkeys(c["system"] for c in v.new["cells"]):
+        sm = f"SM {v.systems[name].sm}" if name in v.systems else name
+        by_sm[sm].append(name)
+    changed = [f"{sm} ({', '.join(ns)})" for sm, ns in by_sm.items() if set(ns) & touched]
+    same = [f"{sm} ({', '.join(ns)})" for sm, ns in by_sm.items() if not set(ns) & touched]
+    parts = []
+    if changed:
+        parts.append("Changed on " + "; ".join(changed))
+    if same:
+        parts.append(("unchanged" if changed else "Unchanged") + " on " + "; ".join(same) +
+                     " (no serving change in any layout)")
+    return ", ".join(parts) + "."
 
-    def words(counts) -> int:
-        return len(text(shown(counts), counts).split())
 
-    # cut the least important lists first, one entry at a time; the perf-db rows keep at least one line
-    while words(cut) > WORDS:
-        open_ = [i for i in cut if len(full[i][1]) - cut[i] > (1 if full[i][2] >= 3 else 0)]
-        if not open_:
+def batches(ws) -> str:
+    """decode 1, decode 8, verify 32 (8x4) -> "decode 1, 8; verify 32": one phase named once, verify widths as their
+    token counts."""
+    ws = list(ws)
+    if ws == ["all"]:
+        return "every batch"
+    by: dict[str, list[str]] = defaultdict(list)
+    for w in sorted(ws, key=workload_order):
+        phase, _, rest = w.partition(" ")
+        by[phase].append(rest.split(" ")[0])
+    return "; ".join(f"{phase} {', '.join(sizes)}" for phase, sizes in by.items())
+
+
+def _spans(rows: list[dict]) -> str:
+    return batches(sorted({w for r in rows for ws in (r.get("workloads") or {}).values() for w in ws},
+                          key=workload_order))
+
+
+def _identity(side: dict, other: dict, words: str) -> str:
+    """A lane side by what decides serving: its kernel where the kernels differ, else kernel and detail (no note);
+    its words where it has no kernel."""
+    ident, theirs = side.get("identity") or [], other.get("identity") or []
+    if not ident or not ident[0]:
+        return _short(words)
+    if theirs and theirs[0] and theirs[0] != ident[0]:
+        return ident[0]
+    return " ".join(p for p in ident[:2] if p)
+
+
+def _change_line(v: View, rows: list[dict]) -> str:
+    """One line for change rows of one kind and lane/field in the same cells (rows at other batch sizes of a lane
+    are named by their batches; the values shown are the first row's, cut to their head)."""
+    r = rows[0]
+    word = classes.KINDS[r["class"]].word
+    name = v.title(r["lane"]) if r["lane"] else r["field"]
+    if r["facet"] == "dispatch":
+        name = r["title"].rsplit(" at ", 1)[0].split(" (")[0].split(" · ")[0]
+    head = f"- *{word}*: {name}, {r['where']}"
+    if r["facet"] == "dispatch":
+        where = v.where({tuple(c) for x in rows for c in x["cells"]})
+        count = f"{len(rows)} rows, " if len(rows) > 1 else ""
+        example = f": e.g. {_short(r['before'], 6)} → {_short(r['after'], 8)}" if not v.tight else ""
+        return f"- *{word}*: {name}, {where} ({count}at {_spans(rows)}){example}"
+    if r["facet"] == "post-load":
+        return head + f": {r['before'].split(' (')[0]} → {r['after'].split(' (')[0]} (the caveats say where)"
+    before, after = r["before"], r["after"]
+    if r["facet"] == "lane":
+        before, after = _identity(r.get("a", {}), r.get("b", {}), before), _identity(r.get("b", {}), r.get("a", {}), after)
+    fam = ""
+    fa, fb = r.get("a", {}).get("family"), r.get("b", {}).get("family")
+    if r["facet"] == "lane" and fa != fb and (fa or fb):
+        fam = f" ({fa or '—'} → {fb or '—'})"
+    also = [x for x in rows[1:] if x.get("_also")]
+    more = f" and {len(rows) - 1 - len(also)} more row(s) like it" if len(rows) - 1 > len(also) else ""
+    if also:
+        more += "; the same move in " + ", ".join(dict.fromkeys(v.title(x["lane"]) for x in also))
+    if r["facet"] == "candidates":
+        return head + f" (candidates): vLLM's oracle chooses {r['b'].get('chosen') or 'none'} (was " \
+                      f"{r['a'].get('chosen') or 'none'})"
+    return head + f": {_short(before)} → {_short(after)}{fam}{more}"
+
+
+def _kernels(r: dict) -> tuple:
+    return ((r.get("a") or {}).get("kernel"), (r.get("b") or {}).get("kernel"))
+
+
+def _folded(groups: dict) -> list[list[dict]]:
+    """Groups of rows as listed: a candidates row whose lane has a row of its own in the same cells says nothing
+    more (its choice is that row's change); a lane row that moves between the same two kernels in the same cells as
+    a row listed before it joins that row's line."""
+    out: list[list[dict]] = []
+    lane_rows = [r for rows in groups.values() for r in rows if r["facet"] == "lane"]
+    for rows in groups.values():
+        r = rows[0]
+        cells = {tuple(c) for c in r["cells"]}
+        if r["facet"] == "candidates" and any(x["lane"] == r["lane"] and {tuple(c) for c in x["cells"]} >= cells
+                                              for x in lane_rows):
+            continue
+        host = next((g for g in out if r["facet"] == "lane" and g[0]["facet"] == "lane" and _kernels(g[0]) ==
+                     _kernels(r) and all(_kernels(r)) and {tuple(c) for c in g[0]["cells"]} == cells), None)
+        if host is not None:
+            host.append({**r, "_also": True})
+            continue
+        out.append(list(rows))
+    return out
+
+
+def _step_path_rows(v: View) -> list[dict]:
+    """The rows where the model's own step path (its profile's) takes steps on one side only, with the rows of its
+    own dispatch lane in the same cells (what it runs there)."""
+    path = v.profile.step_path
+    rows = [r for r in v.serving if r["facet"] == "dispatch" and bool(r.get("a", {}).get("step_path")) !=
+            bool(r.get("b", {}).get("step_path"))]
+    cells = {tuple(c) for r in rows for c in r["cells"]}
+    return rows + [r for r in v.serving if rows and r["facet"] == "dispatch" and r["lane"] == path.lane
+                   and {tuple(c) for c in r["cells"]} <= cells]
+
+
+def _step_path_line(v: View, rows: list[dict]) -> str:
+    """Where the model's own step path now takes (or no longer takes) steps: which lanes it serves there (its
+    profile's parts), in one line for its rows."""
+    path = v.profile.step_path
+    serving = [r for r in rows if r["lane"] != path.lane]
+    taken = [r for r in serving if r.get("b", {}).get("step_path")]
+    turn = "now takes" if taken else "no longer takes"
+    lanes = ", ".join(dict.fromkeys(v.title(lane) for lane in path.parts if lane in v.titles))
+    where = v.where({tuple(c) for r in rows for c in r["cells"]})
+    own = len(rows) - len(serving)
+    return (f"- *{classes.KINDS[rows[0]['class']].word}*: {path.owner} {turn} the steps at {_spans(serving)} in "
+            f"{where} ({len(serving)} serving-path rows" + (f", {own} rows of its own lane" if own else "") +
+            f"): there {lanes} run its own kernels, not the lanes'")
+
+
+def _changes_block(v: View, tight: bool) -> list[str]:
+    """Every serving change, most important first: the model's step path taking steps as one line; per-call choices
+    grouped by lane; rows of one kind and lane in the same cells as one line (for the rest only when the budget is
+    tight)."""
+    handover = _step_path_rows(v) if v.profile.step_path is not None else []
+    groups: dict[tuple, list[dict]] = {}
+    for r in sorted(v.serving, key=classes.order_key):
+        if r in handover:
+            continue
+        name = r["lane"] or r["field"]
+        if r["facet"] == "dispatch":
+            k = (r["class"], r["facet"], name)
+        elif tight:
+            k = (r["class"], r["facet"], name, r["where"])
+        else:
+            k = (r["class"], r["facet"], name, r["where"], r["title"], r["before"], r["after"])
+        groups.setdefault(k, []).append(r)
+    lines = [(rows[0]["rank"], _change_line(v, rows)) for rows in _folded(groups)]
+    if handover:
+        lines.append((handover[0]["rank"], _step_path_line(v, handover)))
+    return [line for _, line in sorted(lines, key=lambda x: x[0])]
+
+
+def _layouts_text(v: View, layouts: dict) -> str:
+    """tp8-mtp, tp8-eagle3 at verify 4, 32; tp8-dspark at verify 5, 40; on SM 10.0, SM 10.3: each layout with its own
+    batch sizes; the systems said once where all layouts share them."""
+    by: dict[tuple, list[str]] = defaultdict(list)
+    for lay in sorted(layouts, key=lambda l: v.order.index(l) if l in v.order else 99):
+        e = layouts[lay]
+        by[(tuple(e["batches"]), tuple(e["systems"]))].append(lay)
+    shared = len({k[1] for k in by}) == 1
+    parts = [f"{', '.join(lays)} at {batches(bs)}" + ("" if shared else f" on {v.on(ss, lays)}")
+             for (bs, ss), lays in by.items()]
+    if shared:
+        systems = next(iter(by))[1]
+        parts[-1] += f"; on {v.on(systems, list(layouts))}"
+    return "; ".join(parts)
+
+
+def _side(t: tuple) -> str:
+    """(perf lane, family, kernel source, kernel) in words: the kernel, its family beside it."""
+    if t[1] == "refused":
+        return "refused (vLLM raises on the batch)"
+    kernel = t[3] or t[2]
+    return f"`{kernel}` ({t[1]})" if t[1] not in ("", "unknown") else f"`{kernel}` (family unknown to the harness)"
+
+
+def _perf_lane(v: View, m: dict) -> str:
+    """The perf-db lane of a moved label: its lane now; where the harness cannot name that (a backend whose
+    activation precision its scheme has no rule for), the row it was measured in before, saying so."""
+    now, was = m["after"][0], m["before"][0]
+    if now != "unknown":
+        return f"`{now}`"
+    if was != "unknown":
+        return f"`{was}` (the row it was measured in; the harness cannot name the new kernel's precision lane)"
+    return f"{v.title(m['harness_lane'])} (no perf-db lane the harness can name)"
+
+
+def _perf_block(v: View) -> list[str]:
+    """The perf-db rows whose label moved, one line per lane and change; lanes that move to the same kernel family in
+    the same cells (a step path taking them all) share one line."""
+    merged: dict[tuple, list[dict]] = defaultdict(list)
+    for m in label_changes(v.old, v.new, v.profile):
+        merged[(m["after"][1], _layouts_text(v, m["layouts"]))].append(m)
+    out = []
+    for (family, where), ms in merged.items():
+        rows = sum(m["rows"] for m in ms)
+        if len(ms) > 1 and len({m["before"][1] for m in ms} | {family}) > 1:
+            lanes = ", ".join(f"{_perf_lane(v, m)} {_side(m['before'])}" for m in ms)
+            out.append(f"- {lanes} → {family}: {where} ({rows} rows)")
+            continue
+        out += [f"- {_perf_lane(v, m)}: {_side(m['before'])} → {_side(m['after'])}: {where} ({m['rows']} rows)"
+                for m in ms]
+    return out
+
+
+def _refusal_turns(was: list[dict], now: list[dict]) -> list[tuple]:
+    """(turn, refusal, from stage) of one cell's refusals in two audits: a refusal of the whole deployment (at
+    construction or at load) in both is one that stands or moved stage; a batch vLLM raises on stands, is new or is
+    gone on its own."""
+    whole = [r for r in was if r["stage"] != "dispatch"], [r for r in now if r["stage"] != "dispatch"]
+    out = []
+    if whole[0] and whole[1]:
+        w0, w1 = whole[0][0], whole[1][0]
+        out.append(("moved", w1, w0["stage"]) if w0["stage"] != w1["stage"] else ("stands", w1, ""))
+    elif whole[1]:
+        out.append(("new", whole[1][0], ""))
+    elif whole[0]:
+        out.append(("gone", whole[0][0], ""))
+    keys = [{(r["why"], r["at"]): r for r in side if r["stage"] == "dispatch"} for side in (was, now)]
+    for k in sorted(keys[0].keys() | keys[1].keys()):
+        turn = "stands" if k in keys[0] and k in keys[1] else "new" if k in keys[1] else "gone"
+        out.append((turn, keys[1].get(k) or keys[0][k], ""))
+    return out
+
+
+def _refusals_block(v: View) -> str:
+    """Refusals that appeared, went away, moved stage, or stand in both builds (at construction, at load, or a batch
+    vLLM raises on), each with the cells it holds in."""
+    a = {(c["system"], c["layout"]): c for c in v.old["cells"]}
+    groups: dict[tuple, set] = defaultdict(set)
+    for c in v.new["cells"]:
+        cell = (c["system"], c["layout"])
+        if cell in a:
+            for turn, r, was in _refusal_turns(cell_refusals(a[cell], v.profile), cell_refusals(c, v.profile)):
+                groups[(turn, r["stage"], was, r.get("at", ""), r.get("raised") or r["why"])].add(cell)
+    order = ("new", "gone", "moved", "stands")
+    words = {"new": "new", "gone": "gone", "moved": "moved stage", "stands": "in both builds"}
+    lines = []
+    merged: dict[tuple, set] = defaultdict(set)
+    for (turn, stage, was, at, raised), cells in groups.items():
+        merged[(turn, stage, was, at, _short(raised, 9))] |= cells
+    for (turn, stage, was, at, raised), cells in sorted(merged.items(), key=lambda kv: (order.index(kv[0][0]), kv[0])):
+        where = f"at {stage}" + (f" ({batches([w.strip() for w in at.split(',')])})" if at else "") + \
+            (f", was at {was}" if was else "")
+        lines.append(f"{words[turn]}: {v.where(cells)}, {where}: {raised}")
+    return "**Refusals** (vLLM's own check says no; a server there fails): " + (
+        "; ".join(lines) if lines else "none in either build") + "."
+
+
+def _at_text(r: dict) -> str:
+    """A verdict row's batch sizes, per layout where the layouts differ."""
+    at = r.get("at") or {}
+    if not at:
+        return ""
+    by: dict[tuple, list[str]] = defaultdict(list)
+    for lay, ws in at.items():
+        by[tuple(ws)].append(lay)
+    if len(by) == 1:
+        return f", at {batches(next(iter(by)))}"
+    return ", at " + "; ".join(f"{batches(ws)} in {', '.join(lays)}" for ws, lays in by.items())
+
+
+def _claims_block(v: View) -> str:
+    from audit.report.verdicts import verdict_before
+
+    verdicts = [c for c in v.rows if c["facet"] == "verdict"]
+    turned = [f"`{c['field']}` {c['turn']}: {verdict_before(v.d, c)} → {c['after']} ({c['where']}{_at_text(c)})"
+              + (", true now only because serving changed under it" if c.get("because", "").startswith("claim now")
+                 else "") for c in verdicts if c.get("turn")]
+    other = [f"`{c['field']}` still failing, now against {c['after'].split(' ', 1)[1].strip('()')} (was "
+             f"{c['before'].split(' ', 1)[1].strip('()')}) ({c['where']}{_at_text(c)})"
+             for c in verdicts if not c.get("turn") and c["before"] != "—" and c["after"] != "—"
+             and c["before"].split(" ")[0] == c["after"].split(" ")[0] and " " in c["before"] and " " in c["after"]
+             and c["before"].split(" ")[0] not in ("MATCH", "NOT_EXERCISED", "UNVERIFIED")]
+    lines = turned + other
+    return "**Claims:** " + ("; ".join(lines) if lines else "none newly failing, none newly passing") + "."
+
+
+def _caveats_block(v: View) -> str:
+    """What the changed rows rest on: post-load stops in their cells (N of M steps, what they build), choices made
+    on the device; and what would confirm them."""
+    changed = {tuple(x) for c in v.serving for x in c["cells"]}
+    stops: dict[tuple, list] = defaultdict(list)
+    for c in v.new["cells"]:
+        post = c.get("postload") or {}
+        for g in post.get("limits") or []:
+            if (c["system"], c["layout"]) in changed:
+                stops[(str(g.get("raised_in", "")).rsplit(":", 1)[0], ", ".join(g.get("steps") or []),
+                       sum(x.get("count", 0) for x in post["limits"]), post.get("steps", 0))].append(
+                    (c["system"], c["layout"]))
+    gpu = sorted({tuple(x) for c in v.serving for x in c["cells"] if "needs GPU" in str(c["after"])})
+    caveats = [f"in {v.where(cells)} {n} of {m} post-load step(s) ({steps or '?'}) stopped at a simulation limit "
+               f"({raised_in} needs a GPU): what {'it builds' if n == 1 else 'they build'} is not known"
+               for (raised_in, steps, n, m), cells in sorted(stops.items())]
+    if gpu:
+        caveats.append(f"in {v.where(gpu)} some new per-call choices are made on the device (needs GPU) and are not "
+                       "named")
+    if not caveats:
+        return "**Caveats:** none beyond the evidence level."
+    observed = any(str(c.get("evidence", "")).startswith("observed") for c in v.new["cells"])
+    confirm = ("" if observed else "; only an observe run (`MODE=observe`) on those GPUs could confirm them, and "
+               "these reports hold none")
+    return "**Caveats:** " + "; ".join(caveats) + confirm + "."
+
+
+def _words(blocks: list) -> int:
+    return sum(len((b if isinstance(b, str) else "\n".join([b[0], *b[1]])).split()) for b in blocks)
+
+
+def pr_summary(d: dict, old: dict, new: dict, profile) -> str:
+    """The PR summary for the diff *d* of *profile*'s routings *old* -> *new* (markdown)."""
+    v = View(d, old, new, profile)
+    diff_name = f"{d['from']['pin']}..{d['to']['pin']}.md"
+    blocks: list = [_head(v)]
+    tight = False
+    for attempt in (False, True):
+        tight = v.tight = attempt
+        changes = _changes_block(v, tight)
+        body: list = []
+        if changes:
+            body.append(("**What changed, most important first** (one line per row of the diff, or per lane where "
+                         f"several rows share it; whole values in {diff_name}):", changes))
+        perf = _perf_block(v)
+        body.append(("**Perf-db rows whose label moved (re-measure them)** (a row: one system, layout and batch "
+                     "size):", perf) if perf else "**Perf-db rows:** no label moved; none needs re-measuring.")
+        body += [_refusals_block(v), _claims_block(v), _caveats_block(v)]
+        if _words(blocks + body) <= WORDS:
             break
-        cut[min(open_, key=lambda k: (full[k][2], -k))] += 1
-    # then give back what fits, the most important lists first
-    for i in sorted(cut, key=lambda k: -full[k][2]):
-        while cut[i] and words({**cut, i: cut[i] - 1}) <= WORDS:
-            cut[i] -= 1
-    return text(shown(cut), cut)
+    blocks += body
+    claims = any(c.get("turn") for c in d["changes"] if c["facet"] == "verdict")
+    blocks.append("**To merge:** only if every change is intended: re-measure the perf-db rows above, fix the claims "
+                  "or `make accept` them." if v.serving or claims else "**To merge:** nothing to re-measure.")
+    return "\n\n".join(b if isinstance(b, str) else "\n".join([b[0], *b[1]]) for b in blocks)

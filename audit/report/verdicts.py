@@ -31,7 +31,9 @@ from audit.profiles import MOE_LANE
 from audit.report.dispatch import serving_group, tier_choice, workload_of, workload_order
 from audit.report.expectations import Expectations, ExpectationsError
 from audit.report.labels import derive
-from audit.report.routing import format_ranges, short
+from audit.lanevalue import is_inactive, short, text
+from audit.report.refusals import raise_at
+from audit.report.routing import format_ranges
 from probes.core import tiers
 
 
@@ -154,16 +156,16 @@ def judge(routing: dict, exp: Expectations, profile) -> list[dict]:
                                  "label": "", "why": _no_evidence_why(cell, lane, v)})
             for g in groups:
                 label, family, how = derive(v.profile, lane, g, exp.label_map)
-                row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": g["value"],
+                row = {**base, "layers": g["ranges"], "label": label, "actual": family, "value": text(g),
                        "evidence": g.get("evidence", level)}
                 split = _split_by_batch(cell, lane, g, v)
                 if not claims:
-                    exercised = not str(g["value"]).startswith("not exercised")
+                    exercised = not is_inactive(g.get("value"))
                     if exercised and split:  # one story per batch here too: what serves each, unjudged
                         rows += _unclaimed_by_batch(split, lane, g, row, cell, exp, v)
                         continue
                     rows.append({**row, "claim": "", "verdict": "UNVERIFIED" if exercised else "NOT_EXERCISED",
-                                 "expected": "", "why": "no claim covers this lane here" if exercised else g["value"]})
+                                 "expected": "", "why": "no claim covers this lane here" if exercised else text(g)})
                     continue
                 for c in claims:
                     if c.at or split:
@@ -198,15 +200,9 @@ def _split_by_batch(cell: dict, lane: str, group: dict, v: Judged) -> tuple[str,
 
 
 def _refusal_at(cell: dict, lane: str, group: dict, workload: str, v: Judged) -> str | None:
-    """vLLM's raise on the batch *workload* in one of the dispatch lanes that refine *lane* (its profile's
-    ``JudgedLane.dispatch``), for the group's layers, with the lane it came from; None when none raised. A batch vLLM
+    """vLLM's raise on the batch *workload* for the lane's group (audit/report/refusals.py), or None. A batch vLLM
     raises on is not served, whatever kernel the lane was built with."""
-    judged = next((j for j in v.profile.judged if j.lane == lane), None)
-    for dlane, _prefix in (judged.dispatch if judged is not None else ()):
-        found = tier_choice(cell, dlane, group["layers"], workload)
-        if found is not None and tiers.refused(found[0]):
-            return f"{v.dispatch_titles.get(dlane, dlane)} at {workload}: {found[0]}"
-    return None
+    return raise_at(cell, lane, group, workload, v.profile)
 
 
 def _unclaimed_by_batch(works, lane: str, group: dict, row: dict, cell: dict, exp: Expectations,
@@ -229,7 +225,7 @@ def _unclaimed_by_batch(works, lane: str, group: dict, row: dict, cell: dict, ex
             continue
         slane, sgroup, note = served
         label, family, _ = derive(v.profile, slane, sgroup, exp.label_map)
-        out.append({**base, "actual": family, "label": label, "value": sgroup["value"],
+        out.append({**base, "actual": family, "label": label, "value": text(sgroup),
                     "why": "no claim covers this lane here" + (f"; {note}" if note else "")})
     return out
 
@@ -272,7 +268,7 @@ def _tier_rows(c, lane: str, group: dict, row: dict, cell: dict, exp: Expectatio
             continue
         slane, sgroup, note = serving
         label, family, how = derive(v.profile, slane, sgroup, exp.label_map)
-        judged = {**base, "label": label, "actual": family, "value": sgroup["value"],
+        judged = {**base, "label": label, "actual": family, "value": text(sgroup),
                   **_verdict(c, slane, sgroup, label, family, how, cell, v.profile)}
         if note:
             judged["why"] = f"{note}; {judged['why']}"
@@ -391,14 +387,14 @@ def _moe_precision(c, lane: str, group: dict, profile) -> str:
         return ""
     actual = moe_perf_lane(profile, group)
     if actual in lanes and actual != c.lane:
-        return (f"the claim's lane is {c.lane}, but vLLM {_verb(group, {})} {group['value']}: "
+        return (f"the claim's lane is {c.lane}, but vLLM {_verb(group, {})} {text(group)}: "
                 f"{lanes[actual]}, lane {actual}")
     return ""
 
 
 def _verdict(c, lane, group, label, family, how, cell, profile) -> dict:
-    if str(group["value"]).startswith("not exercised"):
-        return {"verdict": "NOT_EXERCISED", "why": group["value"]}
+    if is_inactive(group.get("value")):
+        return {"verdict": "NOT_EXERCISED", "why": text(group)}
     if family == "unknown":
         return {"verdict": "UNVERIFIED", "why": f"the harness cannot name the backend family of {group['value']}"}
     if family in c.forbidden:
@@ -504,7 +500,7 @@ def whole_lane_row(rows: list[dict], c: dict) -> dict | None:
     """For a verdict change row judged per batch now and not at all before (``before`` is "—"): the row of the same
     claim judged for the whole lane before and not now, covering its cells; None where there is none."""
     cells = {tuple(x) for x in c["cells"]}
-    return next((r for r in rows if r["kind"] == "verdict" and r["field"] == c["field"] and r["after"] == "—"
+    return next((r for r in rows if r["facet"] == "verdict" and r["field"] == c["field"] and r["after"] == "—"
                  and r["before"] != "—" and cells <= {tuple(x) for x in r["cells"]}), None)
 
 

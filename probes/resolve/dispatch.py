@@ -35,7 +35,7 @@ import time
 
 from probes import models as models_probes
 from probes.core.recorder import describe
-from probes.core.tiers import needs_gpu, not_resolved
+from probes.core.tiers import needs_gpu, not_resolved, step_path, stock_path
 from probes.schemes import TRTLLM_AUTOTUNED
 
 DECODE_BATCHES = (1, 8, 64, 256)
@@ -501,7 +501,7 @@ def lane_serving_path(models, vllm_config, works):
             elif planner is not None:
                 try:
                     takes = path.takes(planner, cg, padded, w)
-                    text += f": {path.name}" if takes else f": stock path ({path.name} not taken)"
+                    text = step_path(text, path.name) if takes else stock_path(text, path.name)
                 except Exception as exc:
                     text += f"; {path.name} not resolved ({err(exc)})"
             SERVING_PATHS[(role, i)] = (cg, padded, takes)

@@ -15,7 +15,7 @@ import types
 
 from probes.core import fence
 from probes.core.recorder import describe
-from probes.core.tiers import needs_gpu, not_resolved, raises
+from probes.core.tiers import needs_gpu, not_resolved, not_taken, raises
 from probes.models import StepPath
 from probes.resolve.dispatch import (SERVING_PATHS, Stop, Workload, _mla_builder, capture, draft_speculator, err, meta,
                                      mla_split, optional, runners)
@@ -307,7 +307,7 @@ def lane_specialized_decode(models, vllm_config, works):
         for i, w in enumerate(works):
             path = SERVING_PATHS.get((role, i))
             if path is None or not path[2]:
-                tiers.append("not taken: the stock path serves this step")
+                tiers.append(not_taken("the stock path serves this step"))
                 continue
             batch = path[1]
             try:

@@ -111,15 +111,18 @@ diff: setup
 # Re-audit every pin with a wheel in release order and rewrite reports/ and reports/diffs/ (the committed
 # reports are exactly what this writes). Builds one environment at a time and drops it after use.
 # FROM_RUNS=1 audits nothing: it renders every pin again from its newest full run (expectations,
-# templates or verdict code changed; no vLLM environment needed).
+# templates or verdict code changed; no vLLM environment needed), and a pin whose runs are gone from its
+# committed routing.json. FROM_REPORTS=1 renders every pin from its committed routing.json (no run read):
+# `make reports FROM_REPORTS=1 MODEL=deepseek-v3`.
 FROM_RUNS ?=
+FROM_REPORTS ?=
 # Check the harness against every pinned release (fences, stand-in fit, availability): make reports runs it first.
 verify-pins: setup
 	$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(PINS),--pins $(call q,$(PINS))) $(if $(MODEL),--model $(call q,$(MODEL)))
 
 reports: setup
-	$(if $(filter 1,$(FROM_RUNS)),,$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))))
-	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(filter 1,$(FROM_RUNS)),--from-runs)
+	$(if $(filter 1,$(FROM_RUNS) $(FROM_REPORTS)),,$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))))
+	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(filter 1,$(FROM_RUNS)),--from-runs) $(if $(filter 1,$(FROM_REPORTS)),--from-reports)
 
 pins: setup
 	$(BIN)/serving-truth pins --lock $(call q,$(LOCK))

@@ -160,7 +160,11 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--no-cache", dest="cache", action="store_false", help="run every cell")
     rg.add_argument("--from-runs", action="store_true",
                     help="audit nothing: render each pin again from its newest run of every cell (after editing "
-                         "expectations, templates or verdicts; needs no vLLM environment)")
+                         "expectations, templates or verdicts; needs no vLLM environment); a pin whose runs are gone "
+                         "is rendered from its committed routing.json")
+    rg.add_argument("--from-reports", action="store_true",
+                    help="audit nothing, read no run: render every committed ledger, labels file and diff again from "
+                         "its routing.json with today's code")
 
     vp = sub.add_parser("verify-pins", help="check the harness against every pinned release: one cell per SM family "
                                             "with the fences on, each stand-in's fit, vLLM's availability answers "
@@ -299,10 +303,16 @@ def main(argv: list[str] | None = None) -> int:
             with err.status("regenerating reports") as status:
                 done = regenerate_reports(lock_path=args.lock, reports_dir=args.reports, pins=pins or None,
                                           drop_envs=args.drop_envs, cache=args.cache, from_runs=args.from_runs,
+                                          from_reports=args.from_reports,
                                           profile=profile,
                                           keep_envs=tuple(p.strip() for p in args.keep_envs.split(",") if p.strip()),
                                           progress=lambda event, **f: status.update(f.get("text", event)))
+            from pathlib import Path
+
             for o in done:
+                if isinstance(o, Path):  # rendered from its committed routing.json
+                    out.print(f"{o.name}: {o / 'ledger.md'} (rendered from its routing.json)")
+                    continue
                 v = ", ".join(f"{k} {n}" for k, n in (o.verdicts or {}).items() if n)
                 out.print(f"{o.pin}: {o.ledger} ({v})")
             return ExitCode.OK

@@ -612,10 +612,54 @@ def _fuller_report(report_dir: Path, cells: list[tuple[str, str]]) -> int | None
     return len(have) if have - set(cells) else None
 
 
+def report_from_routing(pin_name: str, *, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
+                        profile: Profile, write: bool = True) -> dict[str, str]:
+    """A committed report rendered again from its own routing.json with today's code, no audit: the routing (a
+    schema 2 one upgraded to records) is judged again against the model's claims (unless its audit judged none),
+    its records' families and flags filled in, and its ledger, labels and routing.json written anew, the "changes
+    since" section against the previous pin's committed routing. Returns the files (name -> text); with *write*,
+    the report directory is replaced as one unit. The same routing always renders the same bytes."""
+    from audit.report.diff import diff_routings, load_routing
+
+    lock = lockmod.load(lock_path)
+    pin = lock.get(pin_name)
+    root = models.reports_root(reports_dir, profile)
+    routing = load_routing(root, pin.name, profile)
+    if routing.get("model") != profile.name:
+        raise UsageError(f"{report_dir_for(root, pin.name) / 'routing.json'} is of the model {routing.get('model')!r}, "
+                         f"not of {profile.name!r}", hint=f"render it as its own model's: --model {routing.get('model')}")
+    judged = "verdicts_skipped" not in routing
+    routing.pop("verdicts", None)
+    exp, exp_path = load_expectations("auto" if judged else "none", lock_path=lock_path, profile=profile)
+    if exp is not None:
+        from audit.report.verdicts import attach
+
+        attach(routing, exp, profile, display_path=exp_path)
+    changes = None
+    prev = lockmod.previous_pin(lock, pin.name)
+    if prev is not None:
+        if (report_dir_for(root, prev.name) / "routing.json").is_file():
+            changes = diff_routings(load_routing(root, prev.name, profile), routing, profile)
+        else:
+            changes = {"unavailable": prev.name}
+    files = report_files(routing, profile=profile, reproduce=(routing.get("run") or {}).get("reproduce", ""),
+                         changes=changes, label_map=exp.label_map if exp is not None else None)
+    if write:
+        report_dir = report_dir_for(root, pin.name)
+        try:
+            with DirLock(report_dir):
+                replace_dir(report_dir, files)
+        except OSError as exc:
+            raise ReportWriteError(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
+                                   path=str(report_dir), run_dir="") from None
+    return files
+
+
 def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
                        pins: list[str] | None = None, drop_envs: bool = False, keep_envs: tuple[str, ...] = (),
                        progress: Progress = lambda *a, **k: None, cache: bool = True,
-                       from_runs: bool = False, profile: Profile) -> list[AuditOutcome]:
+                       from_runs: bool = False, from_reports: bool = False,
+                       profile: Profile) -> list[AuditOutcome | Path]:
     """Audit every pin that has a wheel (or those named), in release order so that each ledger's "changes
     since" finds the previous pin's fresh report, replacing ``reports/<pin>/``; then write the diff between
     each pair of consecutive pins under ``reports/diffs/``. With ``drop_envs`` the environment of each pin
@@ -623,7 +667,9 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
 
     With ``from_runs`` nothing is audited: each pin's reports are rendered again from the evidence of its
     newest run of every cell (:func:`newest_full_run`), with today's verdicts, templates and expectations;
-    no vLLM environment is needed."""
+    no vLLM environment is needed; a pin whose runs are gone is rendered from its committed routing.json
+    (:func:`report_from_routing`), and progress says so. With ``from_reports`` every pin is rendered from its
+    committed routing.json, no run read."""
     from audit.report.diff import write_diff
     from audit.runtimes.local import LocalRuntime
 
@@ -635,12 +681,21 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
             lock.get(name)  # an unknown name: UnknownPinError
         raise UsageError(f"pins without a wheel cannot be regenerated locally: {', '.join(unknown)}")
     outcomes = []
+    root = models.reports_root(reports_dir, profile)
     for pin in chosen:
-        if from_runs:
-            run = newest_full_run(pin, prefix=models.run_prefix(profile, pin.name), layouts=profile.layouts)
-            if run is None:
-                raise UsageError(f"no finished run of every cell of {pin.name} under {cache_root() / 'runs'}",
+        if from_reports or from_runs:
+            run = None if from_reports else newest_full_run(pin, prefix=models.run_prefix(profile, pin.name),
+                                                            layouts=profile.layouts)
+            if run is None and not (report_dir_for(root, pin.name) / "routing.json").is_file():
+                raise UsageError(f"no finished run of every cell of {pin.name} under {cache_root() / 'runs'}, and no "
+                                 f"committed report at {report_dir_for(root, pin.name)}",
                                  hint="regenerate without --from-runs (it audits), or audit the pin first")
+            if run is None:
+                progress("stage", text=f"rendering {pin.name} from its committed routing.json"
+                                       + ("" if from_reports else " (no finished run of every cell is left)"))
+                report_from_routing(pin.name, lock_path=lock_path, reports_dir=reports_dir, profile=profile)
+                outcomes.append(report_dir_for(root, pin.name))
+                continue
             progress("stage", text=f"rendering {pin.name} from {run.name}")
             outcomes.append(render_run(run, lock_path=lock_path, reports_dir=reports_dir, replace=True))
             continue

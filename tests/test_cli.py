@@ -74,7 +74,7 @@ def test_audit_end_to_end_and_failures_keep_the_previous_ledger(vllm_env, tmp_pa
     ledger = reports / "v0.33.0" / "ledger.md"
     assert r.stdout.strip().endswith(str(ledger.relative_to(ROOT)) if ledger.is_relative_to(ROOT) else str(ledger))
     text = ledger.read_text()
-    assert "MegaMoE DeepGemmMegaMoEExperts" in text and "**Evidence level: resolved" in text
+    assert "DeepGemmMegaMoEExperts (MegaMoE)" in text and "**Evidence level: resolved" in text
     # the shipped claims hold on B200 DEP8 (exit 0); --strict also fails on lanes no claim covers
     assert "| MATCH | `moe-dep-megamoe` |" in text and "MISMATCH" not in r.stderr
     run_dir = [l.split("evidence: ", 1)[1].strip() for l in r.stderr.splitlines() if l.startswith("evidence: ")][0]

@@ -2,6 +2,7 @@
 import copy
 import json
 
+from audit.lanevalue import make, text
 from audit.report.diff import diff_routings, render_diff
 from tests.conftest import ROOT
 from tests.goldtest import compare
@@ -13,6 +14,11 @@ DATA = ROOT / "tests" / "data"  # routing.json of real audits
 
 def load(pin):
     return json.loads((DATA / f"routing-{pin}.json").read_text(encoding="utf-8"))
+
+
+def _set(group, kernel, **parts):
+    """A lane group's value replaced by a record of another kernel (what a changed vLLM would choose)."""
+    group["value"] = make(kernel, **parts)
 
 
 def test_pin_against_itself_is_empty():
@@ -28,7 +34,8 @@ def test_real_releases_diff_is_stable_and_grouped():
     first = render_diff(diff_routings(old, new, KIMI_K3), KIMI_K3)
     assert first == render_diff(diff_routings(copy.deepcopy(old), copy.deepcopy(new), KIMI_K3), KIMI_K3)
     d = diff_routings(old, new, KIMI_K3)
-    keys = [(c["kind"], c["lane"] or c["field"], c["before"], c["after"]) for c in d["changes"]]
+    keys = [(c["facet"], c["title"], c["before"], c["after"], json.dumps([c.get("a"), c.get("b")], sort_keys=True),
+             c.get("refused_both")) for c in d["changes"]]
     assert len(keys) == len(set(keys)), "one upstream change must read as one row"
     compare("diff-v0.30.0..v0.33.0.md", first)
 
@@ -38,14 +45,18 @@ def test_a_single_change_is_one_row_naming_all_cells():
     changed = copy.deepcopy(r)
     for c in changed["cells"]:
         for g in c["lanes"].get("mla.prefill", []):
-            if g["value"] == "FlashAttnPrefillBackend":  # the default prefill backend (an option picks FlashInfer's)
-                g["value"] = "SomeNewPrefillBackend"
+            if g["value"]["kernel"] == "FlashAttnPrefillBackend":  # the default (an option picks FlashInfer's)
+                _set(g, "SomeNewPrefillBackend")
     d = diff_routings(r, changed, KIMI_K3)
     rows = [c for c in d["changes"] if c["lane"] == "mla.prefill"]
-    assert len(rows) == 1 and rows[0]["after"] == "SomeNewPrefillBackend"
+    refused = {(c["system"], c["layout"]) for c in r["cells"] if c.get("load_refused") or
+               (c.get("failure") or {}).get("outcome") == "refused"}
     built = {(c["system"], c["layout"]) for c in r["cells"]
-             if any(g["value"] == "FlashAttnPrefillBackend" for g in c["lanes"].get("mla.prefill", []))}
-    assert {tuple(x) for x in rows[0]["cells"]} == built
+             if any(g["value"]["kernel"] == "FlashAttnPrefillBackend" for g in c["lanes"].get("mla.prefill", []))}
+    # one row where it serves, one (information) inside deployments vLLM refuses in both builds
+    assert [r_["after"] for r_ in rows] == ["SomeNewPrefillBackend"] * len(rows) and len(rows) <= 2
+    assert {tuple(x) for row in rows for x in row["cells"]} == built
+    assert {tuple(x) for row in rows if row["serving"] for x in row["cells"]} == built - refused
 
 
 def test_ledger_shows_changes_since_its_baseline():
@@ -54,7 +65,7 @@ def test_ledger_shows_changes_since_its_baseline():
     old, new = load("v0.30.0"), load("v0.33.0")
     text = render_ledger(new, profile=KIMI_K3, reproduce="x", changes=diff_routings(old, new, KIMI_K3))
     section = text.split("## Changes since `v0.30.0`", 1)[1].split("\n## ", 1)[0]
-    assert "| Routed experts | MARLIN / MarlinExperts | HUMMING / HummingIndexedExperts |" in section
+    assert "| experts | Routed experts | MarlinExperts | HummingIndexedExperts |" in section
     same = render_ledger(new, profile=KIMI_K3, reproduce="x", changes=diff_routings(new, new, KIMI_K3))
     assert "None: every lane of every cell audited in both pins routes the same way" in same
 
@@ -162,7 +173,7 @@ def test_a_kernel_change_is_serving_and_a_count_or_a_newly_read_idle_lane_is_inf
     r = load("v0.33.0")
     changed = copy.deepcopy(r)
     b200 = _cell(changed, "b200_sxm", "tp8")
-    b200["lanes"]["mla.prefill"][0]["value"] = "SomeNewPrefillBackend"  # a kernel
+    _set(b200["lanes"]["mla.prefill"][0], "SomeNewPrefillBackend")  # a kernel
     b200["postload"]["steps"] = b200["postload"].get("steps", 0) + 1  # a count
     old = copy.deepcopy(r)
     _cell(old, "b200_sxm", "tp8")["lanes"].pop("decode.specialized", None)  # an audit that did not read the lane
@@ -177,8 +188,9 @@ def test_a_kernel_change_is_serving_and_a_count_or_a_newly_read_idle_lane_is_inf
     assert d["serving_changes"] == 1 and d["by_class"]["kernel"] == 1 and d["serving_cells"] == 1
     # the same lane newly read and *requested* is a change of what serves
     on = copy.deepcopy(changed)
-    _cell(on, "b200_sxm", "tp8")["lanes"]["decode.specialized"][0]["value"] = "built: SpecializedDecode"
-    assert _rows(diff_routings(old, on, KIMI_K3), lane="decode.specialized")[0]["serving"]
+    _set(_cell(on, "b200_sxm", "tp8")["lanes"]["decode.specialized"][0], "SpecializedDecode", note="built")
+    row = _rows(diff_routings(old, on, KIMI_K3), lane="decode.specialized")[0]
+    assert row["serving"] and row["class"] == "path"
 
 
 def test_a_note_beside_an_unchanged_serving_value_is_information_and_a_changed_identity_is_not():
@@ -186,12 +198,11 @@ def test_a_note_beside_an_unchanged_serving_value_is_information_and_a_changed_i
     lane, cell = "moe.activation", ("b200_sxm", "dep8")
     old, new = copy.deepcopy(r), copy.deepcopy(r)
     g_old, g_new = _cell(old, *cell)["lanes"][lane][0], _cell(new, *cell)["lanes"][lane][0]
-    g_old.update(value="situ (MegaMoE; vLLM records no kernel-support check)", identity="situ (MegaMoE)")
-    g_new.update(value="situ (MegaMoE; in the experts' declared activations situ, swiglu)", identity="situ (MegaMoE)")
+    _set(g_old, "situ", note="MegaMoE; vLLM records no kernel-support check")
+    _set(g_new, "situ", note="MegaMoE; in the experts' declared activations situ, swiglu")
     row = _rows(diff_routings(old, new, KIMI_K3), lane=lane)
     assert len(row) == 1 and not row[0]["serving"] and "only its note differs" in row[0]["information"]
-    g_new.update(value="situ (MegaMoE; NOT in the experts' declared activations swiglu)",
-                 identity="situ (MegaMoE; NOT declared)")
+    _set(g_new, "situ", detail="NOT declared by the experts", note="MegaMoE; their declared activations: swiglu")
     row = _rows(diff_routings(old, new, KIMI_K3), lane=lane)
     assert len(row) == 1 and row[0]["serving"] and row[0]["class"] == "kernel"
 
@@ -205,7 +216,7 @@ def test_an_availability_answer_gates_only_where_a_selection_in_its_cell_moved()
     row = _rows(d, field="vLLM availability: deep_ep")
     assert len(row) == 1 and not row[0]["serving"] and "changed no selection" in row[0]["information"]
     assert d["serving_changes"] == 0
-    _cell(changed, "b200_sxm", "dp8-ep")["lanes"]["moe"][0]["value"] = "DEEPEP / SomeExperts"
+    _set(_cell(changed, "b200_sxm", "dp8-ep")["lanes"]["moe"][0], "SomeExperts", backend="DEEPEP")
     d = diff_routings(r, changed, KIMI_K3)
     gating = [c for c in _rows(d, field="vLLM availability: deep_ep") if c["serving"]]
     assert gating and gating[0]["class"] == "availability" and ["b200_sxm", "dp8-ep"] in gating[0]["cells"]
@@ -227,7 +238,7 @@ def test_rows_name_the_cells_they_touched_not_a_product_of_systems_and_layouts()
     r = load("v0.33.0")
     changed = copy.deepcopy(r)
     for system, layout in (("b200_sxm", "tp8"), ("h100_sxm", "tp16")):
-        _cell(changed, system, layout)["lanes"]["mla.prefill"][0]["value"] = "SomeNewPrefillBackend"
+        _set(_cell(changed, system, layout)["lanes"]["mla.prefill"][0], "SomeNewPrefillBackend")
     row = _rows(diff_routings(r, changed, KIMI_K3), lane="mla.prefill")[0]
     assert row["where"] == "tp8: b200_sxm; tp16: h100_sxm"
 
@@ -241,27 +252,30 @@ def test_a_claim_that_passes_only_because_serving_moved_under_it_says_so():
         if (v["claim"], v["system"], v["layout"], v["lane"]) == (failing["claim"], *cell, failing["lane"]):
             v["verdict"] = "MATCH"
     d = diff_routings(r, changed, KIMI_K3)
-    turn = [c for c in _rows(d, kind="verdict") if c["turn"] == "no longer failing"]
+    turn = [c for c in _rows(d, facet="verdict") if c["turn"] == "no longer failing"]
     assert turn and "the claim or the harness changed" in turn[0]["because"]  # nothing served differently
     for g in _cell(changed, *cell)["lanes"][failing["lane"]]:
-        g["value"] = "SomethingElse"
+        _set(g, "SomethingElse")
     d = diff_routings(r, changed, KIMI_K3)
-    turn = [c for c in _rows(d, kind="verdict") if c["turn"] == "no longer failing"]
+    turn = [c for c in _rows(d, facet="verdict") if c["turn"] == "no longer failing"]
     assert turn[0]["because"] == "claim now true because serving changed" and d["now_true_by_serving"] == 1
     assert "true now only because serving changed" in d["summary"]
 
 
-def test_the_pr_summary_is_short_deterministic_and_names_what_now_serves():
+def test_the_pr_summary_is_deterministic_names_every_serving_row_and_opens_the_diff():
     old, new = load("v0.30.0"), load("v0.33.0")
     d = diff_routings(old, new, KIMI_K3)
     text = d["summary"]
-    from audit.report.summary import WORDS
-
-    assert len(text.split()) <= WORDS and text == diff_routings(copy.deepcopy(old), copy.deepcopy(new), KIMI_K3)["summary"]
+    assert text == diff_routings(copy.deepcopy(old), copy.deepcopy(new), KIMI_K3)["summary"]
     assert text.startswith("**Kimi-K3, vLLM 0.30.0 → 0.33.0**") and "**The pin-bump gate fails**" in text
-    assert ("tp8, tp16, tp8-mtp, tp8-fp8kv, tp8-dspark, tp8-eagle3: SM 9.0, every batch (decode 1–256, prefill "
-            "512–8192): Routed experts") in text
-    assert "marlin → humming" in text and "SM 9.0 = h100_sxm, h200_sxm" in text
+    assert d["headline"] in text  # the same counts as the diff's headline and the terminal's
+    assert "… and" not in text  # nothing consequential is cut
+    for c in d["changes"]:
+        if c.get("serving") and c["class"] in ("experts", "kernel", "refusal") and c["facet"] == "lane":
+            assert c["where"] in text, c["title"]
+    assert "MarlinExperts → HummingIndexedExperts (marlin → humming)" in text
+    assert "Unchanged" not in text and "SM 9.0 (h100_sxm, h200_sxm)" in text
     top = render_diff(d, KIMI_K3).split("## Summary for the pull request\n\n", 1)[1]
     assert " ".join(top.split()).startswith(" ".join(text.split()))  # the diff opens with it (lines wrapped to fit)
-    assert "**No serving change**" in diff_routings(new, copy.deepcopy(new), KIMI_K3)["summary"]
+    same = diff_routings(new, copy.deepcopy(new), KIMI_K3)["summary"]
+    assert "**No serving change**" in same and "Unchanged on" in same

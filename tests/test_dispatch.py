@@ -71,15 +71,17 @@ def test_diff_names_moved_tiers():
     before["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T0", "T1", "T2", "T2", "T2"]), KIMI_K3)
     after["cells"][0]["dispatch"] = dispatch.cell_tiers(_file(["T0", "T0", "T1", "T1", "T2", "T2", "T1"]), KIMI_K3)
     d = diff.diff_routings(before, after, KIMI_K3)
-    rows = [c for c in d["changes"] if c["kind"] == "dispatch"]
-    assert [(r["field"], r["before"], r["after"], r["layers"]) for r in rows] == [
+    rows = [c for c in d["changes"] if c["facet"] == "dispatch"]
+    assert sorted((r["title"], r["before"], r["after"], r["layers"]) for r in rows) == [
         ("Latent MoE tail tier · `block_sparse_moe.experts` at decode 64", "T0", "T1", "1-3"),
         ("Latent MoE tail tier · `block_sparse_moe.experts` at prefill 8192", "T2", "T1", "1-3")]
+    assert all(r["class"] == "tier" and r["lane"] == "latent_tail" for r in rows)
     text = diff.render_diff(d, KIMI_K3)
-    assert "## Per-call tiers (level dispatch) (2)" in text
-    assert "| Latent MoE tail tier · `block_sparse_moe.experts` at decode 64 | T0 | T1 | tp8: l40s | 1-3 |" in text
+    assert "## Per-call tiers (dispatch) (2)" in text
+    assert ("| Latent MoE tail tier · `block_sparse_moe.experts` at decode 64 | T0 | T1 | tp8: l40s | 1-3 | a per-call "
+            "choice moved |") in text
     assert diff.diff_routings(before, before, KIMI_K3)["empty"]
-    assert dispatch._fold(["decode 1", "decode 8", "decode 256"], ["decode 1", "decode 8", "decode 64", "decode 256"]) \
+    assert dispatch.fold(["decode 1", "decode 8", "decode 256"], ["decode 1", "decode 8", "decode 64", "decode 256"]) \
         == "decode 1–8, decode 256"
 
 
@@ -93,11 +95,13 @@ def test_a_cell_built_only_in_the_newer_audit_shows_its_tiers_in_the_diff():
     before["cells"][cell].update(status="PARTIAL", dispatch=None,
                                  failure={"stage": "construct", "type": "builtins:NotImplementedError", "message": "x"})
     d = diff.diff_routings(before, after, KIMI_K3)
-    rows = [c for c in d["changes"] if c["kind"] == "dispatch"]
+    rows = [c for c in d["changes"] if c["facet"] == "dispatch"]
     assert rows and all(c["before"] == diff.NOT_BUILT for c in rows)
     assert all(c["cells"] == [[after["cells"][cell]["system"], after["cells"][cell]["layout"]]] for c in rows)
-    assert all(c["serving"] and c["class"] == "tier" for c in rows)
+    # what a deployment vLLM built on one side only runs: a consequence of how far construction got (here a stop
+    # with no refusal named: the simulation's)
+    assert all(c["serving"] and c["class"] == "stop" for c in rows)
     # an audit that resolved no tiers anywhere (older than the dispatch stage) still says nothing
     for c in before["cells"]:
         c["dispatch"] = None
-    assert not [c for c in diff.diff_routings(before, after, KIMI_K3)["changes"] if c["kind"] == "dispatch"]
+    assert not [c for c in diff.diff_routings(before, after, KIMI_K3)["changes"] if c["facet"] == "dispatch"]

@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from audit.lanevalue import text
+
 from audit.evidence import files as evidence
 from audit.models.kimi_k3 import KIMI_K3, LAYOUTS
 from audit.report import routing
@@ -154,7 +156,7 @@ def eagle3_planted(vllm_env, tmp_path_factory):
 
 
 def _attention(cell):
-    return [(g["value"], g["ranges"]) for g in cell["lanes"]["attention"]]
+    return [(text(g), g["ranges"]) for g in cell["lanes"]["attention"]]
 
 
 def test_the_eagle3_draft_has_plain_attention_chosen_per_sm_and_shares_the_target_head(eagle3):

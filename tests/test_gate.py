@@ -12,6 +12,7 @@ import time
 import pytest
 
 from audit.errors import ExitCode
+from audit.lanevalue import make
 from audit.models.kimi_k3 import KIMI_K3
 from audit.report import gate
 from audit.report.diff import NOT_BUILT, NOT_READ, _ranges, diff_routings, render_diff
@@ -43,11 +44,12 @@ def test_a_changed_path_fails_the_gate_with_no_claim_about_it(v033):
     for r in (old, new):
         r.pop("verdicts")  # no claim judged at all: the gate still sees the change
     cell = _cell(new, "b200_sxm", "tp8")
-    cell["lanes"]["moe"][0]["value"] = "MARLIN / MarlinExperts"
+    cell["lanes"]["moe"][0]["value"] = make("MarlinExperts", backend="MARLIN")
     g = gate.judge_gate(old, new, None, KIMI_K3)
     assert not g["passed"] and not g["new_findings"]
     [row] = g["serving_changes"]
-    assert row["lane"] == "moe" and row["after"] == "MARLIN / MarlinExperts" and row["cells"] == [["b200_sxm", "tp8"]]
+    assert row["lane"] == "moe" and row["after"] == "MarlinExperts" and row["cells"] == [["b200_sxm", "tp8"]]
+    assert row["class"] == "experts" and row["reason"] == "the class of the routed experts changed"
 
 
 def test_package_versions_are_information_not_a_serving_change(v033):
@@ -57,7 +59,7 @@ def test_package_versions_are_information_not_a_serving_change(v033):
     name = sorted(packages)[0]
     packages[name] = "0.0.0-other"
     d = diff_routings(v033, new, KIMI_K3)
-    [row] = [c for c in d["changes"] if c["kind"] == "cell"]
+    [row] = [c for c in d["changes"] if c["facet"] == "package"]
     assert row["field"] == f"package: {name}" and row["serving"] is False and d["serving_changes"] == 0
     assert gate.judge_gate(v033, new, {gate.finding_key(f) for f in gate.findings(v033)}, KIMI_K3)["passed"]
 
@@ -72,10 +74,11 @@ def test_lanes_a_construction_stop_hid_appear_as_changes(v033):
                 failure={"stage": "model", "type": "builtins:NotImplementedError", "message": "planted refusal",
                          "outcome": "refused", "rule": "an explicit raise in vLLM's own code"})
     d = diff_routings(old, v033, KIMI_K3)
-    rows = [c for c in d["changes"] if c["kind"] == "path" and ["b200_sxm", "tp8"] in c["cells"]]
+    rows = [c for c in d["changes"] if c["facet"] == "lane" and ["b200_sxm", "tp8"] in c["cells"]]
     assert {r["lane"] for r in rows} == set(built)
     read_after = set(v033.get("lanes_read_after_construction", ()))
     assert all(r["before"] == (NOT_READ if r["lane"] in read_after else NOT_BUILT) and r["serving"] for r in rows)
+    assert {r["class"] for r in rows} == {"refusal"}  # what the deployment runs now that vLLM builds it
     assert any(c["field"] == "construction" for c in d["changes"])
     assert d["unchanged_lanes"] == d["compared_lanes"] - len(built)
 
@@ -85,7 +88,7 @@ def test_a_verdict_that_stays_mismatch_against_another_backend_is_a_change(v033)
     row = next(r for r in new["verdicts"]["rows"] if r["verdict"] == "MISMATCH")
     row["actual"] = "some_other_backend"
     d = diff_routings(v033, new, KIMI_K3)
-    [change] = [c for c in d["changes"] if c["kind"] == "verdict"]
+    [change] = [c for c in d["changes"] if c["facet"] == "verdict"]
     assert change["before"].startswith("MISMATCH (") and change["after"].startswith("MISMATCH (")
     assert "some_other_backend" in change["after"] and change["before"] != change["after"]
     # and the gate reads it as a new finding: the accepted one was against the other backend
@@ -138,7 +141,7 @@ def test_gate_exit_codes():
     def outcome(changes=(), new=(), verdicts=None):
         g = {"baseline": {"pin": "v0.33.0"}, "serving_changes": list(changes), "new_findings": list(new),
              "accepted_findings": 0, "accepted_file": "", "cells_compared": 2, "only_in_baseline": [],
-             "only_in_candidate": [], "passed": not changes and not new}
+             "only_in_candidate": [], "passed": not changes and not new, "headline": "h"}
         return AuditOutcome(pin="p", report_dir=Path("."), ledger=None, routing_path=None, run_dir=Path("."), cells=2,
                             incomplete=0, partial=0, drift=0, verdicts=verdicts or {"MISMATCH": 4}, gate=g)
 
@@ -196,10 +199,13 @@ def test_what_moves_inside_a_deployment_refused_in_both_builds_is_not_a_serving_
     v030 = json.loads((DATA / "routing-v0.30.0.json").read_text())
     d = diff_routings(v030, v033, KIMI_K3)
     refused = {("l40s", "dep8"), ("h100_sxm", "dep8"), ("h200_sxm", "dep8"), ("rtx_pro_6000_server", "dep8")}
-    inside = [c for c in d["changes"] if {tuple(x) for x in c["cells"]} <= refused]
-    assert inside and any(c["kind"] == "path" and c["after"] == NOT_BUILT for c in inside)
-    assert all(c["refused_in_both"] and not c["serving"] for c in inside)
+    inside = [c for c in d["changes"] if c["facet"] != "verdict" and {tuple(x) for x in c["cells"]} <= refused]
+    assert inside and any(c["facet"] == "lane" and c["after"] == NOT_BUILT for c in inside)
+    assert all(c["refused_both"] and not c["serving"] for c in inside)
+    moved = [c for c in inside if c["class"] == "refusal-moved"]
+    assert {c["facet"] for c in moved} == {"construction", "post-load"}  # named as the refusal moving stage
     assert "refused in both builds: serves nothing in either" in render_diff(d, KIMI_K3)
+    assert "Refusals that moved stage (refused in both builds) (2, not gated)" in render_diff(d, KIMI_K3)
 
 
 def test_a_gate_that_shares_no_cell_with_its_baseline_never_passes(v033):
@@ -260,6 +266,10 @@ def test_a_baseline_whose_cells_lack_fields_is_bad_input_before_any_work(tmp_pat
     assert "cell 3 has no valid 'lanes'" in r.stderr and "Traceback" not in r.stderr
 
 
+def head_line(text: str) -> str:
+    return text.replace("\\[", "[")
+
+
 def test_the_terminal_lists_every_serving_change_grouped_by_kind_with_consistent_counts():
     """v0.30.0 -> v0.33.0 has dozens of serving changes: the closing lines group all of them by kind with a count
     per kind (never the first N), and the headline's finding counts add up (failing only now + failing before)."""
@@ -283,9 +293,12 @@ def test_the_terminal_lists_every_serving_change_grouped_by_kind_with_consistent
     text = "\n".join(lines.out)
     changes = gate["serving_changes"]
     assert len(changes) > 20 and "more in the diff" not in text
+    from audit.report.changes import KINDS
+
     for klass, n in gate["by_class"].items():
         if n:
-            assert f"  {klass} ({n}):" in text
+            assert f"  {KINDS[klass].word} ({n}):" in text
+    assert gate["headline"] in head_line(lines.out[0])
     assert sum(1 for line in lines.out if line.startswith("    ")) == len(changes)
     head = lines.out[0]
     fresh = gate["newly_failing"]

@@ -5,6 +5,8 @@ attention candidate vLLM turns down here for sinks (resolve mode runs offline: n
 
 import pytest
 
+from audit.lanevalue import text
+
 from audit.models.gpt_oss import GPT_OSS_120B
 from tests.conftest import audit_beside_k3
 
@@ -17,9 +19,11 @@ def audit(vllm_env, tmp_path_factory):
 
 
 def _value(cell, lane):
+    """The lane's one value in words; a selector's answer as "BACKEND / Kernel" (vLLM's value beside what runs)."""
     groups = cell["lanes"][lane]
     assert len(groups) == 1, groups
-    return groups[0]["value"]
+    value = groups[0]["value"]
+    return f"{value['backend']} / {value['kernel']}" if value.get("backend") else text(groups[0])
 
 
 def test_its_report_goes_beside_k3s_and_leaves_it_alone(audit):
@@ -46,7 +50,8 @@ def test_what_vllm_chooses_for_its_experts(audit):
     assert _value(cells[("b200_sxm", "dp8-ep")], "moe.kernel") == (
         "TrtLlmMxfp4ExpertsModular with MoEPrepareAndFinalizeNaiveDPEPModular (all2all: AgRsAll2AllManager)")
     for key, cell in cells.items():  # vLLM asked the kernel it built whether it takes gpt-oss's activation
-        assert _value(cell, "moe.activation").startswith("SWIGLUOAI ("), key
+        assert _value(cell, "moe.activation").startswith("SWIGLUOAI (") and "vLLM asked the kernel" in \
+            _value(cell, "moe.activation"), key
 
 
 def test_attention_with_sinks_and_the_candidate_vllm_turned_down(audit):

@@ -37,8 +37,9 @@ def test_labels_use_the_perf_database_vocabulary_and_agree_with_the_verdicts():
     assert compared > 20
     # the Marlin claim's lane: Marlin rows are w4a16, TRT-LLM MXFP8 rows are w4a8
     moe = [l for l in doc["rows"] if l["harness_lane"] == "moe"]
-    assert {l["lane"] for l in moe if "MARLIN" in l["value"]} == {"w4a16_mxfp4"}
-    assert {l["lane"] for l in moe if "MXFP8" in l["value"] or "MegaMoE" in l["value"]} == {"w4a8_mxfp4_mxfp8"}
+    assert {l["lane"] for l in moe if l["kernel"] == "MarlinExperts"} == {"w4a16_mxfp4"}
+    assert {l["lane"] for l in moe if "MXFP8" in l["kernel_source"] or "megamoe" in l["kernel_source"]} == \
+        {"w4a8_mxfp4_mxfp8"}
     assert all(l["evidence"] for l in doc["rows"])
 
 

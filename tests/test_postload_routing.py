@@ -3,6 +3,7 @@ REFUSED verdict (at load) and the ledger, from evidence records shaped as probes
 (tests/test_postload_vllm.py checks the same path against the real wheel)."""
 from pathlib import Path
 
+from audit.lanevalue import identity, make, text
 from audit.report import routing
 from audit.report import verdicts
 from audit.evidence.files import EvidenceFile
@@ -58,17 +59,19 @@ def test_levels_follow_how_far_post_load_went():
     ])
     cell = routing.build_cell(f, KIMI_K3)
     assert cell["candidates"]["moe"][0]["layers"] == [1]  # construction's evidence is kept beside post-load's
-    by_layer = lambda lane: {l: (g["value"], g["level"]) for g in cell["lanes"][lane] for l in g["layers"]}
+    by_layer = lambda lane: {l: (text(g), g["level"]) for g in cell["lanes"][lane] for l in g["layers"]}
     tail = by_layer("moe.tail_fusion")
-    assert tail[1] == ("enabled at construction; fused path not re-read (no MoE kernel was built)",
+    assert tail[1] == ("fused tail enabled at construction (fused path not re-read: no MoE kernel was built)",
                        "construction; post-load stopped at a simulation limit")
-    assert tail[2] == ("off (enabled at construction; the fused path does not hold once the MoE kernel exists)",
-                       "post-load")
+    assert tail[2] == ("unfused tail (enabled at construction; the fused path does not hold once the MoE kernel "
+                       "exists)", "post-load")
     act = by_layer("moe.activation")
     assert act[1][0] == "SITU (TrtLlmMxfp4ExpertsMonolithic; vLLM asked the kernel: supported)"
     assert act[2][0] == "SITU (TrtLlmMxfp4ExpertsMonolithic; vLLM did not ask the kernel about it)"
+    # the activation is the value; which experts and how the check was recorded is a note
+    assert identity(cell["lanes"]["moe.activation"][0]["value"]) == ("SITU", "", False)
     assert by_layer("moe.kernel")[2] == ("TrtLlmMxfp4ExpertsMonolithic with NoEP", "post-load")
-    assert by_layer("moe.deferred_finalize")[2] == ("deferred (up to 128 tokens)", "post-load")
+    assert by_layer("moe.deferred_finalize")[2] == ("deferred up to 128 tokens", "post-load")
     assert cell["lanes"]["decode.specialized"][0]["ranges"] == "model"
     # a limit is stated, never a finding
     assert cell["load_refused"] is None
@@ -120,10 +123,11 @@ def test_ledger_says_where_vllm_refused():
     # the refused cell's lanes show what construction built, marked: it does not serve; the other cell's are not
     r = _refused_routing()
     for c in r["cells"]:
-        c["lanes"]["moe"] = [{"layers": [1], "ranges": "1", "value": "MEGA / Experts", "level": "construction"}]
+        c["lanes"]["moe"] = [{"layers": [1], "ranges": "1", "value": make("Experts", backend="MEGA"),
+                              "level": "construction"}]
     moe = next(l for l in render_ledger(r, profile=KIMI_K3, reproduce="x").splitlines()
                if l.startswith("| Routed experts |"))
-    assert [c.strip() for c in moe.split("|")[2:-1]] == ["(refused at load) MEGA / Experts", "MEGA / Experts"]
+    assert [c.strip() for c in moe.split("|")[2:-1]] == ["(refused at load) Experts", "Experts"]
     section = text.split("## Post-load", 1)[1].split("\n## ", 1)[0]
     assert "| h100_sxm | dep8 | 2 | 1 | 1 | 0 |" in section
     assert "during `KimiK3ForConditionalGeneration.process_weights_after_loading`" in section

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from audit.lanevalue import identity, is_inactive, text
+
 from audit.evidence import files as evidence
 from audit.report import expectations
 from audit.pins import lock
@@ -102,7 +104,7 @@ def test_vllm_refuses_megamoe_at_load_on_sm90(probed, env030):
     cell = probed["cells"][("h100_sxm", "dep8")]
     # construction accepts it (what the committed ledgers showed) ...
     assert cell["status"] == "COMPLETE"
-    assert [g["value"] for g in cell["lanes"]["moe"]] == ["MegaMoE KimiK3MegaMoEExperts"]
+    assert [text(g) for g in cell["lanes"]["moe"]] == ["KimiK3MegaMoEExperts (MegaMoE)"]
     # ... and vLLM's post-load check refuses it, in the first MoE layer, from the model's own hook
     r = cell["load_refused"]
     assert r["function"] == GATE and r["type"] == "builtins:NotImplementedError"
@@ -143,17 +145,19 @@ def test_no_refusal_where_the_check_passes(probed):
     # how the MegaMoE experts dispatch and combine, read off what they hold (no prepare/finalize, no MoE config;
     # the symmetric buffer cache their class keeps) beside the EP group's all2all manager they do not reference
     kernel = cell["lanes"]["moe.kernel"]
-    assert {(g["level"], g["identity"]) for g in kernel} == {
-        ("post-load", "KimiK3MegaMoEExperts weights transformed; dispatch/combine in kernel")}
-    text = kernel[0]["value"]
-    assert text.startswith("KimiK3MegaMoEExperts weights transformed; dispatch/combine inside the experts' own kernel")
-    assert "no prepare/finalize object, no MoE config" in text and "AgRsAll2AllManager" in text
+    assert {(g["level"], identity(g["value"])) for g in kernel} == {
+        ("post-load", ("KimiK3MegaMoEExperts", "weights transformed; dispatch/combine inside the experts' own kernel",
+                       False))}
+    words = text(kernel[0])
+    assert words.startswith("KimiK3MegaMoEExperts weights transformed; dispatch/combine inside the experts' own kernel")
+    assert "no prepare/finalize object, no MoE config" in words and "AgRsAll2AllManager" in words
     # the latent tail fusion and deferred finalize: not built, and vLLM's attribute that decided it
     decided = "vLLM's `KimiMoE.use_mega_moe is True`"
-    assert {g["value"].split(" (the MegaMoE")[0] for g in cell["lanes"]["moe.tail_fusion"]} == {f"not built: {decided}"}
-    assert {g["value"] for g in cell["lanes"]["moe.deferred_finalize"]} == {
+    assert {text(g).split(": the MegaMoE")[0] for g in cell["lanes"]["moe.tail_fusion"]} == {f"not built ({decided}"}
+    assert all(is_inactive(g["value"]) for g in cell["lanes"]["moe.tail_fusion"])
+    assert {text(g) for g in cell["lanes"]["moe.deferred_finalize"]} == {
         f"none: no MoE runner is built ({decided})"}
-    assert {g["value"] for g in cell["lanes"]["moe.activation"]} == {
+    assert {text(g) for g in cell["lanes"]["moe.activation"]} == {
         "situ (KimiK3MegaMoEExperts; vLLM records no kernel-support check)"}
     # the stand-in that made the transform's output exist is listed, and it ran
     assert "deep_gemm:transform_sf_into_required_layout" in cell["simulated"]

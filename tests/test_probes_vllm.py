@@ -5,6 +5,8 @@ import textwrap
 
 import pytest
 
+from audit.lanevalue import is_inactive, text
+
 from audit.evidence import files as evidence
 from audit.report import routing
 from audit.models.kimi_k3 import KIMI_K3
@@ -58,7 +60,7 @@ def test_every_k3_layer_type_has_evidence(probed_run, system):
         assert g["value"][-1]["supported"] is True
         assert all(t["reason"] for t in g["value"] if not t["supported"])
     chosen_value = cell["lanes"]["moe"][0]["value"]
-    assert chosen_value.endswith(tried[0]["value"][-1]["cls"])
+    assert chosen_value["kernel"] == tried[0]["value"][-1]["cls"]
     assert cell["drift"] and {d["target"] for d in cell["drift"]} == {"test.drifted"}
     assert cell["raises"] == [] and cell["probe_errors"] == []
 
@@ -75,7 +77,7 @@ def test_rejections_carry_vllm_reasons_on_sm90(probed_run):
 def test_megamoe_lane(probed_run):
     cells = cells_of(probed_run)
     b200 = routing.build_cell(cells[("b200_sxm", "dep8")], KIMI_K3)
-    assert [g["value"] for g in b200["lanes"]["moe"]] == ["MegaMoE DeepGemmMegaMoEExperts"]
+    assert [text(g) for g in b200["lanes"]["moe"]] == ["DeepGemmMegaMoEExperts (MegaMoE)"]
     assert b200["lanes"]["moe"][0]["layers"] == k3_layers()["moe"]
     # on SM90 vLLM refuses MegaMoE at construction: the probes record it, they do not cause or hide it
     h100 = routing.build_cell(cells[("h100_sxm", "dep8")], KIMI_K3)
@@ -205,6 +207,7 @@ def test_mtp_draft_layer_and_spec_verify(probed_run):
     covered = lambda cell, lane: sorted(l for g in cell["lanes"][lane] for l in g["layers"])
     assert covered(mtp, "moe") == k3_layers()["moe"] + [last + 1]
     spec = [g["value"] for g in mtp["lanes"]["kda.spec_verify"]]
-    assert spec and not any(v.startswith("not exercised") for v in spec)
-    assert all(g["value"].startswith("not exercised") for g in plain["lanes"]["kda.spec_verify"])
+    assert spec and not any(is_inactive(v) for v in spec)
+    assert all(is_inactive(g["value"]) and text(g).startswith("not exercised")
+               for g in plain["lanes"]["kda.spec_verify"])
     assert mtp["config"]["speculative"] == "mtp"

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from audit.lanevalue import make, text
+
 from audit import models
 from audit.models.gpt_oss import GPT_OSS_120B
 from audit.models.kimi_k3 import KIMI_K3
@@ -68,17 +70,18 @@ def test_a_models_own_step_path_serves_only_its_steps():
     cell = {"dispatch": {"workloads": ["decode 1"], "lanes": {
         "serving_path": [{"role": "target", "layers": [], "tiers": {"decode 1": "FULL graph, 1 tokens: specialized decode"}}],
         "specialized_decode": [{"role": "target", "layers": [], "tiers": {"decode 1": "batch 1"}}]}}}
-    group = {"layers": [3], "ranges": "3", "value": "x"}
+    group = {"layers": [3], "ranges": "3", "value": make("x")}
     lane, served, note = dispatch.serving_group(cell, "mla.decode", group, "decode 1", KIMI_K3)
-    assert served["value"] == "specialized decode (mla_core): batch 1" and "K3's specialized decode takes" in note
+    assert text(served) == "specialized decode mla_core batch 1" and "K3's specialized decode takes" in note
     assert dispatch.serving_group(cell, "moe", group, "decode 1", GPT_OSS_120B) == ("moe", group, "")
 
 
 def test_a_batch_route_sends_a_batch_to_the_lane_its_choice_names():
     """K3 under a draft method: a decode batch the runner built as speculative rows is served by the KDA
     spec-verify group; a plain decode choice stays with the decode lane; a model without the route never moves."""
-    kda = {"layers": [0], "ranges": "0", "value": "triton"}
-    verify = {"layers": [0], "ranges": "0", "value": "flashinfer", "raw": {"source": "kda.spec_verify"}}
+    kda = {"layers": [0], "ranges": "0", "value": make("fused_recurrent_kda_packed_decode", backend="triton")}
+    verify = {"layers": [0], "ranges": "0", "value": make("flashinfer_packed_fused_kda_decode", backend="flashinfer"),
+              "raw": {"source": "kda.spec_verify"}}
     choices = {"decode 1": "speculative rows: FlashInfer packed fused KDA decode (convolution fused)",
                "decode 8": "FLA Triton fused_recurrent_kda_packed_decode (after causal_conv1d_update)"}
     cell = {"lanes": {"kda.decode": [kda], "kda.spec_verify": [verify]},
@@ -87,7 +90,7 @@ def test_a_batch_route_sends_a_batch_to_the_lane_its_choice_names():
     lane, served, note = dispatch.serving_group(cell, "kda.decode", kda, "decode 1", KIMI_K3)
     assert (lane, served) == ("kda.spec_verify", verify)
     assert note == ("a decode 1 batch takes KDA's speculative rows (kda:KimiK3DeltaAttention._forward), so "
-                    "flashinfer serves it")
+                    "flashinfer_packed_fused_kda_decode serves it")
     assert dispatch.serving_group(cell, "kda.decode", kda, "decode 8", KIMI_K3) == ("kda.decode", kda, "")
     assert dispatch.serving_group(cell, "kda.decode", kda, "decode 1", GPT_OSS_120B) == ("kda.decode", kda, "")
     assert dispatch.serving_mark(cell, "kda.decode", KIMI_K3) == " · at decode 1: the batch takes KDA's speculative rows"

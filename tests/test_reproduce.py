@@ -17,7 +17,6 @@ from audit.models.kimi_k3 import KIMI_K3
 from audit.pins import lock as lockmod
 from audit.report.diff import diff_routings
 from audit.errors import ExitCode
-from audit.report.render import render_ledger
 from tests.conftest import ROOT
 
 REPORTS = ROOT / "reports"
@@ -46,27 +45,26 @@ def _model_pins():
 
 
 @pytest.mark.parametrize("profile,root,pin", list(_model_pins()))
-def test_each_committed_ledger_is_its_routing_rendered(profile, root, pin):
-    """Every model's committed ledgers, each against the previous pin's committed routing of the same model."""
-    routing = json.loads((root / pin / "routing.json").read_text(encoding="utf-8"))
-    assert routing["model"] == profile.name
-    prev = lockmod.previous_pin(LOCK, pin)
-    if prev is None:
-        changes = None
-    elif (root / prev.name / "routing.json").is_file():
-        changes = diff_routings(json.loads((root / prev.name / "routing.json").read_text(encoding="utf-8")), routing,
-                                profile)
-    else:
-        changes = {"unavailable": prev.name}
-    text = render_ledger(routing, profile=profile, reproduce=routing["run"]["reproduce"], changes=changes)
-    assert text == (root / pin / "ledger.md").read_text(encoding="utf-8"), \
-        f"{root / pin / 'ledger.md'} is not what today's code renders from its routing.json: run `make reports`"
-    # labels.json too: the perf-database labels come from routing.json alone (its claims' label map included)
-    from audit.report.perflabels import labels_json
+def test_each_committed_report_is_its_routing_rendered(profile, root, pin):
+    """Every model's committed report is what `serving-truth regenerate --from-reports` renders from its own
+    routing.json with today's code (ledger, labels.json and routing.json itself, byte for byte), its ledger's
+    "changes since" against the previous pin's committed routing; and the committed diff from the previous pin is
+    that diff rendered."""
+    from audit.core import report_from_routing
+    from audit.report.diff import DIFF_SCHEMA, load_routing, render_diff
 
-    label_map = (routing.get("verdicts") or {}).get("label_map")
-    assert labels_json(routing, profile, label_map) == (root / pin / "labels.json").read_text(encoding="utf-8"), \
-        f"{root / pin / 'labels.json'} is not what today's code labels from its routing.json: run `make reports`"
+    files = report_from_routing(pin, lock_path=ROOT / "images.lock", reports_dir=REPORTS, profile=profile, write=False)
+    for name, text in sorted(files.items()):
+        assert text == (root / pin / name).read_text(encoding="utf-8"), \
+            f"{root / pin / name} is not what today's code renders from its routing.json: " \
+            f"serving-truth regenerate --from-reports --model {profile.name}"
+    prev = lockmod.previous_pin(LOCK, pin)
+    if prev is None or not (root / prev.name / "routing.json").is_file():
+        return
+    d = diff_routings(load_routing(root, prev.name, profile), load_routing(root, pin, profile), profile)
+    md = root / "diffs" / f"{prev.name}..{pin}.md"
+    assert json.loads((root / "diffs" / f"{prev.name}..{pin}.json").read_text(encoding="utf-8"))["schema"] == DIFF_SCHEMA
+    assert render_diff(d, profile) == md.read_text(encoding="utf-8"), f"{md} is not its routings' diff rendered"
 
 
 def test_the_third_model_is_committed_for_every_pin():

@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from audit.lanevalue import text
+
 from audit.evidence import files as evidence
 from audit.report import routing
 from audit.models.kimi_k3 import KIMI_K3
@@ -96,7 +98,7 @@ def test_post_load_runs_to_the_end_on_every_path(fast):
         cell = fast["cells"][key]
         post = cell["postload"]
         assert post["ran"] and post["refused"] == 0 and post["limit"] == 0 and post["limits"] == [], key
-        assert [(g["value"], g["level"]) for g in cell["lanes"]["moe.kernel"]] == [(kernel, "post-load")], key
+        assert [(text(g), g["level"]) for g in cell["lanes"]["moe.kernel"]] == [(kernel, "post-load")], key
     # the MTP draft's load_weights saw the checkpoint names it checks for, and the ledger says what was fed
     mtp = fast["cells"][("b200_sxm", "tp8-mtp")]
     assert mtp["postload"]["model_worst"] == {"target": 0, "draft": 0}
@@ -104,10 +106,10 @@ def test_post_load_runs_to_the_end_on_every_path(fast):
     # under DP+EP on SM 10.x the runner enables the tail fusion, and its fused-path condition fails at the
     # MoE's TP size (1 under DP+EP): the ledger quotes that check, read from vLLM's own condition
     ep = fast["cells"][("b200_sxm", "dp8-ep")]
-    assert {g["value"] for g in ep["lanes"]["moe.tail_fusion"]} == {
-        "off (enabled at construction; vLLM's fused-path condition fails at `self.moe_config.tp_size > 1`)"}
-    assert {g["value"] for g in fast["cells"][("h200_sxm", "dp8-ep")]["lanes"]["moe.tail_fusion"]} == {
-        "off (not enabled at construction)"}
+    assert {text(g) for g in ep["lanes"]["moe.tail_fusion"]} == {
+        "unfused tail (enabled at construction; vLLM's fused-path condition fails at `self.moe_config.tp_size > 1`)"}
+    assert {text(g) for g in fast["cells"][("h200_sxm", "dp8-ep")]["lanes"]["moe.tail_fusion"]} == {
+        "unfused tail (not enabled at construction)"}
 
 
 def test_every_stand_in_that_ran_is_listed(fast):
@@ -168,7 +170,7 @@ def test_a_planted_converter_change_shows_in_the_ledger(rejected):
     r = cell["load_refused"]
     assert r["message"] == "planted: the TRT-LLM converter does not take this checkpoint's MXFP4 scales"
     assert r["function"].endswith("convert_weight_to_mxfp4_moe_kernel_format")
-    assert {g["value"] for g in cell["lanes"]["moe.kernel"]} == {"no kernel object built"}
+    assert {text(g) for g in cell["lanes"]["moe.kernel"]} == {"no kernel object built"}
     assert "planted: the TRT-LLM converter does not take this checkpoint" in rejected["ledger"]
 
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from audit.lanevalue import make
 from audit.report import expectations
 from audit.errors import ExitCode
 from audit.report.expectations import ExpectationsError
@@ -125,7 +126,7 @@ source = "test"
         indexed.update(supported=False, reason="planted: no")
         tried.append({"cls": "MarlinExperts", "backend": "MARLIN", "supported": True, "reason": None})
     for g in cell["lanes"]["moe"]:
-        g["value"] = "MARLIN / MarlinExperts"
+        g["value"] = make("MarlinExperts", backend="MARLIN")
         g["raw"]["fields"] = ["Mxfp4MoeBackend.MARLIN", "vllm.model_executor.layers.fused_moe.fused_marlin_moe:MarlinExperts",
                               "vllm.model_executor.layers.quantization.mxfp4:Mxfp4MoEMethod"]
     rows = [x for x in judge(r, expectations.load(path), KIMI_K3) if x["claim"] == "humming-on-hopper"]

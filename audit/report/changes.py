@@ -23,6 +23,7 @@ availability   an answer of vLLM's optional-package checks
 package        an installed package's version
 dispatch       a per-call choice at some batch sizes
 standin        how a stand-in fitted the release
+verdict        a claim's most severe verdict in a cell (the gate asks about these through its findings)
 =============  ===========================================================================================
 
 Each row carries the sides' facts the rules read (``a`` and ``b``: see :func:`side_of_lane` and the diff's
@@ -59,6 +60,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("tier", 6, True, "Per-call tiers (dispatch)", "per-call choice"),
     Kind("refusal-moved", 7, False, "Refusals that moved stage (refused in both builds)", "refusal that moved stage"),
     Kind("information", 8, False, "Information", "information"),
+    # a claim's verdict moving is a finding of the gate's second question (new findings), never a serving change
+    Kind("verdict", 9, False, "Verdicts", "verdict"),
 )}
 #: the kinds the gate fails on, in rank order
 GATING = tuple(k.name for k in sorted(KINDS.values(), key=lambda k: k.rank) if k.gates)
@@ -86,8 +89,9 @@ def _lane_state(side: dict) -> str:
     return side.get("state", "absent")
 
 
-def _one_side(row: dict, state: str) -> bool:
-    return state in (_lane_state(_a(row)), _lane_state(_b(row)))
+def _hidden_by(row: dict, what: str) -> bool:
+    """One side's value is missing because that side's construction stopped (by vLLM's refusal or the simulation)."""
+    return any(side.get("state") == "hidden" and side.get("by") == what for side in (_a(row), _b(row)))
 
 
 def _appears_or_goes(row: dict) -> bool:
@@ -104,6 +108,9 @@ def _refused_on_one_side(row: dict) -> bool:
 
 
 LANE_FACETS = ("lane", "candidates", "attention", "dispatch")
+#: facets whose rows say "refused in both builds" where vLLM refuses every cell of the row in both audits (the diff
+#: keeps such cells in rows of their own)
+REFUSAL_FACETS = ("construction", "post-load") + LANE_FACETS
 
 #: the classification table: the first rule that holds for a row decides its kind and reason
 RULES: tuple[Rule, ...] = (
@@ -112,7 +119,7 @@ RULES: tuple[Rule, ...] = (
     # a deployment vLLM refuses in both audits serves nothing in either
     Rule(("construction", "post-load"), "refusal-moved", "refused in both builds; the refusal moved stage",
          lambda r: r.get("refused_both", False) and _refusal_stage_moved(r)),
-    Rule(("construction", "post-load") + LANE_FACETS, "information",
+    Rule(REFUSAL_FACETS, "information",
          "refused in both builds: serves nothing in either", lambda r: r.get("refused_both", False)),
     # a lane's value
     Rule(("lane",), "information", "the same serving value; only its note differs",
@@ -121,8 +128,10 @@ RULES: tuple[Rule, ...] = (
          lambda r: _lane_state(_a(r)) == "absent" and _lane_state(_b(r)) == "inactive"),
     Rule(("lane",), "information", "a lane no longer read that took nothing",
          lambda r: _lane_state(_a(r)) == "inactive" and _lane_state(_b(r)) == "absent"),
-    Rule(("lane",), "refusal", "a lane a construction stop left unbuilt on one side: what the deployment runs where "
-                               "it is built", lambda r: _one_side(r, "hidden")),
+    Rule(("lane", "dispatch"), "refusal", "vLLM refused to build the deployment on one side: what it runs where it "
+                                          "is built", lambda r: _hidden_by(r, "refusal")),
+    Rule(("lane", "dispatch"), "stop", "the simulation could not build the deployment on one side: what it runs "
+                                       "where it is built", lambda r: _hidden_by(r, "stop")),
     Rule(("lane",), "path", "a path that takes work appears or goes", _appears_or_goes),
     Rule(("lane",), "experts", "the class of the routed experts changed", lambda r: r.get("experts_lane", False)),
     Rule(("lane",), "kernel", "what runs in the lane changed", lambda r: True),
@@ -160,6 +169,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("dispatch",), "information", "vLLM raises on these batches in both builds; only its message differs",
          lambda r: bool(_a(r).get("refused")) and bool(_b(r).get("refused"))),
     Rule(("dispatch",), "tier", "a per-call choice moved", lambda r: True),
+    Rule(("verdict",), "verdict", "a claim's verdict moved: a finding if it fails now (the gate's second question)",
+         lambda r: True),
 )
 
 

@@ -82,13 +82,18 @@ def _fact(facet: str, name: str, title: str, before: str, after: str, a: dict, b
             "cell": cell, "layers": set(layers), **extra}
 
 
+def _stopped_by(cell: dict) -> str:
+    """What stopped a cell's construction: vLLM's refusal, or the simulation (a limit, or no evidence)."""
+    return "refusal" if (cell.get("failure") or {}).get("outcome") == "refused" else "stop"
+
+
 def _lane_side(cell: dict, groups: list[dict], lane: str, read_after: set) -> tuple[dict, str, dict]:
     """(per layer group, what a missing layer reads, what a missing layer is) of one side of a lane."""
     per_layer = {layer: g for g in groups for layer in g["layers"]}
     drifted = sorted(d["target"] for d in cell.get("drift", []))
     if cell.get("status") != "COMPLETE":
         blank = NOT_READ if lane in read_after else NOT_BUILT
-        return per_layer, blank, {"state": "hidden"}
+        return per_layer, blank, {"state": "hidden", "by": _stopped_by(cell)}
     if drifted and not groups:
         return per_layer, f"— (not seen: probe target drifted: {', '.join(drifted)})", {"state": "absent"}
     return per_layer, "—", {"state": "absent"}
@@ -260,7 +265,9 @@ def _answers(a: dict, b: dict, cell):
                             {}, {}, cell)
 
 
-def _tier_side(choice: str, step_path) -> dict:
+def _tier_side(choice: str, step_path, cell: dict) -> dict:
+    if choice == NOT_BUILT:
+        return {"state": "hidden", "by": _stopped_by(cell), "choice": choice}
     return {"state": "absent" if choice.startswith("—") else "inactive" if tiers.inactive(choice) else "active",
             "choice": choice, "refused": tiers.refused(choice), "annotates": tiers.annotated(choice),
             "step_path": bool(step_path is not None and tiers.takes_step_path(choice, step_path.name))}
@@ -282,8 +289,8 @@ def dispatch_facts(p: Pair):
             group = f" · `{m['group']}`" if m["group"] else ""
             draft = " (draft)" if m["role"] != "target" else ""
             yield _fact("dispatch", m["lane"], f"{titles.get(m['lane'], m['lane'])}{group}{draft} at {m['span']}",
-                        m["before"], m["after"], _tier_side(m["before"], p.profile.step_path),
-                        _tier_side(m["after"], p.profile.step_path), cell, m["layers"], role=m["role"],
+                        m["before"], m["after"], _tier_side(m["before"], p.profile.step_path, p.a[cell]),
+                        _tier_side(m["after"], p.profile.step_path, p.b[cell]), cell, m["layers"], role=m["role"],
                         workloads=m["workloads"])
 
 
@@ -302,7 +309,7 @@ def group_rows(facts: list[dict], p: Pair) -> list[dict]:
     rows: dict[tuple, dict] = {}
     for f in facts:
         k = (f["facet"], f["name"], f["title"], f["before"], f["after"], json.dumps([f["a"], f["b"]], sort_keys=True),
-             f.get("role", "target"), f["cell"] in p.refused_both)
+             f.get("role", "target"), f["facet"] in classes.REFUSAL_FACETS and f["cell"] in p.refused_both)
         row = rows.setdefault(k, {key_: v for key_, v in f.items() if key_ not in ("cell", "layers", "workloads")}
                               | {"cells": set(), "layers": set(), "workloads": {}})
         row["cells"].add(f["cell"])
@@ -319,7 +326,7 @@ def group_rows(facts: list[dict], p: Pair) -> list[dict]:
                     "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
                     "layers": (("draft layers " if draft else "") + _ranges(row["layers"])) if row["layers"] else "",
                     "workloads": {k: sorted(v, key=dispatch.workload_order) for k, v in sorted(row["workloads"].items())},
-                    "refused_both": set(cells) <= p.refused_both})
+                    "refused_both": row["facet"] in classes.REFUSAL_FACETS and set(cells) <= p.refused_both})
     return out
 
 
@@ -370,10 +377,9 @@ def verdict_rows(p: Pair, served_cells: set) -> list[dict]:
         rows.append({"facet": "verdict", "lane": "", "field": claim, "title": claim, "before": before, "after": after,
                      "cells": [list(c) for c in cells], "where": p.where(cells), "layers": "",
                      "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
-                     "at": {lay: sorted(ws, key=dispatch.workload_order) for lay, ws in sorted(g["at"].items())},
-                     "class": "verdict", "serving": False, "rank": 9, "reason": "", "information": ""})
+                     "at": {lay: sorted(ws, key=dispatch.workload_order) for lay, ws in sorted(g["at"].items())}})
     _turns(rows, served_cells)
-    return rows
+    return classes.classify_all(rows)
 
 
 def _turns(rows: list[dict], served_cells: set) -> None:

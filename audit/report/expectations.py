@@ -145,6 +145,73 @@ def _tier_keys(raw: dict, cid: str, lane: str, err, lane_phases: dict,
     return tuple(at), tuple(sorted(expected.items()))
 
 
+def _read_claim(raw: dict, line: int, err, profile, label_map: dict, dispatch_lanes: dict, seen: dict) -> Claim:
+    """One [[claim]] table, checked against its model's vocabulary (*profile*); *err* makes an error at its line."""
+    perf_lanes, layout_names = profile.perf_lanes, list(profile.layouts)
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise err(f"unknown key {unknown[0]!r} in [[claim]]", unknown[0], hint="known: " + ", ".join(sorted(_KEYS)))
+    cid = raw.get("id")
+    if not isinstance(cid, str) or not cid:
+        raise err("claim without an id")
+    if cid in seen:
+        raise err(f"duplicate claim id {cid!r} (first at line {seen[cid]})", "id")
+    seen[cid] = line
+    lane = raw.get("lane")
+    if lane not in perf_lanes:
+        raise err(f"claim {cid!r}: unknown lane {lane!r} for {profile.title}", "lane",
+                  hint="known lanes: " + ", ".join(perf_lanes))
+    for key in ("id", "lane", "kernel_source", "backend", "source"):
+        if key in raw and not isinstance(raw[key], str):
+            raise err(f"claim {raw.get('id', '?')!r}: {key} must be a string, got {type(raw[key]).__name__}",
+                      key)
+    for key in ("layouts", "systems", "forbidden"):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise err(f"claim {raw.get('id', '?')!r}: {key} must be a list of strings, got {value!r}", key,
+                      hint=f'e.g. {key} = ["all"]' if key != "forbidden" else 'e.g. forbidden = ["cutlass"]')
+        if not value and key != "forbidden":
+            raise err(f"claim {raw.get('id', '?')!r}: {key} is empty, so the claim would judge nothing", key,
+                      hint='name at least one, or ["all"]')
+    layouts = raw.get("layouts", ["all"])
+    if layouts == ["all"]:
+        layouts = list(layout_names)
+    for name in layouts:
+        if name not in layout_names:
+            raise err(f"claim {cid!r}: unknown layout {name!r} for {profile.title}", "layouts",
+                      hint="known: " + ", ".join(layout_names))
+    systems = []
+    for name in raw.get("systems", ["all"]):
+        if name == "all":
+            systems += list(SYSTEMS)
+        elif name in SYSTEMS:
+            systems.append(name)
+        elif name in {sm_family(s) for s in SYSTEMS.values()}:
+            systems += [s.name for s in SYSTEMS.values() if sm_family(s) == name]
+        else:
+            raise err(f"claim {cid!r}: unknown system {name!r}", "systems",
+                      hint="system names, SM families (" + ", ".join(sorted({sm_family(s) for s in SYSTEMS.values()}))
+                      + ") or all")
+    ks, backend = raw.get("kernel_source", ""), raw.get("backend", "")
+    if not ks and not backend:
+        raise err(f"claim {cid!r} names neither kernel_source nor backend", hint="a claim must say what runs")
+    if ks and not _LABEL.match(ks):
+        raise err(f"claim {cid!r}: malformed kernel_source label {ks!r}", "kernel_source",
+                  hint="labels are lower_snake_case, e.g. vllm_mxfp4moe_marlin_marlinexperts")
+    for fam in [backend, *raw.get("forbidden", [])]:
+        if fam and not _LABEL.match(fam):
+            raise err(f"claim {cid!r}: malformed backend family {fam!r}", "backend")
+    if ks and not backend and ks not in label_map:
+        raise err(f"claim {cid!r}: label {ks!r} is not in the label map and no backend is given", "kernel_source")
+    at, expect_dispatch = _tier_keys(raw, cid, lane, err, profile.perf_lane_phases, dispatch_lanes)
+    return Claim(id=cid, lane=lane, harness_lane=perf_lanes[lane], layouts=tuple(layouts),
+                 systems=tuple(dict.fromkeys(systems)), kernel_source=ks,
+                 backend=backend or label_map.get(ks, ""), forbidden=tuple(raw.get("forbidden", [])),
+                 source=raw.get("source", ""), line=line, at=at, dispatch=expect_dispatch)
+
+
 def load(path: str | Path) -> Expectations:
     path = Path(path)
     sp = str(path)
@@ -161,7 +228,6 @@ def load(path: str | Path) -> Expectations:
         raise ExpectationsError(f"claims are about model {data['model']!r}, which this harness has no profile for",
                                 path=sp, line=_key_line(text, 1, "model"),
                                 hint="known models: " + ", ".join(models.PROFILES))
-    perf_lanes, layout_names = profile.perf_lanes, list(profile.layouts)
     from audit.report.dispatch import lane_titles
 
     dispatch_lanes = lane_titles(profile)
@@ -178,71 +244,10 @@ def load(path: str | Path) -> Expectations:
     for idx, raw in enumerate(data.get("claim", [])):
         line = headers[idx] if idx < len(headers) else 0
 
-        def err(msg, key=None, hint=None):
+        def err(msg, key=None, hint=None, line=line):
             return ExpectationsError(msg, path=sp, line=_key_line(text, line + 1, key) if key else line, hint=hint)
 
-        unknown = sorted(set(raw) - _KEYS)
-        if unknown:
-            raise err(f"unknown key {unknown[0]!r} in [[claim]]", unknown[0], hint="known: " + ", ".join(sorted(_KEYS)))
-        cid = raw.get("id")
-        if not isinstance(cid, str) or not cid:
-            raise err("claim without an id")
-        if cid in seen:
-            raise err(f"duplicate claim id {cid!r} (first at line {seen[cid]})", "id")
-        seen[cid] = line
-        lane = raw.get("lane")
-        if lane not in perf_lanes:
-            raise err(f"claim {cid!r}: unknown lane {lane!r} for {profile.title}", "lane",
-                      hint="known lanes: " + ", ".join(perf_lanes))
-        for key in ("id", "lane", "kernel_source", "backend", "source"):
-            if key in raw and not isinstance(raw[key], str):
-                raise err(f"claim {raw.get('id', '?')!r}: {key} must be a string, got {type(raw[key]).__name__}",
-                          key)
-        for key in ("layouts", "systems", "forbidden"):
-            value = raw.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise err(f"claim {raw.get('id', '?')!r}: {key} must be a list of strings, got {value!r}", key,
-                          hint=f'e.g. {key} = ["all"]' if key != "forbidden" else 'e.g. forbidden = ["cutlass"]')
-            if not value and key != "forbidden":
-                raise err(f"claim {raw.get('id', '?')!r}: {key} is empty, so the claim would judge nothing", key,
-                          hint='name at least one, or ["all"]')
-        layouts = raw.get("layouts", ["all"])
-        if layouts == ["all"]:
-            layouts = list(layout_names)
-        for name in layouts:
-            if name not in layout_names:
-                raise err(f"claim {cid!r}: unknown layout {name!r} for {profile.title}", "layouts",
-                          hint="known: " + ", ".join(layout_names))
-        systems = []
-        for name in raw.get("systems", ["all"]):
-            if name == "all":
-                systems += list(SYSTEMS)
-            elif name in SYSTEMS:
-                systems.append(name)
-            elif name in {sm_family(s) for s in SYSTEMS.values()}:
-                systems += [s.name for s in SYSTEMS.values() if sm_family(s) == name]
-            else:
-                raise err(f"claim {cid!r}: unknown system {name!r}", "systems",
-                          hint="system names, SM families (" + ", ".join(sorted({sm_family(s) for s in SYSTEMS.values()}))
-                          + ") or all")
-        ks, backend = raw.get("kernel_source", ""), raw.get("backend", "")
-        if not ks and not backend:
-            raise err(f"claim {cid!r} names neither kernel_source nor backend", hint="a claim must say what runs")
-        if ks and not _LABEL.match(ks):
-            raise err(f"claim {cid!r}: malformed kernel_source label {ks!r}", "kernel_source",
-                      hint="labels are lower_snake_case, e.g. vllm_mxfp4moe_marlin_marlinexperts")
-        for fam in [backend, *raw.get("forbidden", [])]:
-            if fam and not _LABEL.match(fam):
-                raise err(f"claim {cid!r}: malformed backend family {fam!r}", "backend")
-        if ks and not backend and ks not in label_map:
-            raise err(f"claim {cid!r}: label {ks!r} is not in the label map and no backend is given", "kernel_source")
-        at, expect_dispatch = _tier_keys(raw, cid, lane, err, profile.perf_lane_phases, dispatch_lanes)
-        claims.append(Claim(id=cid, lane=lane, harness_lane=perf_lanes[lane], layouts=tuple(layouts),
-                            systems=tuple(dict.fromkeys(systems)), kernel_source=ks,
-                            backend=backend or label_map.get(ks, ""), forbidden=tuple(raw.get("forbidden", [])),
-                            source=raw.get("source", ""), line=line, at=at, dispatch=expect_dispatch))
+        claims.append(_read_claim(raw, line, err, profile, label_map, dispatch_lanes, seen))
     if not claims:
         raise ExpectationsError("no [[claim]] tables", path=sp)
     return Expectations(path=path, model=data["model"], framework=data["framework"],

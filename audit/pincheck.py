@@ -28,23 +28,7 @@ from audit.pins import lock as lockmod
 from audit.profiles import Profile
 from audit.runtimes.base import Progress
 from audit.systems import SYSTEMS
-
-_HUMMING_DEVICE = "humming device info (csrc/device_info.cpp extension)"
-_NO_EXTENSION = ("humming-kernels before 0.1.16 has no device-info extension (it asks pynvml and torch directly); "
-                 "vLLM {} asks Humming nothing about the device to select it (HummingExperts._supports_current_device "
-                 "is has_humming() and the capability), and no audited cell builds Humming experts, so nothing reads "
-                 "it; a query that did would raise without the stand-in, a simulation limit the ledger shows")
-#: misfits that change nothing in a release: (stand-in, the package and version its fit names) -> why
-NOT_NEEDED: dict[tuple[str, str], str] = {
-    (_HUMMING_DEVICE, "humming-kernels 0.1.10"): _NO_EXTENSION.format("0.27"),
-    (_HUMMING_DEVICE, "humming-kernels 0.1.12"): _NO_EXTENSION.format("0.28-0.30"),
-}
-
-
-def not_needed(piece: str, fit: str) -> str:
-    """Why the misfit *fit* of *piece* changes nothing in this release, or ""."""
-    return next((why for (p, version), why in NOT_NEEDED.items()
-                 if p == piece and fit.startswith(f"does not fit {version}:")), "")
+from audit.standinfit import NOT_NEEDED, misfit, not_needed  # noqa: F401 (NOT_NEEDED: named in the docs above)
 
 #: what a plain import is asked about: vLLM's answer key -> module (probes.core.environment.ANSWER_MODULES)
 PLAIN_IMPORT = ("import importlib, json, sys\n"
@@ -159,7 +143,7 @@ def check_pin(pin_name: str, profile: Profile, *, lock_path: str | Path = "image
         for k, v in (c.get("availability_why") or {}).items():
             why.setdefault(k, v)
     for k, v in sorted(res.fit.items()):
-        if v.startswith("does not fit"):
+        if misfit(v):
             why = not_needed(k, v)
             if why:
                 res.skipped.append(f"{k}: {v}; not needed: {why}")

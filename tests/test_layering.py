@@ -187,7 +187,7 @@ def test_the_model_name_check_sees_a_named_class(tmp_path):
 #: cli -> core -> report output -> runtimes -> routing/evidence -> pins and the shared base)
 AUDIT_LAYERS = [
     ("base", ("audit", "audit.errors", "audit.fsutil", "audit.tomlpos", "audit.systems", "audit.profiles",
-              "audit.models")),
+              "audit.models", "audit.lanevalue", "audit.standinfit")),
     ("pins", ("audit.pins",)),
     ("evidence and routing", ("audit.evidence", "audit.report.routing", "audit.report.dispatch",
                               "audit.report.observed", "audit.report.corroborate", "audit.report.layers")),

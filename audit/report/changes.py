@@ -114,8 +114,12 @@ REFUSAL_FACETS = ("construction", "post-load") + LANE_FACETS
 
 #: the classification table: the first rule that holds for a row decides its kind and reason
 RULES: tuple[Rule, ...] = (
-    Rule(("standin",), "standin", "a stand-in's fit to the release changed: what the simulation ran past it may no "
-                                  "longer be vLLM's code as released", lambda r: True),
+    Rule(("standin",), "standin", "a stand-in does not fit its release on one side (and nothing declares the misfit "
+                                  "harmless there): what the simulation ran past it may not be vLLM's code as released",
+         lambda r: "misfit" in (_a(r).get("state"), _b(r).get("state"))),
+    Rule(("standin",), "information", "the stand-in's fit is stated for another release; it fits both, or its misfit "
+                                      "is declared to change nothing there (audit/standinfit.py), or one audit did not "
+                                      "reach its target", lambda r: True),
     # a deployment vLLM refuses in both audits serves nothing in either
     Rule(("construction", "post-load"), "refusal-moved", "refused in both builds; the refusal moved stage",
          lambda r: r.get("refused_both", False) and _refusal_stage_moved(r)),

@@ -12,6 +12,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from audit import standinfit
 from audit.errors import RenderError, UsageError
 from audit.lanevalue import identity, is_inactive, text
 from audit.profiles import MOE_LANE
@@ -294,6 +295,18 @@ def dispatch_facts(p: Pair):
                         workloads=m["workloads"])
 
 
+def standin_facts(p: Pair):
+    """How each stand-in fitted each release (a fact of the run, not of a cell): a row where its status differs
+    (fits, a misfit the harness declares changes nothing, a misfit, absent), or where it misfits both (the table
+    decides); a stand-in that fits both releases is no difference, whatever versions its words name."""
+    fa, fb = p.old.get("standin_fit") or {}, p.new.get("standin_fit") or {}
+    for piece in sorted(set(fa) | set(fb)):
+        sa, sb = standinfit.status(piece, fa.get(piece)), standinfit.status(piece, fb.get(piece))
+        if sa != sb or (sa == "misfit" and fa.get(piece) != fb.get(piece)):
+            yield {"facet": "standin", "name": piece, "title": f"stand-in: {piece}", "before": fa.get(piece, "—"),
+                   "after": fb.get(piece, "—"), "a": {"state": sa}, "b": {"state": sb}, "cell": None, "layers": set()}
+
+
 # --- rows: facts grouped, classed, ordered ----------------------------------------------------------------------
 def _ranges(layers) -> str:
     """Layer ranges; a model-level lane (layer -1: the model's own step or hook) reads "model"."""
@@ -312,7 +325,8 @@ def group_rows(facts: list[dict], p: Pair) -> list[dict]:
              f.get("role", "target"), f["facet"] in classes.REFUSAL_FACETS and f["cell"] in p.refused_both)
         row = rows.setdefault(k, {key_: v for key_, v in f.items() if key_ not in ("cell", "layers", "workloads")}
                               | {"cells": set(), "layers": set(), "workloads": {}})
-        row["cells"].add(f["cell"])
+        if f["cell"] is not None:  # a fact of the whole run (a stand-in's fit) names no cell
+            row["cells"].add(f["cell"])
         row["layers"].update(f["layers"])
         if f.get("workloads"):
             row["workloads"].setdefault(f["cell"][1], set()).update(f["workloads"])
@@ -322,7 +336,7 @@ def group_rows(facts: list[dict], p: Pair) -> list[dict]:
         lane_like = row["facet"] in ("lane", "candidates", "dispatch")
         draft = row.get("role", "target") != "target"
         out.append({**row, "lane": row["name"] if lane_like else "", "field": "" if lane_like else row["name"],
-                    "cells": [list(c) for c in cells], "where": p.where(cells),
+                    "cells": [list(c) for c in cells], "where": p.where(cells) if cells else "the whole audit",
                     "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
                     "layers": (("draft layers " if draft else "") + _ranges(row["layers"])) if row["layers"] else "",
                     "workloads": {k: sorted(v, key=dispatch.workload_order) for k, v in sorted(row["workloads"].items())},
@@ -411,7 +425,7 @@ def diff_routings(old: dict, new: dict, profile) -> dict:
     facet, grouped into rows and classed by the table (audit/report/changes.py); then the verdicts that moved."""
     _check_models(old, new, profile)
     p = Pair(old, new, profile)
-    facts = [*lane_facts(p), *candidate_facts(p), *cell_facts(p), *dispatch_facts(p)]
+    facts = [*standin_facts(p), *lane_facts(p), *candidate_facts(p), *cell_facts(p), *dispatch_facts(p)]
     compared = [f for f in facts if f["facet"] == "_compared"]
     rows = classes.classify_all(group_rows([f for f in facts if f["facet"] != "_compared"], p))
     rows.sort(key=lambda r: (classes.order_key(r), FACET_ORDER.index(r["facet"])))

@@ -205,7 +205,7 @@ def glance(routing: dict, changes: dict | None, profile=None) -> dict:
         rows = changes.get("changes", [])
         verdict_rows = [r for r in rows if r["facet"] == "verdict"]
         # the diff already classed every row and every verdict turn: read them, never re-derive
-        out["since"] = {"pin": changes["from"]["pin"], "serving": [r for r in rows if r.get("serving")],
+        out["since"] = {"pin": changes["from"]["pin"], "serving_rows": [r for r in rows if r.get("serving")],
                         "headline": changes.get("headline", ""),
                         "serving_cells": changes["serving_cells"],
                         "new_failures": [{**r, "before": verdict_before(changes, r)} for r in verdict_rows

@@ -87,6 +87,15 @@ def key(value: dict) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+def cut(text: str, n: int) -> str:
+    """*text* cut to at most about *n* characters at a word's end, "…" where something was left out (never mid-word)."""
+    text = str(text or "")
+    if len(text) <= n:
+        return text
+    head = text[:n].rsplit(" ", 1)[0].rstrip(" ,;:-")
+    return (head or text[:n]) + " …"
+
+
 # --- display names of evidence values -------------------------------------------------------------------------
 def short(value) -> str:
     """Display form: enum member name, class name; lists joined with ' / '."""

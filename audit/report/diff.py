@@ -14,7 +14,7 @@ from pathlib import Path
 
 from audit import standinfit
 from audit.errors import RenderError, UsageError
-from audit.lanevalue import identity, is_inactive, text
+from audit.lanevalue import cut, identity, is_inactive, text
 from audit.profiles import MOE_LANE
 from audit.report import changes as classes
 from audit.report import dispatch
@@ -190,7 +190,7 @@ def postload_state(cell: dict) -> tuple[str, str]:
         stopped = sum(g.get("count", 0) for g in limits)
         return "limit", (f"{stopped} of {post.get('steps', 0)} steps stopped at a simulation limit "
                          f"({', '.join(first.get('steps') or []) or '?'}): {first.get('raised_in')}: "
-                         f"{str(first.get('message', ''))[:160]}")
+                         f"{cut(first.get('message', ''), 160)}")
     if not post.get("ran"):
         err = post.get("error") or {}
         return "did-not-run", f"did not run: {err.get('type', '')}: {err.get('message', '')}"

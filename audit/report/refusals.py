@@ -94,6 +94,7 @@ def cell_refusals(cell: dict, profile) -> list[dict]:
                 continue
             entry = out.setdefault((raised["why"], raised["at"]), {
                 "stage": "dispatch", "why": raised["why"], "lanes": [], "at": raised["at"],
+                "workloads": list(raised.get("workloads") or []),
                 "raised": raised["why"].split(": ", 1)[1] if tiers.refused(raised["why"]) else raised["why"]})
             if lane not in entry["lanes"]:
                 entry["lanes"].append(lane)

@@ -185,14 +185,18 @@ def glance(routing: dict, changes: dict | None, profile=None) -> dict:
     reached = [c for c in cells if c.get("postload")]
     refused_load = [c for c in reached if c.get("load_refused")]
     post_limits = [c for c in reached if not c.get("load_refused") and (c["postload"].get("limit") or not c["postload"].get("ran"))]
-    stops: dict[str, list[str]] = {}
+    stops: dict[tuple, list[str]] = {}
     for c in post_limits:
-        for g in c["postload"].get("limits") or [{"raised_in": "post-load did not run"}]:
-            stops.setdefault(g.get("raised_in") or "?", []).append(f"{c['system']}/{c['layout']}")
+        post = c["postload"]
+        for g in post.get("limits") or [{"raised_in": "post-load did not run"}]:
+            k = (g.get("raised_in") or "?", ", ".join(g.get("steps") or []), g.get("count", 0), post.get("steps", 0))
+            stops.setdefault(k, []).append(f"{c['system']}/{c['layout']}")
     out = {"cells": len(routing["cells"]), "refused_construct": ids(refused_construct), "sim_construct": ids(sim_construct),
            "reached": len(reached), "refused_load": ids(refused_load), "refused_dispatch": raising,
            "postload_clean": len(reached) - len(refused_load) - len(post_limits),
-           "postload_stops": sorted((k, sorted(set(v))) for k, v in stops.items()),
+           # (where, the step(s) it stopped in, how many of how many steps, cells): "1 of 1279 steps", never "stopped"
+           "postload_stops": [{"where": k[0], "steps": k[1], "stopped": k[2], "of": k[3], "cells": sorted(set(v))}
+                              for k, v in sorted(stops.items())],
            "observed": sum(1 for c in cells if str(c.get("evidence", "")).startswith("observed")),
            "workloads": sorted({w for c in cells for w in (c.get("dispatch") or {}).get("workloads", [])},
                                key=lambda w: (w.split(" ")[0] != "decode", w.split(" ")[0],

@@ -17,7 +17,7 @@ from audit.report.layers import format_ranges
 from audit.report.observed import merge as merge_observed
 from audit.profiles import MOE_LANE, Lane, Profile
 from audit import lanevalue as values
-from audit.lanevalue import ROUTING_SCHEMA, short
+from audit.lanevalue import ROUTING_SCHEMA, cut, short
 
 #: 2: one verdict for a refusal by vLLM's own code, at construction or load (REFUSED; was CRASH / LOAD_REFUSED);
 #: 3: lane values as records (audit/report/values.py), schema 2's sentences derived from them
@@ -304,10 +304,10 @@ def _postload(f: EvidenceFile, profile: Profile) -> dict | None:
                 "function": r.get("raised_in", ""), "where": _scrub_path(r.get("raised_where", "")),
                 "type": r.get("type", ""), "message": r.get("message", ""), "steps": [], "modules": [], "layers": []})
         elif r.get("outcome") == "limit":
-            key = (r.get("raised_in"), r.get("type"), (r.get("message") or "")[:300])
+            key = (r.get("raised_in"), r.get("type"), cut(r.get("message") or "", 300))
             g = limits.setdefault(key, {
                 "raised_in": r.get("raised_in", ""), "vllm_function": r.get("vllm_function", ""),
-                "type": r.get("type", ""), "message": (r.get("message") or "")[:300], "rule": r.get("rule", ""),
+                "type": r.get("type", ""), "message": cut(r.get("message") or "", 300), "rule": r.get("rule", ""),
                 "steps": [], "modules": [], "layers": []})
         else:
             continue
@@ -661,7 +661,7 @@ def memo_rejected(files: list[EvidenceFile]) -> int:
 def fault_reason(faults: list[dict]) -> str:
     first = faults[0]
     more = f" (and {len(faults) - 1} more)" if len(faults) > 1 else ""
-    return (f"harness fault in {first['piece']}: {first['type'].split(':')[-1]}: {first['message'][:300]}{more}; "
+    return (f"harness fault in {first['piece']}: {first['type'].split(':')[-1]}: {cut(first['message'], 300)}{more}; "
             "the harness's own code raised inside vLLM's process, so what vLLM did after it is not vLLM's decision "
             "alone: no routing of this cell is shown")
 

@@ -368,7 +368,8 @@ def _refusals_block(v: View) -> str:
         cell = (c["system"], c["layout"])
         if cell in a:
             for turn, r, was in _refusal_turns(cell_refusals(a[cell], v.profile), cell_refusals(c, v.profile)):
-                groups[(turn, r["stage"], was, r.get("at", ""), r.get("raised") or r["why"])].add(cell)
+                at = batches(r["workloads"]) if r.get("workloads") else r.get("at", "")
+                groups[(turn, r["stage"], was, at, r.get("raised") or r["why"])].add(cell)
     order = ("new", "gone", "moved", "stands")
     words = {"new": "new", "gone": "gone", "moved": "moved stage", "stands": "in both builds"}
     lines = []
@@ -376,8 +377,7 @@ def _refusals_block(v: View) -> str:
     for (turn, stage, was, at, raised), cells in groups.items():
         merged[(turn, stage, was, at, _short(raised, 9))] |= cells
     for (turn, stage, was, at, raised), cells in sorted(merged.items(), key=lambda kv: (order.index(kv[0][0]), kv[0])):
-        where = f"at {stage}" + (f" ({batches([w.strip() for w in at.split(',')])})" if at else "") + \
-            (f", was at {was}" if was else "")
+        where = f"at {stage}" + (f" ({at})" if at else "") + (f", was at {was}" if was else "")
         lines.append(f"{words[turn]}: {v.where(cells)}, {where}: {raised}")
     return "**Refusals** (vLLM's own check says no; a server there fails): " + (
         "; ".join(lines) if lines else "none in either build") + "."

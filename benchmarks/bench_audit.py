@@ -1,6 +1,9 @@
 """Benchmark: the cost of a full resolve-mode audit against its floor, measured in one run.
 
-    python benchmarks/bench_audit.py [--pin v0.33.0]
+    python benchmarks/bench_audit.py [--pin v0.33.0] [--smoke]
+
+``--smoke`` measures the floor and one audit of one cell only (b200_sxm/tp8), a check that the benchmark still runs
+(``make test`` runs it); the ratios it prints are of that cell, not of a full audit.
 
 Floor: one process of the pinned environment that loads the stub driver, installs the simulated
 platform, imports vLLM and builds one Kimi-K3 VllmConfig from `vllm serve` arguments (b200_sxm,
@@ -158,11 +161,28 @@ def projected_wall(setup: dict, cells: dict, slots: int, serial: float = 0.0) ->
     return serial + max(loads)
 
 
+def smoke(args, floor: float, tmp: Path) -> int:
+    """One cell, audited with an empty evidence cache, against the floor: the benchmark's code path in little."""
+    os.environ["SERVING_TRUTH_EVIDENCE_CACHE"] = str(tmp / "evidence-cache-smoke")
+    t0 = time.perf_counter()
+    outcome = run_audit(args.pin, AuditOptions(KIMI_K3, lock_path=args.lock, reports_dir=tmp / "smoke",
+                                               systems=["b200_sxm"], layouts=["tp8"], parallel=1))
+    seconds = time.perf_counter() - t0
+    stages = stage_seconds(outcome.run_dir / "evidence")
+    print(f"pin                         {args.pin}  (smoke: one cell, b200_sxm/tp8)")
+    print(f"floor: import vLLM + 1 VllmConfig      {floor:7.1f} s  (one process)")
+    print(f"one-cell audit                          {seconds:7.1f} s  ({outcome.incomplete} incomplete)")
+    print(f"one-cell audit / floor                 {seconds / floor:7.2f} x")
+    print("stages                                 " + ", ".join(f"{k} {v:.0f} s" for k, v in sorted(stages.items())))
+    return 0 if outcome.cells == 1 and not outcome.incomplete else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pin", default="v0.33.0")
     ap.add_argument("--lock", default="images.lock")
     ap.add_argument("--parallel", type=int, default=None, help="default: the audit's own default (cores, memory)")
+    ap.add_argument("--smoke", action="store_true", help="the floor and one one-cell audit only (a run check)")
     args = ap.parse_args()
     from audit.core import default_parallel
 
@@ -178,6 +198,8 @@ def main() -> int:
         t0 = time.perf_counter()
         rt.run(req, lambda *a, **k: None)
         floor = time.perf_counter() - t0
+        if args.smoke:
+            return smoke(args, floor, Path(tmp))
 
         default = select("layout", None, LAYOUTS)  # what `make audit` covers: the deployment options are opt-in
         cells = len(cells_of(list(SYSTEMS.values()), default))
@@ -190,7 +212,8 @@ def main() -> int:
             watch = PeakRSS()
             watch.start()
             t0 = time.perf_counter()
-            outcome = run_audit(args.pin, AuditOptions(lock_path=args.lock, reports_dir=Path(tmp) / name, parallel=parallel))
+            outcome = run_audit(args.pin, AuditOptions(KIMI_K3, lock_path=args.lock, reports_dir=Path(tmp) / name,
+                                                        parallel=parallel))
             seconds = time.perf_counter() - t0
             watch.stop()
             return outcome, seconds, watch
@@ -205,7 +228,7 @@ def main() -> int:
         stages = stage_seconds(outcome.run_dir / "evidence")
         setup, costs, serial = cell_costs(outcome.run_dir / "evidence")
         t0 = time.perf_counter()  # the same inputs again: every cell's evidence comes from the cache
-        again = run_audit(args.pin, AuditOptions(lock_path=args.lock, reports_dir=Path(tmp) / "full-again",
+        again = run_audit(args.pin, AuditOptions(KIMI_K3, lock_path=args.lock, reports_dir=Path(tmp) / "full-again",
                                                  parallel=parallel))
         cached = time.perf_counter() - t0
         hits = len(json.loads((again.routing_path).read_text())["run"].get("cache", {}).get("hits", []))
@@ -214,8 +237,8 @@ def main() -> int:
         # the deployment options alone (LAYOUTS=<them>; `LAYOUTS=all` adds them to the full audit), cache cold
         os.environ["SERVING_TRUTH_EVIDENCE_CACHE"] = str(Path(tmp) / "evidence-cache-options")
         t0 = time.perf_counter()
-        run_audit(args.pin, AuditOptions(lock_path=args.lock, reports_dir=Path(tmp) / "options", parallel=parallel,
-                                         layouts=[l.name for l in options]))
+        run_audit(args.pin, AuditOptions(KIMI_K3, lock_path=args.lock, reports_dir=Path(tmp) / "options",
+                                         parallel=parallel, layouts=[l.name for l in options]))
         options_s = time.perf_counter() - t0
         option_cells = len(cells_of(list(SYSTEMS.values()), options))
     cores = os.cpu_count()

@@ -42,6 +42,30 @@ def test_a_raise_in_our_code_is_a_fault_even_when_the_caller_swallows_it():
     assert fence.REGISTRY["test: broken stand-in"] == "stand-in" and fence.CALLS["test: broken stand-in"] == 1
 
 
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])
+def test_a_system_exit_or_keyboard_interrupt_our_code_raises_is_a_fault_too(exc):
+    """Not only Exception: a stand-in that calls sys.exit or raises KeyboardInterrupt is the harness's fault (the agent
+    is ended by SIGKILL, never by such an exception); it is recorded and still propagates."""
+    @fence.guard("test: exits")
+    def exits():
+        raise exc
+
+    with pytest.raises(type(exc)):
+        exits()
+    assert [(f["piece"], f["type"].split(":")[1]) for f in fence.FAULTS] == [("test: exits", type(exc).__name__)]
+
+    def vllm_exits():
+        raise type(exc)()
+
+    @fence.guard("test: foreign exit")
+    def through():
+        return fence.foreign(vllm_exits)
+
+    with pytest.raises(type(exc)):
+        through()
+    assert len(fence.FAULTS) == 1  # what foreign code raises is theirs, whatever its type
+
+
 def test_foreign_raises_limits_and_protocol_exceptions_pass_unrecorded():
     class Refused(Exception):
         pass

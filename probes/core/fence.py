@@ -95,7 +95,7 @@ def check_origin(piece: str, exc: BaseException) -> bool:
     """At a boundary where the harness turns an exception into evidence (a stage that stopped, a post-load step's
     outcome, a per-call tier "not resolved"): an exception the harness's own code raised (not a limit, not a
     deliberate protocol raise) is recorded as a fault of *piece*. True when it was one."""
-    if not isinstance(exc, Exception) or passes(exc) or not raised_by_us(exc):
+    if isinstance(exc, GeneratorExit) or passes(exc) or not raised_by_us(exc):
         return bool(getattr(exc, _RECORDED, False))
     fault(piece, exc)
     return True
@@ -157,8 +157,9 @@ def _enter(piece: str) -> None:
 
 
 def guard(piece: str, what: str = "stand-in", *, swallow: bool = False):
-    """Decorator: run the function as fenced piece *piece*. A fault is recorded, then re-raised (the caller gets
-    no made-up value) or, with ``swallow``, dropped (a post-import hook: the import it rides on goes on as if the
+    """Decorator: run the function as fenced piece *piece*. A fault (any exception but a deliberate one, a
+    ``SystemExit`` or ``KeyboardInterrupt`` included) is recorded, then re-raised (the caller gets no made-up
+    value) or, with ``swallow``, dropped (a post-import hook: the import it rides on goes on as if the
     hook were absent; the cell is INCOMPLETE anyway)."""
     register(piece, what)
 
@@ -169,7 +170,9 @@ def guard(piece: str, what: str = "stand-in", *, swallow: bool = False):
                 _enter(piece)
                 return fn(*args, **kwargs)
             except BaseException as exc:
-                if passes(exc) or not isinstance(exc, Exception):
+                # a SystemExit or KeyboardInterrupt our code raises is a fault like any other (the agent is ended
+                # by SIGKILL, never by a signal turned into an exception, so none of these is the user's)
+                if passes(exc) or isinstance(exc, GeneratorExit):
                     raise
                 fault(piece, exc)
                 if swallow:

@@ -59,10 +59,14 @@ def is_inactive(value: dict) -> bool:
 
 
 def identity(value: dict | None) -> tuple:
-    """What of a value decides serving: two values with the same identity serve the same way."""
+    """What of a value decides serving, (its kernel and detail in words, whether it is inactive): two values with the
+    same identity serve the same way (a schema 2 value upgraded to a record, whose parts were never split, compares
+    equal to today's record of the same answer)."""
     if not value:
         return ()
-    return (value.get("kernel", ""), value.get("detail", ""), is_inactive(value))
+    if is_inactive(value):  # what would run there is no part of it: nothing runs
+        return (value.get("detail", ""), True)
+    return (" ".join(p for p in (value.get("kernel", ""), value.get("detail", "")) if p), False)
 
 
 def sentence(value: dict | None) -> str:

@@ -199,6 +199,10 @@ class Profile:
     #: a module's post-load facts (``facts``, ``what``) into the lane's value, or None where it does not apply; the
     #: shared ones are ``audit.report.routing.POSTLOAD_READINGS``
     postload_readings: dict = field(default_factory=dict)
+    #: for each of its own readings, how a schema 2 routing.json worded its value (a sentence) -> the record today's
+    #: reading gives for the same facts (``audit/report/values.py`` upgrades old reports with it); the shared readings'
+    #: are ``audit.report.routing.POSTLOAD_LEGACY``
+    postload_legacy: dict = field(default_factory=dict)
     #: ``make selftest-gpu``: the observe-mode slice it serves on one GPU and the lanes whose kernel-entry probes
     #: must fire there (empty: the model has no selftest)
     selftest_slice: str = ""

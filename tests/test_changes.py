@@ -13,8 +13,8 @@ def row(facet, a=None, b=None, **context):
     return {"facet": facet, "a": a or {}, "b": b or {}, "cells": [["b200_sxm", "tp8"]], **context}
 
 
-ACTIVE = {"state": "active", "identity": ["MarlinExperts", "", False], "kernel": "MarlinExperts"}
-OTHER = {"state": "active", "identity": ["HummingIndexedExperts", "", False], "kernel": "HummingIndexedExperts"}
+ACTIVE = {"state": "active", "identity": ["MarlinExperts", False], "kernel": "MarlinExperts"}
+OTHER = {"state": "active", "identity": ["HummingIndexedExperts", False], "kernel": "HummingIndexedExperts"}
 #: (row, kind it must get, a word of the reason): one per rule, in the table's order
 CASES = [
     (row("standin", {"state": "fits"}, {"state": "misfit"}), "standin", "does not fit"),
@@ -24,9 +24,11 @@ CASES = [
     (row("lane", ACTIVE, {"state": "hidden", "by": "refusal"}, refused_both=True), "information",
      "refused in both builds"),
     (row("lane", ACTIVE, {**ACTIVE, "family": "marlin"}), "information", "only its note differs"),
-    (row("lane", {"state": "absent"}, {"state": "inactive", "identity": ["", "not requested", True]}), "information",
+    (row("lane", {"state": "inactive", "identity": ["not requested", True]},
+         {"state": "inactive", "identity": ["not built", True]}), "information", "takes nothing on either side"),
+    (row("lane", {"state": "absent"}, {"state": "inactive", "identity": ["not requested", True]}), "information",
      "newly read"),
-    (row("lane", {"state": "inactive", "identity": ["", "not requested", True]}, {"state": "absent"}), "information",
+    (row("lane", {"state": "inactive", "identity": ["not requested", True]}, {"state": "absent"}), "information",
      "no longer read"),
     (row("lane", {"state": "hidden", "by": "refusal"}, ACTIVE), "refusal", "vLLM refused to build"),
     (row("dispatch", {"state": "hidden", "by": "stop", "choice": "—"}, {"state": "active", "choice": "T1"}), "stop",

@@ -69,7 +69,7 @@ def test_levels_follow_how_far_post_load_went():
     assert act[1][0] == "SITU (TrtLlmMxfp4ExpertsMonolithic; vLLM asked the kernel: supported)"
     assert act[2][0] == "SITU (TrtLlmMxfp4ExpertsMonolithic; vLLM did not ask the kernel about it)"
     # the activation is the value; which experts and how the check was recorded is a note
-    assert identity(cell["lanes"]["moe.activation"][0]["value"]) == ("SITU", "", False)
+    assert identity(cell["lanes"]["moe.activation"][0]["value"]) == ("SITU", False)
     assert by_layer("moe.kernel")[2] == ("TrtLlmMxfp4ExpertsMonolithic with NoEP", "post-load")
     assert by_layer("moe.deferred_finalize")[2] == ("deferred up to 128 tokens", "post-load")
     assert cell["lanes"]["decode.specialized"][0]["ranges"] == "model"

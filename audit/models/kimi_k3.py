@@ -7,6 +7,8 @@ both ways). Shared code reads these through the registry (:mod:`audit.models`) a
 """
 from __future__ import annotations
 
+import re
+
 from audit.profiles import BackendLabels, BatchRoute, DispatchLanes, JudgedLane, Lane, ModelState, Profile, Slice, Source, StepPath
 from audit import lanevalue as values
 from audit.systems import Layout
@@ -98,6 +100,21 @@ def reading_tail_fusion(facts: dict, what: str, **_) -> dict | None:
     return values.make("fused tail", detail="enabled at construction", note=f"fused path unknown ({fused})")
 
 
+def legacy_tail_fusion(said: str, ident: str) -> dict | None:
+    """How a schema 2 routing.json worded the tail fusion, read back as :func:`reading_tail_fusion`'s record."""
+    if said.startswith("not built: "):
+        return values.inactive("not built", note=said[len("not built: "):])
+    if said.startswith("off ("):
+        return values.make("unfused tail", note=said[len("off ("):].rstrip(")"))
+    m = re.fullmatch(r"on \(fused path holds(?:; fused tail up to (\d+) tokens)?\)", said)
+    if m:
+        return values.make("fused tail", detail=f"up to {m.group(1)} tokens" if m.group(1) else "",
+                           note="fused path holds")
+    if said.startswith("enabled at construction; "):
+        return values.make("fused tail", detail="enabled at construction", note=said[len("enabled at construction; "):])
+    return None
+
+
 KIMI_K3 = Profile(
     name="kimi-k3",
     title="Kimi-K3",
@@ -111,6 +128,7 @@ KIMI_K3 = Profile(
     ),
     probes="kimi_k3",
     postload_readings={"tail_fusion": reading_tail_fusion},
+    postload_legacy={"tail_fusion": legacy_tail_fusion},
     # KimiK3ModelState builds the specialized decode once the weights are loaded (where the layout asks for it)
     model_state=ModelState("specialized_decode", requested_field="specialized_decode_requested",
                            built_field="specialized_decode", config_field="specialized_decode_config"),

@@ -128,6 +128,8 @@ RULES: tuple[Rule, ...] = (
     # a lane's value
     Rule(("lane",), "information", "the same serving value; only its note differs",
          lambda r: _a(r).get("identity") is not None and _a(r).get("identity") == _b(r).get("identity")),
+    Rule(("lane",), "information", "the lane takes nothing on either side; only the words for it differ",
+         lambda r: _lane_state(_a(r)) == _lane_state(_b(r)) == "inactive"),
     Rule(("lane",), "information", "a lane newly read that takes nothing",
          lambda r: _lane_state(_a(r)) == "absent" and _lane_state(_b(r)) == "inactive"),
     Rule(("lane",), "information", "a lane no longer read that took nothing",
@@ -226,6 +228,10 @@ def headline(t: dict) -> str:
 
 
 def order_key(row: dict) -> tuple:
-    """Rows most important first: by rank, a perf-db lane before others, the most cells first."""
+    """Rows most important first: by rank, a perf-db lane before others, the most cells first; rows of one lane at
+    other batch sizes in batch order."""
+    from audit.report.dispatch import workload_order
+
+    first = min((workload_order(w) for ws in (row.get("workloads") or {}).values() for w in ws), default=())
     return (row.get("rank", 9), not row.get("judged", False), -len(row.get("cells", ())),
-            row.get("lane") or row.get("field") or "", str(row.get("before")), str(row.get("after")))
+            row.get("lane") or row.get("field") or "", first, str(row.get("before")), str(row.get("after")))

@@ -411,8 +411,10 @@ def _reading_kernel(facts: dict, what: str, **_) -> dict | None:
             state = "weights transformed" if facts["transformed"] else "weights not transformed"
         if "has_moe_config" not in facts:  # evidence from before the harness read how they dispatch
             return values.make(experts, detail=state)
-        who, rest = _dispatch_combine(facts)
-        return values.make(experts, detail=f"{state}; {who}", note=rest)
+        # who dispatches decides serving (a prepare/finalize class, or the experts kernel); how, in words, is a note
+        who = short(facts["prepare_finalize"]) if facts.get("prepare_finalize") else f"in {facts.get('kernel') or 'kernel'}"
+        words, rest = _dispatch_combine(facts)
+        return values.make(experts, detail=f"{state}; dispatch/combine {who}", note="; ".join(p for p in (words, rest) if p))
     if facts.get("moe_kernel") is None:
         return values.make("", detail="no kernel object built")
     fused = short(facts.get("fused_experts") or facts.get("moe_kernel"))
@@ -477,6 +479,58 @@ def _reading_deferred(facts: dict, what: str, **_) -> dict | None:
 #: post-load facts into a lane value record (audit/report/values.py), or None where it does not apply.
 POSTLOAD_READINGS = {"moe_kernel": _reading_kernel, "activation": _reading_activation,
                      "deferred_finalize": _reading_deferred}
+
+
+# --- schema 2 (values as sentences): how the shared readings worded a value then, read back as today's record ------
+def _legacy_kernel(said: str, ident: str) -> dict | None:
+    if said == "no kernel object built":
+        return values.make("", detail=said)
+    if ident != said:  # MegaMoE experts: schema 2 kept "<class> <state>; dispatch/combine <who>" as the identity
+        kernel, _, detail = ident.partition(" ")
+        return values.make(kernel, detail=detail, note=said[len(kernel):].strip())
+    kernel, _, detail = said.partition(" ")
+    return values.make(kernel, detail=detail)
+
+
+def _legacy_activation(said: str, ident: str) -> dict | None:
+    m = re.fullmatch(r"(\S+) \((.*)\)", said)
+    if not m:
+        return None
+    act, inner = m.groups()
+    detail = ("NOT supported by the kernel" if "NOT supported" in inner else
+              "NOT declared by the experts" if "NOT in the experts' declared" in inner else
+              "NOT declared by the kernel" if "the kernel does not declare it" in inner else "")
+    return values.make(act, detail=detail, note=inner)
+
+
+def _legacy_deferred(said: str, ident: str) -> dict | None:
+    if said == "not requested":
+        return values.inactive(said)
+    if said.startswith("none: no MoE runner is built"):
+        return values.inactive("none: no MoE runner is built", note=said[len("none: no MoE runner is built"):].strip(" ()"))
+    m = re.fullmatch(r"deferred \((up to \d+ tokens|no token cap)\)(?:; (.*))?", said)
+    if m:
+        return values.make("deferred", detail=m.group(1), note=m.group(2) or "")
+    if said.startswith("requested, not in effect"):
+        return values.make("not deferred", note=said)
+    return None
+
+
+def _legacy_model_state(said: str, ident: str) -> dict | None:
+    if said == "not requested":
+        return values.inactive(said)
+    if said.startswith("built: "):
+        return values.make(said[len("built: "):], note="built")
+    if said.startswith("refused at load: "):
+        return values.make("", detail="refused at load", note=said[len("refused at load: "):])
+    m = re.fullmatch(r"requested; not built in simulation \((.*)\)", said)
+    return values.make("", detail="requested; not built in simulation", note=m.group(1)) if m else None
+
+
+#: the shared readings' schema 2 wording, read back as records (a model's own are its profile's ``postload_legacy``;
+#: "model-state" is the model state's, whatever its key)
+POSTLOAD_LEGACY = {"moe_kernel": _legacy_kernel, "activation": _legacy_activation,
+                   "deferred_finalize": _legacy_deferred, "model-state": _legacy_model_state}
 
 
 def _model_state_value(post: dict, state) -> dict[int, dict]:

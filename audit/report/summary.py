@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from audit.lanevalue import is_inactive
 from audit.report import changes as classes
 from audit.report.dispatch import workload_order
 from audit.report.perflabels import build_labels
@@ -122,9 +123,11 @@ def _head(v: View) -> str:
                 "observed": "observed (kernel entries hit on a real GPU)"}
     pins = "" if (d["from"]["pin"], d["to"]["pin"]) == (f"v{d['from']['vllm_version']}", f"v{d['to']['vllm_version']}") \
         else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
+    systems = len({c["system"] for c in v.new["cells"]})
+    layouts = len({c["layout"] for c in v.new["cells"]})
     head = (f"**{v.profile.title}, vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}**{pins}: "
-            f"{d['cells_compared']} cells (system × layout) compared; evidence "
-            f"{', '.join(evidence.get(x, x) for x in levels) or 'none'}. ")
+            f"{d['cells_compared']} cells compared (a cell: one system and one layout; {systems} systems × {layouts} "
+            f"layouts, each layout where it applies); evidence {', '.join(evidence.get(x, x) for x in levels) or 'none'}. ")
     if not d["cells_compared"]:
         return head + "**Nothing was judged**: the two audits share no cell."
     head += ("**The pin-bump gate fails** (exit 6): " if v.serving else "**No serving change**: ") + d["headline"] + \
@@ -144,9 +147,12 @@ def _systems(v: View) -> str:
     parts = []
     if changed:
         parts.append("Changed on " + "; ".join(changed))
+    moved = {c[0] for r in v.rows if r.get("class") == "refusal-moved" for c in r["cells"]}
     if same:
+        note = "; a refusal moved stage there, see Refusals" if moved & {n for ns in by_sm.values() for n in ns
+                                                                        if n not in touched} else ""
         parts.append(("unchanged" if changed else "Unchanged") + " on " + "; ".join(same) +
-                     " (no serving change in any layout)")
+                     f" (no serving change in any layout{note})")
     return ", ".join(parts) + "."
 
 
@@ -168,33 +174,43 @@ def _spans(rows: list[dict]) -> str:
                           key=workload_order))
 
 
+def _tag(rows: list[dict]) -> str:
+    """How many rows of the diff a line stands for, and of which kinds ("[2 rows: 1 experts class, 1 kernel]"), so
+    the lines add up to the headline's counts."""
+    kinds: dict[str, int] = {}
+    for r in rows:
+        kinds[r["class"]] = kinds.get(r["class"], 0) + 1
+    words = ", ".join(f"{n} {classes.KINDS[k].word}" for k, n in kinds.items())
+    return f" [1 row: {words[2:]}]" if len(rows) == 1 else f" [{len(rows)} rows: {words}]"
+
+
 def _identity(side: dict, other: dict, words: str) -> str:
     """A lane side by what decides serving: its kernel where the kernels differ, else kernel and detail (no note);
     its words where it has no kernel."""
-    ident, theirs = side.get("identity") or [], other.get("identity") or []
-    if not ident or not ident[0]:
+    ident, kernel, theirs = side.get("identity") or [], side.get("kernel"), other.get("kernel")
+    if not kernel or not ident:
         return _short(words)
-    if theirs and theirs[0] and theirs[0] != ident[0]:
-        return ident[0]
-    return " ".join(p for p in ident[:2] if p)
+    return kernel if theirs and theirs != kernel else ident[0]
 
 
 def _change_line(v: View, rows: list[dict]) -> str:
     """One line for change rows of one kind and lane/field in the same cells (rows at other batch sizes of a lane
-    are named by their batches; the values shown are the first row's, cut to their head)."""
+    are named by their batches; the values shown are the first row's, cut to their head), tagged with the rows it
+    stands for."""
     r = rows[0]
     word = classes.KINDS[r["class"]].word
     name = v.title(r["lane"]) if r["lane"] else r["field"]
     if r["facet"] == "dispatch":
         name = r["title"].rsplit(" at ", 1)[0].split(" (")[0].split(" · ")[0]
-    head = f"- *{word}*: {name}, {r['where']}"
-    if r["facet"] == "dispatch":
         where = v.where({tuple(c) for x in rows for c in x["cells"]})
-        count = f"{len(rows)} rows, " if len(rows) > 1 else ""
         example = f": e.g. {_short(r['before'], 6)} → {_short(r['after'], 8)}" if not v.tight else ""
-        return f"- *{word}*: {name}, {where} ({count}at {_spans(rows)}){example}"
+        return f"- *{word}*: {name}, {where}, at {_spans(rows)}{example}{_tag(rows)}"
+    head = f"- *{word}*: {name}, {r['where']}"
     if r["facet"] == "post-load":
-        return head + f": {r['before'].split(' (')[0]} → {r['after'].split(' (')[0]} (the caveats say where)"
+        return head + f": {r['before'].split(' (')[0]} → {r['after'].split(' (')[0]} (the caveats say where)" + _tag(rows)
+    if r["facet"] == "candidates":
+        return head + f" (candidates): vLLM's oracle chooses {r['b'].get('chosen') or 'none'} (was " \
+                      f"{r['a'].get('chosen') or 'none'})" + _tag(rows)
     before, after = r["before"], r["after"]
     if r["facet"] == "lane":
         before, after = _identity(r.get("a", {}), r.get("b", {}), before), _identity(r.get("b", {}), r.get("a", {}), after)
@@ -203,13 +219,8 @@ def _change_line(v: View, rows: list[dict]) -> str:
     if r["facet"] == "lane" and fa != fb and (fa or fb):
         fam = f" ({fa or '—'} → {fb or '—'})"
     also = [x for x in rows[1:] if x.get("_also")]
-    more = f" and {len(rows) - 1 - len(also)} more row(s) like it" if len(rows) - 1 > len(also) else ""
-    if also:
-        more += "; the same move in " + ", ".join(dict.fromkeys(v.title(x["lane"]) for x in also))
-    if r["facet"] == "candidates":
-        return head + f" (candidates): vLLM's oracle chooses {r['b'].get('chosen') or 'none'} (was " \
-                      f"{r['a'].get('chosen') or 'none'})"
-    return head + f": {_short(before)} → {_short(after)}{fam}{more}"
+    more = f"; the same move in {', '.join(dict.fromkeys(v.title(x['lane']) for x in also))}" if also else ""
+    return head + f": {_short(before)} → {_short(after)}{fam}{more}" + _tag(rows)
 
 
 def _kernels(r: dict) -> tuple:
@@ -250,17 +261,24 @@ def _step_path_rows(v: View) -> list[dict]:
 
 def _step_path_line(v: View, rows: list[dict]) -> str:
     """Where the model's own step path now takes (or no longer takes) steps: which lanes it serves there (its
-    profile's parts), in one line for its rows."""
+    profile's parts that take work in those cells), which batches of that phase stay with the lanes, in one line
+    for its rows."""
     path = v.profile.step_path
     serving = [r for r in rows if r["lane"] != path.lane]
     taken = [r for r in serving if r.get("b", {}).get("step_path")]
-    turn = "now takes" if taken else "no longer takes"
-    lanes = ", ".join(dict.fromkeys(v.title(lane) for lane in path.parts if lane in v.titles))
-    where = v.where({tuple(c) for r in rows for c in r["cells"]})
-    own = len(rows) - len(serving)
-    return (f"- *{classes.KINDS[rows[0]['class']].word}*: {path.owner} {turn} the steps at {_spans(serving)} in "
-            f"{where} ({len(serving)} serving-path rows" + (f", {own} rows of its own lane" if own else "") +
-            f"): there {lanes} run its own kernels, not the lanes'")
+    side = v.new if taken else v.old
+    cells = {tuple(c) for r in rows for c in r["cells"]}
+    built = {(c["system"], c["layout"]): c for c in side["cells"]}
+    lanes = ", ".join(dict.fromkeys(v.title(lane) for lane in path.parts if lane in v.titles and any(
+        not is_inactive(g.get("value")) for cell in cells for g in (built.get(cell) or {}).get("lanes", {}).get(lane, []))))
+    works = {w for r in serving for ws in (r.get("workloads") or {}).values() for w in ws}
+    phases = {w.split(" ")[0] for w in works}
+    stock = sorted({w for cell in cells for w in ((built.get(cell) or {}).get("dispatch") or {}).get("workloads", [])
+                    if w.split(" ")[0] in phases and w not in works}, key=workload_order)
+    rest = f"; {batches(stock)} stay{'s' if len(stock) == 1 else ''} with the lanes' kernels" if stock else ""
+    return (f"- *{classes.KINDS[serving[0]['class']].word}*: {path.owner} {'now takes' if taken else 'no longer takes'} "
+            f"the steps at {_spans(serving)} in {v.where(cells)}: there {lanes} run its own kernels, not the lanes'"
+            f"{rest} (its planner, vLLM's own code, decides; what it builds after load is in the caveats){_tag(rows)}")
 
 
 def _changes_block(v: View, tight: bool) -> list[str]:
@@ -376,9 +394,12 @@ def _refusals_block(v: View) -> str:
     merged: dict[tuple, set] = defaultdict(set)
     for (turn, stage, was, at, raised), cells in groups.items():
         merged[(turn, stage, was, at, _short(raised, 9))] |= cells
+    moved_rows = [r for r in v.rows if r.get("class") == "refusal-moved"]
     for (turn, stage, was, at, raised), cells in sorted(merged.items(), key=lambda kv: (order.index(kv[0][0]), kv[0])):
         where = f"at {stage}" + (f" ({at})" if at else "") + (f", was at {was}" if was else "")
-        lines.append(f"{words[turn]}: {v.where(cells)}, {where}: {raised}")
+        rows = [r for r in moved_rows if {tuple(c) for c in r["cells"]} <= cells] if turn == "moved" else []
+        tag = f" [{len(rows)} rows: {', '.join(r['field'] for r in rows)}]" if rows else ""
+        lines.append(f"{words[turn]}: {v.where(cells)}, {where}: {raised}{tag}")
     return "**Refusals** (vLLM's own check says no; a server there fails): " + (
         "; ".join(lines) if lines else "none in either build") + "."
 
@@ -400,11 +421,18 @@ def _claims_block(v: View) -> str:
     from audit.report.verdicts import verdict_before
 
     verdicts = [c for c in v.rows if c["facet"] == "verdict"]
-    turned = [f"`{c['field']}` {c['turn']}: {verdict_before(v.d, c)} → {c['after']} ({c['where']}{_at_text(c)})"
+    claimed = {c["id"]: c.get("layouts", []) for c in (v.new.get("verdicts") or {}).get("claims", [])}
+
+    def scope(c: dict) -> str:
+        """The layouts a claim is about, where it is not about every layout of the model."""
+        lays = claimed.get(c["field"]) or []
+        return "" if not lays or set(lays) >= set(v.order) else f"; it claims {', '.join(lays)} only"
+
+    turned = [f"`{c['field']}` {c['turn']}: {verdict_before(v.d, c)} → {c['after']} ({c['where']}{_at_text(c)}{scope(c)})"
               + (", true now only because serving changed under it" if c.get("because", "").startswith("claim now")
                  else "") for c in verdicts if c.get("turn")]
     other = [f"`{c['field']}` still failing, now against {c['after'].split(' ', 1)[1].strip('()')} (was "
-             f"{c['before'].split(' ', 1)[1].strip('()')}) ({c['where']}{_at_text(c)})"
+             f"{c['before'].split(' ', 1)[1].strip('()')}) ({c['where']}{_at_text(c)}{scope(c)})"
              for c in verdicts if not c.get("turn") and c["before"] != "—" and c["after"] != "—"
              and c["before"].split(" ")[0] == c["after"].split(" ")[0] and " " in c["before"] and " " in c["after"]
              and c["before"].split(" ")[0] not in ("MATCH", "NOT_EXERCISED", "UNVERIFIED")]
@@ -463,6 +491,12 @@ def pr_summary(d: dict, old: dict, new: dict, profile) -> str:
         if _words(blocks + body) <= WORDS:
             break
     blocks += body
+    examples = ", ".join(v.title(lane) for lane in list(new.get("lane_order") or v.titles)[:3])
+    blocks.append("*Terms:* a **cell** is one system and one layout (a `vllm serve` configuration); a **lane** is one "
+                  f"kind of work in a layer ({examples}, ...); a **row** is one "
+                  "distinct change of the diff, with the cells it touched; **information** rows change no kernel; a "
+                  "**per-call choice** is vLLM's dispatch at one batch size; **resolved** evidence is vLLM's own "
+                  "selection code run on a simulated GPU, not a kernel observed running.")
     claims = any(c.get("turn") for c in d["changes"] if c["facet"] == "verdict")
     blocks.append("**To merge:** only if every change is intended: re-measure the perf-db rows above, fix the claims "
                   "or `make accept` them." if v.serving or claims else "**To merge:** nothing to re-measure.")

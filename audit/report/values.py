@@ -38,7 +38,24 @@ def finish(routing: dict, profile, label_map: dict[str, str] | None = None) -> d
 
 # --- schema 2 (lane values as sentences) -> schema 3 ------------------------------------------------------------
 #: the words schema 2 wrote where a lane took nothing (read only to upgrade such reports)
-_V2_INACTIVE = ("not requested", "not taken", "not exercised", "stock path (")
+_V2_INACTIVE = ("not requested", "not taken", "not exercised", "stock path (", "none: no MoE runner", "not built:")
+
+
+def _legacy_postload(profile, source: str, said: str, ident: str) -> dict:
+    """A post-load reading's schema 2 sentence as the record today's reading gives for the same facts (each reading's
+    own words, ``POSTLOAD_LEGACY`` and the profile's ``postload_legacy``); a sentence none of them reads keeps what
+    schema 2 said decides serving as its kernel, the rest as a note."""
+    from audit.report.routing import POSTLOAD_LEGACY
+
+    reading = source.split(".", 1)[1] if source.startswith("postload.") else ""
+    if profile.model_state is not None and reading == profile.model_state.key:
+        reading = "model-state"
+    parse = {**POSTLOAD_LEGACY, **profile.postload_legacy}.get(reading)
+    record = parse(said, ident) if parse is not None else None
+    if record is not None:
+        return record
+    rest = said[len(ident):].strip() if said.startswith(ident) else ""
+    return make(ident, note=rest.strip("() ;"))
 
 
 def upgrade(routing: dict, profile) -> dict:
@@ -65,8 +82,7 @@ def upgrade(routing: dict, profile) -> dict:
                     src = sources[raw["source"]]
                     record = from_fields(list(fields[:len(src.fields)]), label=src.label, kernels=kernels_of.get(lane))
                 else:
-                    rest = said[len(ident):].strip() if said.startswith(ident) else ""
-                    record = make(ident, note=rest.strip("() ;"))
+                    record = _legacy_postload(profile, str(raw.get("source", "")), said, ident)
                 g["value"] = record
     routing["schema"] = ROUTING_SCHEMA
     return finish(routing, profile, (routing.get("verdicts") or {}).get("label_map"))

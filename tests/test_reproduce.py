@@ -74,7 +74,7 @@ def test_the_third_model_is_committed_for_every_pin():
     assert {f"{DEEPSEEK_V3.name}-{p.name}" for p in LOCK.pins.values() if p.wheel} <= ids
     # a pin bump that moved nothing says so, never an empty table (0.33.0 changes no DeepSeek-V3 lane)
     text = (REPORTS / DEEPSEEK_V3.name / "v0.33.0" / "ledger.md").read_text(encoding="utf-8")
-    assert "0 serving change(s)" in text and "Below: nothing." in text
+    assert "0 serving change row(s)" in text and "Below: nothing." in text
     assert "|---|---|---|---|\n\n## Summary" not in text
 
 

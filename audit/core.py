@@ -500,7 +500,8 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}",
                             hint="every cell's process died before writing evidence; see the logs there")
     routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=meta["cells"],
-                                       missing=missing, run=meta["run"], scrub=_machine_paths(run_dir))
+                                       missing=missing, run=meta["run"], scrub=_machine_paths(run_dir),
+                                       previous=_committed_same_build(reports_dir, pin, profile))
     exp, exp_path = load_expectations(expectations, lock_path=lock_path, profile=profile)
     if exp is not None:
         from audit.report.verdicts import attach
@@ -587,6 +588,23 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     if aborted and not _beside_run:
         raise RunIncomplete(cells=unfinished or meta["cells"], run_dir=str(run_dir), incomplete_ledger=outcome.ledger)
     return outcome
+
+
+def _committed_same_build(reports_dir: Path, pin, profile: Profile) -> dict | None:
+    """The committed routing of the same build (pin name and wheel or image identity), where one exists and reads:
+    a cell that stops short of where it went there is the harness's fault (audit/report/routing.py)."""
+    from audit.report.diff import read_routing
+
+    path = report_dir_for(reports_dir, pin.name) / "routing.json"
+    if not path.is_file():
+        return None
+    try:
+        committed = read_routing(path, pin=pin.name, reports_dir=reports_dir, profile=profile)
+    except AuditError:  # an unreadable committed report is judged where it is read as a baseline, not here
+        return None
+    same = {k: committed["pin"].get(k) for k in ("wheel_sha256", "image_config_digest")} == \
+        {k: pin.as_provenance().get(k) for k in ("wheel_sha256", "image_config_digest")}
+    return committed if same and committed.get("model") == profile.name else None
 
 
 def _machine_paths(run_dir: Path) -> dict[str, str]:

@@ -330,6 +330,18 @@ def _postload_limits(cells: list[dict]) -> list[dict]:
     return sorted(limits.values(), key=lambda e: (-e["count"], e["raised_in"], e["message"]))
 
 
+def _declared_limits(routing: dict) -> list[dict]:
+    """The declared simulation limits (audit/limits.py) the routing's cells met, with those cells."""
+    from audit import limits
+
+    known = {lim.id: lim for lim in limits.LIMITS}
+    return [{"id": k, "library": known[k].library if k in known else "?",
+             "versions": list(known[k].versions) if k in known else [],
+             "raised_in": known[k].raised_in.strip("^$").replace("\\", "") if k in known else "?",
+             "why": known[k].why if k in known else "(no longer declared)", "cells": v}
+            for k, v in sorted((routing.get("declared_limits") or {}).items())]
+
+
 def _environment(cells: list[dict], routing: dict, profile) -> dict:
     """What every complete cell agrees on about the environment, and what the simulation stood in for."""
     complete = [c for c in cells if c["status"] != "INCOMPLETE"]
@@ -391,6 +403,7 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
         "load_refused": [c for c in cells if c.get("load_refused")],
         "postload_cells": [c for c in cells if c.get("postload")],
         "postload_limits": _postload_limits(cells), "resolve_levels": RESOLVE_LEVELS,
+        "declared_limits": _declared_limits(routing),
         "profiler_disagree": [c for c in cells if ((c.get("observed") or {}).get("profiler") or {}).get("disagree")],
         **_environment(cells, routing, profile),
         "memo_rejected": int((routing.get("run") or {}).get("memo_rejected", 0)),

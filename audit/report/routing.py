@@ -17,6 +17,7 @@ from audit.report.layers import format_ranges
 from audit.report.observed import merge as merge_observed
 from audit.profiles import MOE_LANE, Lane, Profile
 from audit import lanevalue as values
+from audit import limits
 from audit.lanevalue import ROUTING_SCHEMA, cut, short
 
 #: 2: one verdict for a refusal by vLLM's own code, at construction or load (REFUSED; was CRASH / LOAD_REFUSED);
@@ -658,10 +659,53 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "fingerprint": _one(f, "fingerprint"),
         "fence": _fence(f),
         "standin_fit": _one(f, "standin_fit").get("items", {}),
-        "harness_faults": harness_faults(f),
+        "harness_faults": harness_faults(f) + _undeclared_stops(failure, post, _one(f, "fingerprint")),
         # --- dispatch tiers (audit/report/dispatch.py): per-call choices by token count, None if not resolved ---
         "dispatch": dispatch_tiers(f, profile),
     }
+
+
+UNDECLARED = "simulation limit not declared"
+
+
+def _undeclared_stops(failure: dict | None, post: dict | None, fingerprint: dict) -> list[dict]:
+    """The stops of a cell that no declared simulation limit (audit/limits.py) covers, as harness faults; a stop a
+    declaration covers is marked with its id (``declared``). A stop vLLM's own code made (a refusal) is no limit and
+    is not asked about."""
+    packages = fingerprint.get("packages") or {}
+    stops = [(g, g.get("raised_in", "")) for g in (post or {}).get("limits") or []]
+    if failure and failure.get("outcome") == "limit":
+        stops.append((failure, limits.raised_in_of(failure.get("where", ""))))
+    faults = []
+    for stop, raised_in in stops:
+        lim = limits.declared(raised_in, stop.get("type", ""), stop.get("message", ""), packages)
+        if lim is not None:
+            stop["declared"] = lim.id
+            continue
+        faults.append({"piece": UNDECLARED, "where": raised_in, "type": stop.get("type", "?"),
+                       "message": (f"the simulation stopped in {raised_in or '?'} ({stop.get('type', '?')}: "
+                                   f"{cut(stop.get('message', ''), 200)}) and no declared limit covers that place for "
+                                   "this release (audit/limits.py): resolve mode has gone further there before, or "
+                                   "nobody has looked at why it cannot; declare it with its reason if it truly needs "
+                                   "a device"), "traceback": []})
+    return faults
+
+
+def went_further(before: dict, cell: dict) -> str:
+    """Why *cell* stopped short of where *before* (the committed audit of the same cell of the same build) went, or
+    "": construction stopped at a limit where it finished or reached a later stage before, or post-load stopped in
+    more steps than before."""
+    failure = cell.get("failure") or {}
+    if failure.get("outcome") == "limit" and before.get("status") != "INCOMPLETE":
+        depth = lambda c: STAGE_ORDER.index(c["depth"]) if c.get("depth") in STAGE_ORDER else -1  # noqa: E731
+        if depth(before) > depth(cell):
+            return (f"construction stopped at a simulation limit in {failure.get('stage')}, where the committed audit "
+                    f"of this build reached {before.get('depth')}")
+    now, then = cell.get("postload") or {}, before.get("postload") or {}
+    if now.get("limit") and then.get("ran") and then.get("limit", 0) < now.get("limit", 0):
+        return (f"post-load stopped at a simulation limit in {now['limit']} of {now.get('steps')} steps, where the "
+                f"committed audit of this build stopped in {then.get('limit', 0)} of {then.get('steps')}")
+    return ""
 
 
 #: what the probes record in every cell whose construction finished: a selection of some kind, and the modules
@@ -768,8 +812,11 @@ def _observed(files: list[EvidenceFile]) -> dict:
 
 def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, expected: list[tuple[str, str]],
                   missing: dict[tuple[str, str], dict] | None = None, run: dict | None = None,
-                  scrub: dict[str, str] | None = None) -> dict:
-    """The whole routing model of one audit: provenance plus one entry per expected cell."""
+                  scrub: dict[str, str] | None = None, previous: dict | None = None) -> dict:
+    """The whole routing model of one audit: provenance plus one entry per expected cell. *previous*: the committed
+    routing of the same build (pin and wheel), where a cell that stops short of where it went there is a harness
+    fault, never a limit."""
+    before = {(c["system"], c["layout"]): c for c in (previous or {}).get("cells", [])}
     damaged: dict[tuple, list[str]] = defaultdict(list)
     for f in files:  # evidence that cannot be trusted makes its cell INCOMPLETE; none of it is rendered
         why = f.damage or ("" if f.final or f.header.get("mode") == "observe"
@@ -788,6 +835,13 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
         seen = observe_files.get((system, layout))
         if f is not None:
             cell = build_cell(f, profile)
+            shorter = went_further(before[(system, layout)], cell) if (system, layout) in before else ""
+            if shorter:
+                cell["harness_faults"].append({
+                    "piece": "the committed audit of this build went further", "where": f"{system}/{layout}",
+                    "type": "stopped short", "traceback": [],
+                    "message": f"{shorter}: the same vLLM build ran further in this cell before, so this stop is the "
+                               "harness's doing (a stand-in or probe that changed), not a limit of resolve mode"})
             unjudgeable = _unjudgeable(f, cell)
             if unjudgeable:  # what every built cell records is missing: nothing in it could be judged
                 cells.append(incomplete_cell(system, layout, reason=unjudgeable, log_tail=""))
@@ -824,8 +878,15 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
     rejected = memo_rejected(files)
     if rejected:  # a fact of this run (what the memo held), like the evidence cache's hits: not of any cell
         run["memo_rejected"] = rejected
+    met: dict[str, list[str]] = {}
+    for c in cells:
+        for stop in [*((c.get("postload") or {}).get("limits") or []), c.get("failure") or {}]:
+            if stop.get("declared"):
+                met.setdefault(stop["declared"], []).append(f"{c['system']}/{c['layout']}")
     routing = {"schema": ROUTING_SCHEMA, "model": profile.name, "architecture": profile.architecture,
             "standin_fit": dict(sorted(fit.items())),
+            # the declared simulation limits the cells stopped at (audit/limits.py), with the cells
+            "declared_limits": {k: sorted(set(v)) for k, v in sorted(met.items())},
             "lane_titles": {lane.id: lane.title for lane in profile.lanes},
             # routing.json is written with sorted keys: the profile's lane order is kept as a list
             "lane_order": [lane.id for lane in profile.lanes],

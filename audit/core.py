@@ -13,7 +13,7 @@ from audit.evidence import files as evidence
 from audit.pins import lock as lockmod
 from audit.report import routing as routingmod
 from audit.errors import AuditError, EvidenceError, HarnessFaultError, ReportWriteError, RunAborted, RunIncomplete, \
-    UsageError
+    StandinMisfitError, UsageError
 from audit import models
 from audit.profiles import Profile
 from audit.fsutil import DirLock, cache_root, replace_dir, report_dir_for, write_atomic
@@ -438,11 +438,12 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path, profile) -> N
         if mode and h.get("mode") not in (None, mode):
             raise EvidenceError(f"evidence of {h.get('mode')} mode in a {mode} run", path=where,
                                 hint="a run's evidence is of the mode its run.json names: audit again")
-        if h.get("model") not in (None, model):
+        if h.get("model") != model:
             raise EvidenceError(f"evidence of the model {h.get('model')!r} in a run of {model}", path=where,
                                 hint="a run's evidence is of the model its run.json names: audit that model again")
-        if f.cell is not None and h.get("mode") == "resolve":
-            stories.setdefault((f.cell, h.get("role")), []).append(where)
+        if f.cell is not None and h.get("mode") == "resolve":  # one story a cell, whatever role a file names
+            stories.setdefault((f.cell, "resolve"), []).append(where)
+            _check_records_against_header(f, plan)
         if h.get("mode") == "resolve" or "pin" in h:
             if h.get("pin") != pin.name:
                 raise EvidenceError(f"evidence of pin {h.get('pin')!r} in a run of {pin.name}", path=where,
@@ -467,6 +468,30 @@ def check_evidence_identity(files, meta: dict, pin, run_dir: Path, profile) -> N
                                 + ", ".join(sorted(paths)), path=sorted(paths)[0],
                                 hint="a cell's process writes one evidence file; remove the one that is not the "
                                      "run's (or audit again)")
+
+
+def _check_records_against_header(f, plan: dict) -> None:
+    """A resolve cell's records say what its header says: the job it ran is the header's cell and argv, the
+    parallel sizes vLLM's config took are the ones the argv asks for, and the probes were installed unless the plan
+    ran without them (a transparency baseline). Records of another cell or layout under this header are refused."""
+    h, where = f.header, str(f.path)
+    for job in f.of_kind("job"):
+        named = ((job.get("system") or {}).get("name"), (job.get("layout") or {}).get("name"))
+        if named != f.cell or list(job.get("argv") or []) != list(h.get("argv") or []):
+            raise EvidenceError(f"a job record of {named[0]}/{named[1]} ({' '.join(map(str, job.get('argv') or []))!r}) "
+                                f"under the header of {f.cell[0]}/{f.cell[1]}", path=where,
+                                hint="records of another cell or layout are no evidence of this one: audit again")
+    argv = [str(a) for a in h.get("argv") or []]
+    for flag, key in (("--tensor-parallel-size", "tensor_parallel_size"), ("--data-parallel-size", "data_parallel_size")):
+        asked = int(argv[argv.index(flag) + 1]) if flag in argv[:-1] and argv[argv.index(flag) + 1].isdigit() else 1
+        for config in f.of_kind("config"):
+            if key in config and config[key] != asked:
+                raise EvidenceError(f"vLLM's config took {key} = {config[key]} under a header whose `vllm serve` "
+                                    f"arguments ask for {asked}", path=where,
+                                    hint="records of another layout are no evidence of this one: audit again")
+    if plan.get("probes", True) and any(r.get("installed") is False for r in f.of_kind("probes")):
+        raise EvidenceError("a record says the probes were not installed, in a run whose plan installs them", path=where,
+                            hint="a cell without probes judges nothing: audit it again")
 
 
 def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
@@ -510,17 +535,25 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     else:
         routing["verdicts_skipped"] = "no expectations were given (--expectations none): no claim was judged"
     unfinished = [(c["system"], c["layout"]) for c in routing["cells"] if c["status"] == "INCOMPLETE"]
-    incomplete = aborted or bool(unfinished)
+    from audit import standinfit
+
+    # a stand-in that does not fit its release (and nothing says the misfit is harmless there) stops the audit
+    misfits = {k: v for k, v in (routing.get("standin_fit") or {}).items() if standinfit.status(k, v) == "misfit"}
+    incomplete = aborted or bool(unfinished) or bool(misfits)
     if incomplete and not aborted and not _beside_run:
         faulty = [c for c in routing["cells"] if c.get("harness_faults")]
         died = len(unfinished) - len(faulty)
         routing["run"]["aborted"] = {
-            "kind": "harness-fault" if faulty and not died else "cells-missing", "returncode": None, "log_tail": "",
+            "kind": "standin-misfit" if misfits and not unfinished else
+            "harness-fault" if faulty and not died else "cells-missing", "returncode": None, "log_tail": "",
             "message": "; ".join(part for part in (
                 f"{died} of {len(routing['cells'])} cell(s) left no evidence (their process died, was killed or its "
                 "job failed)" if died else "",
                 f"{len(faulty)} of {len(routing['cells'])} cell(s) stopped at a harness fault (the harness's own code "
-                "raised inside vLLM's process; see Harness faults)" if faulty else "") if part)}
+                "raised inside vLLM's process; see Harness faults)" if faulty else "",
+                f"{len(misfits)} stand-in(s) do not fit this release ({', '.join(sorted(misfits))}): what the "
+                "simulation ran past them may not be vLLM's code as released (see What was simulated)"
+                if misfits else "") if part)}
     beside = _beside_run or incomplete
     target_root = run_dir / INCOMPLETE_REPORTS if beside else Path(reports_dir)
     report_dir = report_dir_for(target_root, pin.name)
@@ -581,6 +614,8 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         judged=exp is not None, subset_of=subset_of, gate=gate,
     )
     faults = [{**f, "cell": f"{c['system']}/{c['layout']}"} for c in routing["cells"] for f in c.get("harness_faults") or []]
+    if misfits and not _beside_run:
+        raise StandinMisfitError(misfits=misfits, run_dir=str(run_dir), incomplete_ledger=outcome.ledger)
     if faults and not _beside_run:
         raise HarnessFaultError(cells=unfinished, run_dir=str(run_dir), faults=faults, incomplete_ledger=outcome.ledger)
     if incomplete and not _beside_run and not aborted:

@@ -376,6 +376,25 @@ class HarnessFaultError(RunIncomplete):
                      "section has the traceback: fix that piece of the harness and audit again")
 
 
+class StandinMisfitError(RunIncomplete):
+    """A resolve-mode stand-in whose target does not have the shape it expects in this release (its module moved a
+    function, a signature changed), and nothing declares the misfit harmless there (audit/standinfit.py
+    ``NOT_NEEDED``): what the simulation ran past it may not be vLLM's code as released, so the audit stops with
+    exit 4, names the stand-in, and reports/ is not changed."""
+
+    def __init__(self, *, misfits: dict[str, str], run_dir: str, incomplete_ledger=None):
+        super().__init__(cells=[], run_dir=run_dir, incomplete_ledger=incomplete_ledger)
+        self.misfits = dict(misfits)
+        first, fit = next(iter(self.misfits.items()))
+        self.message = (f"stand-in {first!r} does not fit this release ({fit})"
+                        + (f", and {len(self.misfits) - 1} more" if len(self.misfits) > 1 else "")
+                        + ": the audit stops here and reports/ was not changed")
+        self.args = (self.message,)
+        self.hint = ("update the stand-in to the release (probes/resolve/standins.py or the model's probes package), "
+                     "or, if nothing in this release reads it, declare why in audit/standinfit.py NOT_NEEDED; "
+                     "`make verify-pins` checks every pin")
+
+
 class ReportWriteError(AuditError):
     """The report could not be written (read-only directory, full disk, an immutable file, a name that is no
     safe directory name). The previous report is left as it was."""

@@ -6,4 +6,4 @@ are touched only when a probe patches them, after they have been imported by vLL
 
 #: Version of the evidence file format written by :mod:`probes.core.recorder`. 2: a process's last write ends
 #: with a closing record (the number of records and the sha256 of the lines before it).
-EVIDENCE_SCHEMA = 2
+EVIDENCE_SCHEMA = 3

@@ -40,13 +40,13 @@ def _cell(tmp_path, *, traces, probe_rows, kernel_map=MAP, profiled=True):
 
     out = tmp_path / "evidence" / "b200_sxm--tp8"
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"mode": "observe", "cell": {"system": "b200_sxm", "layout": "tp8"}}
-    agent = Recorder(str(out), role="observe-agent", meta=meta)
+    meta = {"mode": "observe", "cell": {"system": "b200_sxm", "layout": "tp8"}, "model": "kimi-k3"}
+    agent = Recorder(str(out), role="vllm-process:agent.py", meta=meta)
     if profiled:
         agent.emit("kernel-map", entries=kernel_map)
         agent.emit("profiler-traces", dir="traces", traces=traces)
     agent.flush()
-    worker = Recorder(str(out), role="worker", meta={**meta, "rank": 0})
+    worker = Recorder(str(out), role="vllm-process:python", meta={**meta, "rank": 0})
     for lane, path, level, calls in probe_rows:
         if level == "observed":
             worker.emit("exec", lane=lane, backend="", path=path, layer=1, phase="decode", calls=calls)

@@ -59,8 +59,8 @@ REGRESSIONS = {
 
 
 #: the kind of serving change each regression is (the gate groups its terminal lines and the diff its tables by it)
-CLASSES = {"device check relaxed": "refusal", "support check failing quietly": "kernel",
-           "activation check rejecting SiTU": "kernel", "dispatch bound moved": "tier",
+CLASSES = {"device check relaxed": "refusal", "support check failing quietly": "experts",
+           "activation check rejecting SiTU": "experts", "dispatch bound moved": "tier",
            "selector support narrowed": "kernel"}
 #: an availability answer that moves while no selection in the audited cells depends on it: information. (Not every
 #: answer is one: vLLM told that deep_ep is available imports it at once and the cell stops at its config.)
@@ -126,7 +126,7 @@ def test_the_shipped_pin_against_itself_passes_the_gate(shipped, tmp_path):
     assert "gate passed against v0.33.0" in r.stderr and diff["serving_changes"] == 0
     # without the accepted findings the same audit fails on them (exit 1), not on a change of serving
     r = cli("render", str(again), "--reports", str(tmp_path / "reports"), "--baseline", PIN, "--accepted", "none")
-    assert r.returncode == ExitCode.FINDINGS and "0 serving change(s)" in r.stderr
+    assert r.returncode == ExitCode.FINDINGS and "0 serving change row(s)" in r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +153,11 @@ def test_each_regression_fails_the_gate_naming_its_change(name, shipped, regress
     }[name]
     assert expected in text, (name, rows)
     # the row is of its kind, the terminal groups it under that kind with a count, the PR summary says the gate fails
+    from audit.report.changes import KINDS
+
     klass = CLASSES[name]
     assert any(c["class"] == klass for c in rows), (name, [(c["class"], c["title"]) for c in rows])
-    assert f"  {klass} (" in r.stderr, r.stderr[-3000:]
+    assert f"  {KINDS[klass].word} (" in r.stderr, r.stderr[-3000:]
     assert "**The pin-bump gate fails**" in diff["summary"], diff["summary"]
 
 

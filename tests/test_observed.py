@@ -16,8 +16,8 @@ from probes.observe.session import Kernel, ObserveSession
 from audit.models.kimi_k3 import KIMI_K3
 
 rank = int(os.environ["RANK"])
-rec = Recorder(os.environ["SERVING_TRUTH_OUT"], role="worker",
-               meta={"mode": "observe", "cell": {"system": "b200_sxm", "layout": "tp8"}})
+rec = Recorder(os.environ["SERVING_TRUTH_OUT"], role="vllm-process:python",
+               meta={"mode": "observe", "cell": {"system": "b200_sxm", "layout": "tp8"}, "model": "kimi-k3"})
 session = ObserveSession(rec, kernels=(Kernel("moe", "Marlin", "x:MarlinExperts.apply"),
                                        Kernel("moe", "Triton", "x:TritonExperts.apply"),
                                        Kernel("kda.decode", "fused_kda_decode (native)", "x:fused_kda_decode")),

@@ -166,14 +166,21 @@ def test_no_refusal_where_the_check_passes(probed):
 def test_planted_gate_change_changes_the_ledger(probed, planted):
     before, after = probed["cells"][("h100_sxm", "dep8")], planted["cells"][("h100_sxm", "dep8")]
     assert before["load_refused"] is not None
-    # with the gate admitting SM 9.x, vLLM no longer refuses; post-load goes on into DeepGEMM's transform,
-    # whose compiled extension has no SM 9 code for it: a stated limit there, not a refusal
-    assert after["load_refused"] is None and after["postload"]["refused"] == 0 and after["postload"]["limit"] >= 1
+    # with the gate admitting SM 9.x, vLLM no longer refuses; post-load goes on into DeepGEMM's scale layout on
+    # SM 9, which the stand-in does not simulate for MegaMoE's packed scales. No declared limit covers that place
+    # (audit/limits.py), so it is a harness fault: the cell is INCOMPLETE, never a refusal and never a limit that
+    # lets what lies past it read as vLLM's doing
+    assert after["status"] == "INCOMPLETE" and after["failure"]["stage"] == "harness"
+    [fault] = after["harness_faults"]
+    assert fault["piece"] == routing.UNDECLARED and fault["where"] == "probes.resolve.standins:transform_sf_meta"
     assert not any(v["verdict"] == "REFUSED" for v in planted["routing"]["verdicts"]["rows"])
     assert "vLLM refuses to load" not in planted["ledger"]
     assert "REFUSED by vLLM" not in planted["ledger"]
+    # what the evidence says itself: the refusal is gone, a stop took its place
+    raw = routing.build_cell(next(f for f in planted["files"] if f.cell == ("h100_sxm", "dep8")), KIMI_K3)
+    assert raw["load_refused"] is None and raw["postload"]["refused"] == 0 and raw["postload"]["limit"] >= 1
     # construction did not change: only what vLLM decides after loading moved
-    assert after["lanes"]["moe"] == before["lanes"]["moe"]
+    assert raw["lanes"]["moe"] == before["lanes"]["moe"]
 
 
 def test_postload_outcomes_do_not_depend_on_the_probes(probed, bare):

@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from audit.errors import EvidenceError
-
-#: the evidence schema this harness reads (probes.EVIDENCE_SCHEMA writes it; kept in step by a test)
-SCHEMA = 2
+from audit.evidence.schema import SCHEMA, check_header, check_record
 
 
 @dataclass
@@ -92,8 +90,39 @@ def read_file(path: str | Path) -> EvidenceFile:
         damage = "the records do not match the closing record's sha256: the file was changed after it was written"
     else:
         damage = ""
+        _validate(records, lines, path)  # whole as sealed: then it must also say what it is (a reseal is no proof)
     return EvidenceFile(path=path, header=header, records=records[1:-1] if end is not None else records[1:],
                         damage=damage, final=bool(end and end.get("final")))
+
+
+def _validate(records: list[dict], lines: list[str], path: Path) -> None:
+    """Every record is what its kind declares (audit/evidence/schema.py), the header names what the evidence is
+    of, the records are numbered 1, 2, ... with none missing, and a finished resolve cell's file ends with the
+    fence's account (then only harness faults): a file edited and resealed still says what it is, or is refused
+    with its path and line."""
+    numbers = [no for no, line in enumerate(lines, 1) if line.strip()]
+    why = check_header(records[0])
+    if why:
+        raise EvidenceError(why, path=str(path), line=numbers[0],
+                            hint="evidence this harness's probes write names its model, pin, wheel, cell and role; "
+                                 "audit again")
+    closed = records[-1].get("kind") == "end"
+    body = records[1:-1] if closed else records[1:]
+    for i, rec in enumerate(body, 1):
+        why = check_record(rec)
+        if not why and rec["seq"] != i:
+            why = (f"record {rec['seq']} where record {i} belongs: records are missing, added or out of order "
+                   "(the probes number every record they write)")
+        if why:
+            raise EvidenceError(why, path=str(path), line=numbers[i],
+                                hint="the file is not what the probes wrote: audit the cell again")
+    if closed and records[-1].get("final") and records[0].get("role") == "resolve-agent":
+        kinds = [r["kind"] for r in body]
+        last = max((i for i, k in enumerate(kinds) if k == "fence"), default=None)
+        if last is None or any(k != "harness_fault" for k in kinds[last + 1:]):
+            raise EvidenceError("a finished resolve cell's evidence ends with the fence's account (then only harness "
+                                "faults); this file does not: records were cut from its end and the file resealed",
+                                path=str(path), line=numbers[-1], hint="audit the cell again")
 
 
 def read_dir(directory: str | Path) -> list[EvidenceFile]:

@@ -1,0 +1,53 @@
+"""A stand-in that no longer fits its release stops the audit (exit 4, the stand-in named, reports/ untouched), for
+every model, on the real pinned wheel: the release is rebuilt in memory with one stand-in's target moved (the
+function a stand-in expects changed its shape, as a rebuilt wheel would), and the audit of one cell is rendered.
+Without the stop, what the simulation ran past the stand-in would read as a fact about vLLM (issue: a moved
+``per_block_cast_to_fp8`` turned into "needs a GPU" serving rows)."""
+import pytest
+
+from audit import models
+from audit.core import _write_run_json, render_run
+from audit.errors import ExitCode, StandinMisfitError
+from tests.plant import sitecustomize
+
+pytestmark = pytest.mark.vllm
+
+#: what moves in each model's audited cell: the flashinfer capability query loses its ``device`` argument (the
+#: meta-device stand-in translates that argument), or vLLM's UE8M0 re-quantization is no longer torch.compile'd
+#: (the eager stand-in replaces the compiled function)
+FLASHINFER = ("flashinfer.utils", [("def get_compute_capability(device: torch.device) -> Tuple[int, int]:\n",
+                                    "def get_compute_capability(dev: torch.device) -> Tuple[int, int]:\n"
+                                    "    device = dev\n")])
+DEEP_GEMM = ("vllm.utils.deep_gemm", [("@torch.compile(dynamic=True, backend=current_platform.simple_compile_backend)\n"
+                                       "def per_block_cast_to_fp8(", "def per_block_cast_to_fp8(")])
+CASES = {
+    "kimi-k3": (("b200_sxm", "tp8"), FLASHINFER, "flashinfer.utils:get_compute_capability(device=...)"),
+    "gpt-oss-120b": (("b200_sxm", "tp8"), FLASHINFER, "flashinfer.utils:get_compute_capability(device=...)"),
+    "deepseek-v3": (("b200_sxm", "tp8"), DEEP_GEMM, "vllm.utils.deep_gemm:per_block_cast_to_fp8 (torch.compile)"),
+}
+
+
+@pytest.mark.parametrize("model", list(CASES))
+def test_a_moved_stand_in_target_stops_the_audit_naming_it(model, vllm_env, tmp_path):
+    from audit.runtimes import RunRequest
+    from audit.systems import SYSTEMS
+
+    rt, pin, _ = vllm_env
+    profile = models.get(model)
+    cell, plant, piece = CASES[model]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "sitecustomize.py").write_text(sitecustomize([plant]), encoding="utf-8")
+    req = RunRequest(pin=pin, profile=profile, cells=[(SYSTEMS[cell[0]], profile.layouts[cell[1]])], run_dir=run_dir,
+                     parallel=1)
+    result = rt.run(req, lambda *a, **k: None)
+    _write_run_json(req, profile, {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": "test"}, result.missing)
+    reports = tmp_path / "reports"
+    with pytest.raises(StandinMisfitError) as err:
+        render_run(run_dir, reports_dir=reports, expectations="none")
+    assert err.value.exit_code == ExitCode.RUN_FAILED == 4
+    assert piece in err.value.misfits and err.value.misfits[piece].startswith("does not fit")
+    assert piece in str(err.value) and "NOT_NEEDED" in err.value.hint
+    assert not reports.exists() or not any(reports.rglob("routing.json"))  # reports/ untouched
+    ledger = err.value.incomplete_ledger.read_text(encoding="utf-8")  # written beside the run, saying why
+    assert "INCOMPLETE RUN (standin-misfit)" in ledger and piece in ledger

@@ -56,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     # a test of the fence itself (probes/core/fence.py): raise inside one fenced piece of the harness
     a.add_argument("--plant-fault", action="append", default=[], metavar="PIECE", help=argparse.SUPPRESS)
     a.add_argument("--replace", action="store_true",
-                   help="let a subset audit (some systems or layouts) replace a fuller reports/<pin>/ "
-                        "(by default it is written beside its run)")
+                   help="let a subset audit (some systems or layouts) replace a fuller reports/<pin>/, or one that "
+                        "judged claims this audit leaves UNVERIFIED (by default it is written beside its run; the "
+                        "latter exits 4 naming the claims)")
     a.add_argument("--baseline", default="auto",
                    help="the pin-bump gate: an audited pin this build is gated against (exit 6 when serving "
                         "changed against it, 1 on findings not accepted); default 'auto': the pin before this one "
@@ -82,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--expectations", default="auto", help="claims to judge ('none' for no verdicts)")
     r.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
     r.add_argument("--replace", action="store_true",
-                   help="let a subset run replace a fuller reports/<pin>/ (by default it is written beside the run)")
+                   help="let a subset run replace a fuller reports/<pin>/, or one that judged claims this run leaves "
+                        "UNVERIFIED (by default it is written beside the run; the latter exits 4 naming the claims)")
 
     ac = sub.add_parser("accept", help="record every finding of an audited pin as accepted for the pin-bump gate")
     ac.add_argument("pin")

@@ -13,7 +13,7 @@ from audit.evidence import files as evidence
 from audit.pins import lock as lockmod
 from audit.report import routing as routingmod
 from audit.errors import AuditError, EvidenceError, HarnessFaultError, ReportWriteError, RunAborted, RunIncomplete, \
-    StandinMisfitError, UsageError
+    JudgmentShrank, StandinMisfitError, UsageError
 from audit import models
 from audit.profiles import Profile
 from audit.fsutil import DirLock, cache_root, replace_dir, report_dir_for, write_atomic
@@ -558,9 +558,11 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     target_root = run_dir / INCOMPLETE_REPORTS if beside else Path(reports_dir)
     report_dir = report_dir_for(target_root, pin.name)
     subset_of = None
+    shrunk: list[dict] = []
     if not beside and not replace:
         subset_of = _fuller_report(report_dir, meta["cells"])
-        if subset_of:
+        shrunk = [] if subset_of else _judgment_shrank(report_dir, routing)
+        if subset_of or shrunk:
             report_dir = report_dir_for(run_dir / "report", pin.name)
     changes = None
     gate = None
@@ -616,6 +618,9 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     faults = [{**f, "cell": f"{c['system']}/{c['layout']}"} for c in routing["cells"] for f in c.get("harness_faults") or []]
     if misfits and not _beside_run:
         raise StandinMisfitError(misfits=misfits, run_dir=str(run_dir), incomplete_ledger=outcome.ledger)
+    if shrunk and not _beside_run:
+        raise JudgmentShrank(claims=shrunk, run_dir=str(run_dir), report=str(report_dir_for(reports_dir, pin.name)),
+                             ledger=outcome.ledger)
     if faults and not _beside_run:
         raise HarnessFaultError(cells=unfinished, run_dir=str(run_dir), faults=faults, incomplete_ledger=outcome.ledger)
     if incomplete and not _beside_run and not aborted:
@@ -623,6 +628,29 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     if aborted and not _beside_run:
         raise RunIncomplete(cells=unfinished or meta["cells"], run_dir=str(run_dir), incomplete_ledger=outcome.ledger)
     return outcome
+
+
+def _judgment_shrank(report_dir: Path, routing: dict) -> list[dict]:
+    """The claims the report about to be replaced judged (any verdict but UNVERIFIED) in a cell and the new audit
+    leaves UNVERIFIED there, or does not judge at all: a judgment may not shrink silently."""
+    try:
+        old = json.loads((report_dir / "routing.json").read_text(encoding="utf-8"))
+        rows = (old.get("verdicts") or {}).get("rows") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(rows, list) or not routing.get("verdicts"):
+        return []
+    key = lambda r: (r.get("claim"), r.get("system"), r.get("layout"), r.get("lane"), r.get("at", ""))  # noqa: E731
+    now: dict[tuple, set] = {}
+    for r in routing["verdicts"]["rows"]:
+        now.setdefault(key(r), set()).add(r["verdict"])
+    out = []
+    for r in rows:
+        if not isinstance(r, dict) or not r.get("claim") or r.get("verdict") == "UNVERIFIED" or r.get("system") == "—":
+            continue
+        if now.get(key(r), {"UNVERIFIED"}) <= {"UNVERIFIED"}:
+            out.append({k: r.get(k, "") for k in ("claim", "system", "layout", "lane", "at", "verdict")})
+    return [dict(t) for t in sorted({tuple(sorted(d.items())) for d in out})]
 
 
 def _committed_same_build(reports_dir: Path, pin, profile: Profile) -> dict | None:
@@ -750,7 +778,17 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
                 outcomes.append(report_dir_for(root, pin.name))
                 continue
             progress("stage", text=f"rendering {pin.name} from {run.name}")
-            outcomes.append(render_run(run, lock_path=lock_path, reports_dir=reports_dir, replace=True))
+            try:
+                outcomes.append(render_run(run, lock_path=lock_path, reports_dir=reports_dir, replace=True))
+            except EvidenceError as exc:
+                if "evidence schema" not in str(exc) or not (report_dir_for(root, pin.name) / "routing.json").is_file():
+                    raise
+                # a run this harness can no longer read (written at an older evidence schema): its committed
+                # routing.json is what that run rendered, so the report is rendered from it, and progress says so
+                progress("stage", text=f"rendering {pin.name} from its committed routing.json ({run.name} is of an "
+                                       "older evidence schema)")
+                report_from_routing(pin.name, lock_path=lock_path, reports_dir=reports_dir, profile=profile)
+                outcomes.append(report_dir_for(root, pin.name))
             continue
         progress("stage", text=f"auditing {pin.name}")
         outcomes.append(run_audit(pin.name, AuditOptions(lock_path=lock_path, reports_dir=reports_dir, replace=True,

@@ -395,6 +395,24 @@ class StandinMisfitError(RunIncomplete):
                      "`make verify-pins` checks every pin")
 
 
+class JudgmentShrank(AuditError):
+    """The audit would replace a report in which claims were judged by one in which they are UNVERIFIED (or not
+    judged at all): a judgment may not shrink silently. The new ledger is written beside the run; the committed
+    report stays until ``--replace`` says to replace it anyway."""
+
+    exit_code = ExitCode.RUN_FAILED
+
+    def __init__(self, *, claims: list[dict], run_dir: str, report: str, ledger=None):
+        self.claims, self.run_dir, self.report, self.ledger = list(claims), run_dir, report, ledger
+        named = "; ".join(f"{c['claim']} on {c['system']}/{c['layout']}" + (f" at {c['at']}" if c["at"] else "")
+                          + f" (was {c['verdict']})" for c in self.claims[:5])
+        more = f" and {len(self.claims) - 5} more" if len(self.claims) > 5 else ""
+        super().__init__(f"{len(self.claims)} claim verdict(s) judged in {report} would become UNVERIFIED: {named}{more}; "
+                         f"the report was not replaced (the new ledger is {ledger})",
+                         hint="find why the audit could not judge them (the new ledger says); if that is right, "
+                              "audit again with --replace (REPLACE=1)")
+
+
 class ReportWriteError(AuditError):
     """The report could not be written (read-only directory, full disk, an immutable file, a name that is no
     safe directory name). The previous report is left as it was."""

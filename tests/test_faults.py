@@ -706,3 +706,44 @@ def test_evidence_that_can_judge_nothing_never_passes(run_copy, report_copy):
     assert r.returncode == ExitCode.RUN_FAILED and "evidence of observe mode in a resolve run" in r.stderr, r.stderr
     ev.write_text(good)
     assert snapshot(report_copy) == before
+
+
+# --- a judgment may not shrink silently ------------------------------------------------------------
+@pytest.mark.vllm
+def test_a_report_whose_claims_would_become_unjudged_is_not_replaced_without_replace(run_copy, report_copy, tmp_path):
+    """The same run rendered against claims that no longer judge one of the committed claims: the judged verdicts
+    would go, so the report stays, the new ledger is written beside the run, and the exit is 4 naming the claims;
+    --replace says to replace it anyway."""
+    claims = (ROOT / "expectations" / "kimi-k3.toml").read_text()
+    head, *blocks = claims.split("\n[[claim]]\n")
+    kept = [b for b in blocks if 'id = "kda-context-flashkda"' not in b]
+    assert len(kept) == len(blocks) - 1
+    reduced = tmp_path / "kimi-k3.toml"
+    reduced.write_text("\n[[claim]]\n".join([head, *kept]))
+    (tmp_path / "kernel_source_backends.toml").write_text((ROOT / "expectations" / "kernel_source_backends.toml")
+                                                           .read_text())
+    before = snapshot(report_copy)
+    r = cli("render", str(run_copy), "--reports", str(report_copy), "--expectations", str(reduced))
+    assert r.returncode == ExitCode.RUN_FAILED, r.stderr[-2000:]
+    assert "would become UNVERIFIED: kda-context-flashkda on b200_sxm/tp8" in r.stderr and "--replace" in r.stderr
+    assert snapshot(report_copy) == before
+    r = cli("render", str(run_copy), "--reports", str(report_copy), "--expectations", str(reduced), "--replace")
+    assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-2000:]
+    assert snapshot(report_copy) != before
+
+
+def test_the_shrink_check_names_judged_claims_left_unjudged():
+    import copy
+
+    from audit.core import _judgment_shrank
+
+    committed = json.loads((ROOT / "reports" / "v0.33.0" / "routing.json").read_text())
+    assert _judgment_shrank(ROOT / "reports" / "v0.33.0", copy.deepcopy(committed)) == []
+    now = copy.deepcopy(committed)
+    row = next(r for r in now["verdicts"]["rows"] if r["claim"] and r["verdict"] == "MATCH")
+    row["verdict"] = "UNVERIFIED"
+    [shrunk] = [c for c in _judgment_shrank(ROOT / "reports" / "v0.33.0", now)
+                if (c["claim"], c["system"], c["layout"]) == (row["claim"], row["system"], row["layout"])]
+    assert shrunk["verdict"] == "MATCH"
+    now["verdicts"] = None  # an audit that judged nothing (--expectations none) is no shrink of a judgment it skipped
+    assert _judgment_shrank(ROOT / "reports" / "v0.33.0", now) == []

@@ -16,7 +16,7 @@ from audit.errors import AuditError, EvidenceError, HarnessFaultError, ReportWri
     JudgmentShrank, StandinMisfitError, UsageError
 from audit import models
 from audit.profiles import Profile
-from audit.fsutil import DirLock, cache_root, replace_dir, report_dir_for, write_atomic
+from audit.fsutil import DirLock, cache_root, read_regular, replace_dir, report_dir_for, write_atomic
 from audit.report.render import report_files
 from audit.runtimes import RunRequest, RunResult, RuntimeOptions, get_runtime, refresh_missing
 from audit.runtimes.base import Progress, cell_dir_name, new_run_dir, prune_runs, newest_full_run
@@ -149,7 +149,12 @@ def run_audit(pin_name: str, options: AuditOptions, *,
         lock.get(o.baseline)
         from audit.report.diff import load_routing
 
-        load_routing(root, o.baseline)
+        base = load_routing(root, o.baseline, profile)
+        if base.get("model") != profile.name:  # never found out only after every cell ran
+            raise UsageError(f"the baseline {o.baseline}'s report ({report_dir_for(root, o.baseline)}) is of the model "
+                             f"{base.get('model')!r}, not of {profile.name!r}",
+                             hint=f"gate against a report of {profile.name} (its reports live in {root}), or audit "
+                                  f"the model that report is of: --model {base.get('model')}")
         load_accepted_findings(o.accepted, lock_path=o.lock_path, profile=profile)
     load_expectations(o.expectations, lock_path=o.lock_path, profile=profile)  # bad expectations fail early too
     sys_sel = select("system", o.systems, SYSTEMS)
@@ -395,7 +400,7 @@ def _read_run_json(run_dir: Path) -> dict:
                          hint="pass a directory printed by `serving-truth audit`")
     path = run_dir / "run.json"
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(read_regular(path))
     except FileNotFoundError:
         raise UsageError(f"{run_dir} is not a finished run directory (no run.json)",
                          hint="pass a directory printed by `serving-truth audit`") from None

@@ -199,6 +199,18 @@ class DirLock:
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 
 
+def read_regular(path: str | Path) -> str:
+    """The text of a regular file; anything else (a FIFO, which would block the read forever, a directory, a device)
+    raises ``OSError`` naming what it is, before it is opened."""
+    import stat
+
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise OSError(f"{path} is {kind}, not a file this harness reads")
+    return Path(path).read_text(encoding="utf-8")
+
+
 def report_dir_for(reports_dir: str | Path, pin: str) -> Path:
     """``reports/<pin>``; a pin name that is no plain directory name (or is ``diffs``) is refused."""
     if not _SAFE_NAME.match(pin) or pin == "diffs" or ".." in pin:

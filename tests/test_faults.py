@@ -747,3 +747,35 @@ def test_the_shrink_check_names_judged_claims_left_unjudged():
     assert shrunk["verdict"] == "MATCH"
     now["verdicts"] = None  # an audit that judged nothing (--expectations none) is no shrink of a judgment it skipped
     assert _judgment_shrank(ROOT / "reports" / "v0.33.0", now) == []
+
+
+def test_a_fifo_given_as_a_routing_or_a_shared_imports_list_is_refused_never_waited_on(tmp_path, monkeypatch):
+    """A FIFO where a routing.json (a baseline, a diff's side) or the shared-imports list should be: refused at once
+    with what it is (exit 2), never a read that blocks past any timeout."""
+    import os
+
+    from audit.runtimes.base import shared_imports
+
+    reports = tmp_path / "reports"
+    for pin in ("v0.32.0", "v0.33.0"):
+        (reports / pin).mkdir(parents=True)
+    shutil.copy(ROOT / "reports" / "v0.33.0" / "routing.json", reports / "v0.33.0" / "routing.json")
+    os.mkfifo(reports / "v0.32.0" / "routing.json")
+    r = cli("diff", "v0.32.0", "v0.33.0", "--reports", str(reports), timeout=60)
+    assert r.returncode == ExitCode.USAGE and "is a FIFO" in r.stderr, r.stderr[-2000:]
+    fifo = tmp_path / "shared.json"
+    os.mkfifo(fifo)
+    monkeypatch.setenv("SERVING_TRUTH_SHARED_IMPORTS", str(fifo))
+    assert shared_imports(tmp_path) == []  # no list: the SM processes import everything themselves
+
+
+def test_a_baseline_of_another_model_is_refused_before_any_cell_runs(tmp_path):
+    reports = tmp_path / "reports"
+    (reports / "v0.32.0").mkdir(parents=True)
+    other = json.loads((ROOT / "reports" / "gpt-oss-120b" / "v0.33.0" / "routing.json").read_text())
+    other["pin"]["name"] = "v0.32.0"
+    (reports / "v0.32.0" / "routing.json").write_text(json.dumps(other))
+    r = cli("audit", "v0.33.0", "--baseline", "v0.32.0", "--reports", str(reports), "--systems", "b200_sxm",
+            "--layouts", "tp8", timeout=120)
+    assert r.returncode == ExitCode.USAGE, r.stderr[-2000:]
+    assert "is of the model 'gpt-oss-120b', not of 'kimi-k3'" in r.stderr and "evidence:" not in r.stderr

@@ -472,12 +472,17 @@ def read_routing(path: Path, *, pin: str = "", reports_dir=None, profile=None) -
     from audit.lanevalue import ROUTING_SCHEMA
 
     hint_audit = f"make audit PIN={pin}" + ("" if str(reports_dir or "reports") == "reports" else f" REPORTS={reports_dir}")
+    from audit.fsutil import read_regular
+
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(read_regular(path))
     except FileNotFoundError:
         raise UsageError(f"no audit of {pin!r}: {path} does not exist",
                          hint=f"audit it into that reports directory first: {hint_audit}") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}",
+                         hint=f"a routing.json is a file an audit wrote: audit it again: {hint_audit}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
         raise UsageError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("pin"), dict):
         raise UsageError(f"{path} is not a routing.json written by this harness (expected an object with "

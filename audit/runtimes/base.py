@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
 from audit.evidence.sources import probe_sources
-from audit.fsutil import cache_root
+from audit.fsutil import cache_root, read_regular
 from audit.pins.lock import Pin
 from audit.profiles import Profile
 from audit.systems import Layout, System
@@ -281,7 +281,7 @@ _NEVER_AHEAD = ("vllm", "probes", "__main__", "__mp_main__")
 def _shared_list(cache_dir: Path, key: str) -> list[str]:
     """One list of the environment's shared-imports file (empty when the file or the list is unreadable)."""
     try:
-        data = json.loads(shared_imports_file(cache_dir).read_text(encoding="utf-8"))
+        data = json.loads(read_regular(shared_imports_file(cache_dir)))  # a FIFO there is no list: never waited on
         return [m for m in data[key] if isinstance(m, str)]
     except (OSError, ValueError, KeyError, TypeError):
         return []

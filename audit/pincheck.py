@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from audit.core import AuditOptions, run_audit
-from audit.errors import AuditError, HarnessFaultError
+from audit.errors import AuditError, HarnessFaultError, Interrupted
 from audit.pins import lock as lockmod
 from audit.profiles import Profile
 from audit.runtimes.base import Progress
@@ -117,6 +117,8 @@ def check_pin(pin_name: str, profile: Profile, *, lock_path: str | Path = "image
         where = Path(scratch)
         try:
             outcome = run_audit(pin.name, opts, progress=progress)
+        except Interrupted:
+            raise  # the user's signal ends verify-pins (exit 130); it says nothing about how the harness fits a pin
         except HarnessFaultError as exc:
             res.faults = sorted({f"{f['cell']}: {f['piece']}: {f['type'].split(':')[-1]}: {f['message'][:200]}"
                                  for f in exc.faults})

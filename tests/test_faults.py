@@ -779,3 +779,22 @@ def test_a_baseline_of_another_model_is_refused_before_any_cell_runs(tmp_path):
             "--layouts", "tp8", timeout=120)
     assert r.returncode == ExitCode.USAGE, r.stderr[-2000:]
     assert "is of the model 'gpt-oss-120b', not of 'kimi-k3'" in r.stderr and "evidence:" not in r.stderr
+
+
+def test_a_signal_to_verify_pins_ends_it_as_interrupted_not_as_a_pin_that_does_not_fit(monkeypatch):
+    """SIGTERM while a pin's check runs: exit 130 (the user's signal), never "the harness does not fit" (exit 4)
+    and never on to the next pin."""
+    from audit import pincheck
+    from audit.errors import Interrupted
+    from audit.models.kimi_k3 import KIMI_K3
+
+    seen = []
+
+    def interrupted(pin, options, progress=None):
+        seen.append(pin)
+        raise Interrupted("interrupted by signal 15; no report was written or changed")
+
+    monkeypatch.setattr(pincheck, "run_audit", interrupted)
+    with pytest.raises(Interrupted):
+        pincheck.verify_pins(KIMI_K3, lock_path=ROOT / "images.lock", pins=["v0.32.0", "v0.33.0"])
+    assert seen == ["v0.32.0"] and Interrupted.exit_code == ExitCode.INTERRUPTED == 130

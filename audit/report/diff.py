@@ -443,6 +443,9 @@ def diff_routings(old: dict, new: dict, profile) -> dict:
          "only_in_to": [list(c) for c in only_new],
          "empty": not rows and not verdicts and not only_old and not only_new}
     d["headline"] = classes.headline(d)
+    # the environments compared differ in these packages (every audited cell's fingerprint; information rows)
+    d["packages"] = sorted({(r["field"].split(": ", 1)[1], r["before"], r["after"])
+                            for r in rows if r["facet"] == "package"})
     from audit.report.summary import pr_summary
 
     d["summary"] = pr_summary(d, old, new, profile)

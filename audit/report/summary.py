@@ -132,7 +132,11 @@ def _head(v: View) -> str:
         return head + "**Nothing was judged**: the two audits share no cell."
     head += ("**The pin-bump gate fails** (exit 6): " if v.serving else "**No serving change**: ") + d["headline"] + \
         " (information rows change no kernel; the diff lists them with the reason)."
-    return head + " " + _systems(v)
+    packages = d.get("packages") or []
+    envs = (f" The compared environments differ in {len(packages)} package(s): "
+            + ", ".join(f"{name} {a} → {b}" for name, a, b in packages) + ".") if packages else \
+        " The compared environments hold the same package versions."
+    return head + " " + _systems(v) + envs
 
 
 def _systems(v: View) -> str:

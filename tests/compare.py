@@ -7,8 +7,21 @@ COMPARED = ("lanes", "attention_candidates", "candidates", "config", "depth", "d
             "failure", "evidence")
 
 
+#: what a lane value record takes from its audit rather than its evidence (audit/report/values.py: the family in the
+#: claims' words, the cell's refusal and raise flags): left out, as every derived word is
+DERIVED = ("family", "flags", "raises")
+
+
+def _evidence_lanes(lanes: dict | None) -> dict | None:
+    if lanes is None:
+        return None
+    return {lane: [{**g, "value": {k: v for k, v in g["value"].items() if k not in DERIVED}}
+                   if isinstance(g.get("value"), dict) else g for g in groups] for lane, groups in lanes.items()}
+
+
 def comparable(cell: dict) -> dict:
     out = {k: cell.get(k) for k in COMPARED}
+    out["lanes"] = _evidence_lanes(cell.get("lanes"))
     out["stages"] = [(s.get("stage"), s.get("ok")) for s in cell.get("stages", [])]
     out["packages"] = cell.get("fingerprint", {}).get("packages")
     out["modules"] = cell.get("fingerprint", {}).get("modules")

@@ -192,3 +192,25 @@ def test_verify_pins_skips_a_misfit_only_where_it_says_why():
     assert "no device-info extension" in not_needed(piece, "does not fit humming-kernels 0.1.12: x (not applied)")
     assert not_needed(piece, "does not fit humming-kernels 0.1.19: x (not applied)") == ""
     assert not_needed("another stand-in", "does not fit humming-kernels 0.1.12: x (not applied)") == ""
+
+
+def test_a_stand_in_that_returns_what_the_function_it_replaces_never_returns_is_a_fault():
+    """A wrong value vLLM would raise on a line later, in its own frame (a tuple where a DeviceCapability belongs, a
+    str for a count): the stand-in's contract catches it at the fence, as a fault of the stand-in."""
+    @fence.guard("test: count", contract=fence.returns(int, check=lambda v: v >= 0))
+    def count(v):
+        return v
+
+    assert count(3) == 3 and not fence.FAULTS
+    for wrong in ("8", True, -1, None):
+        with pytest.raises(fence.ContractBroken):
+            count(wrong)
+    assert len(fence.FAULTS) == 4 and fence.FAULTS[0]["piece"] == "test: count"
+    assert "returned str '8', where the function it replaces returns int" in fence.FAULTS[0]["message"]
+    assert "a bool" in fence.FAULTS[1]["message"] and "never returns" in fence.FAULTS[2]["message"]
+    # a planted wrong value (the faults suite's) goes through the same check
+    fence.FAULTS.clear()
+    fence.plant(fence.WRONG_VALUE + "test: count")
+    assert _library_swallows(count, 3) == "swallowed"  # whatever the caller does with it, the fault is recorded
+    assert [f["type"].split(":")[1] for f in fence.FAULTS] == ["ContractBroken"]
+    assert fence.planted() == {fence.WRONG_VALUE + "test: count"}

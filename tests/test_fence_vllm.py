@@ -166,6 +166,27 @@ def test_a_fault_swallowed_by_vllm_ends_the_audit_with_exit_4_and_touches_no_rep
     assert [c["status"] for c in routed["cells"]] == ["INCOMPLETE"] and routed["cells"][0]["lanes"] == {}
 
 
+@pytest.mark.parametrize("piece", ["vllm.platforms.cuda:CudaPlatform.get_device_capability",
+                                   "vllm.platforms.cuda:CudaPlatform.num_compute_units", "torch.cuda.device_count"])
+def test_a_wrong_value_a_stand_in_returns_ends_the_audit_with_exit_4_never_as_a_limit(piece, vllm_env, tmp_path):
+    """The platform stand-in answering with what vLLM's own function never returns (a tuple where a DeviceCapability
+    belongs, a non-int count): vLLM would raise a line later in its own frame, and that stop once read as "a limit
+    of resolve mode" and passed the gate. The stand-in's contract makes it a harness fault: exit 4, the report
+    untouched, the piece named."""
+    reports = tmp_path / "reports"
+    shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")
+    before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
+    with pytest.raises(HarnessFaultError) as e:
+        run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", systems=["h200_sxm"], layouts=["tp8"],
+                                          reports_dir=reports, expectations="auto", baseline="none",
+                                          accepted="none", cache=False, replace=True, profile=KIMI_K3,
+                                          plant_fault=f"wrong value: {piece}"))
+    assert e.value.exit_code == ExitCode.RUN_FAILED == 4
+    assert piece in [f["piece"] for f in e.value.faults]
+    assert any("ContractBroken" in f["type"] for f in e.value.faults if f["piece"] == piece)
+    assert {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()} == before
+
+
 def test_an_edited_memo_entry_changes_nothing_in_the_routing(vllm_env, tmp_path_factory, monkeypatch):
     """The memo of Humming's heuristics is evidence too: every entry edited to another answer (the seal left as
     it was) is rejected and computed again, the routing is the clean run's field by field, and the ledger says

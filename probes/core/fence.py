@@ -122,27 +122,45 @@ def fault(piece: str, exc: BaseException, *, where: str = "") -> None:
                        "pid": os.getpid()})
 
 
+#: a planted line of this prefix names a piece that returns a wrong value instead of raising (tests of contracts)
+WRONG_VALUE = "wrong value: "
+
+
 def _pieces(text: str) -> frozenset:
-    return frozenset(p for p in (text or "").split("\n") if p)
+    return frozenset(p for p in (text or "").split("\n") if p and not p.startswith(WRONG_VALUE))
+
+
+def _wrong(text: str) -> frozenset:
+    return frozenset(p[len(WRONG_VALUE):] for p in (text or "").split("\n") if p.startswith(WRONG_VALUE))
+
+
+class WrongValue:
+    """What a piece planted with :data:`WRONG_VALUE` returns: a value no function it replaces returns."""
+
+    def __repr__(self) -> str:
+        return "<planted wrong value>"
 
 
 #: the pieces a planted raise goes off in (set once, before the probes install: the fence is on hot paths)
 _PLANTED = [_pieces(os.environ.get(PLANT_ENV, ""))]
+#: the pieces that return a planted wrong value
+_WRONG = [_wrong(os.environ.get(PLANT_ENV, ""))]
 #: survey: a planted raise is caught by the piece's own fence and recorded, then the piece does its work
 _SURVEY = [False]
 
 
 def plant(pieces: str, *, survey: bool = False) -> None:
     """Make each piece named (one a line) raise :class:`PlantedFault` from inside its fence (the agent, from its
-    plan). The raise propagates as the piece's own would (into vLLM, which may swallow it); with *survey* the
+    plan), or, for a line ``wrong value: <piece>``, return a :class:`WrongValue` (its contract must catch it). The raise propagates as the piece's own would (into vLLM, which may swallow it); with *survey* the
     piece's fence catches it, records it and lets the piece go on, so one run reaches, and tests, every piece
     named (a propagating raise stops whatever runs after it)."""
     _PLANTED[0] = _pieces(pieces)
+    _WRONG[0] = _wrong(pieces)
     _SURVEY[0] = bool(survey)
 
 
 def planted() -> frozenset:
-    return _PLANTED[0]
+    return _PLANTED[0] | frozenset(WRONG_VALUE + p for p in _WRONG[0])
 
 
 def _enter(piece: str) -> None:
@@ -156,11 +174,34 @@ def _enter(piece: str) -> None:
             fault(piece, exc)
 
 
-def guard(piece: str, what: str = "stand-in", *, swallow: bool = False):
+class ContractBroken(RuntimeError):
+    """A stand-in returned what the function it replaces never returns (a wrong type, an impossible value)."""
+
+
+def returns(*types_, check=None, what: str = ""):
+    """A stand-in's contract: what the replaced function returns (one of *types_*, ``bool`` never passing for
+    ``int``), and *check* on the value where one is given. Returns a function value -> "" or what is wrong."""
+    def contract(value) -> str:
+        if isinstance(value, bool) and bool not in types_:
+            return f"returned {value!r}, a bool, where {what or 'the function it replaces'} returns " + \
+                   " or ".join(t.__name__ for t in types_)
+        if types_ and not isinstance(value, types_):
+            return (f"returned {type(value).__name__} {value!r:.80}, where {what or 'the function it replaces'} "
+                    f"returns " + " or ".join(t.__name__ for t in types_))
+        if check is not None and not check(value):
+            return f"returned {value!r:.80}, which {what or 'the function it replaces'} never returns"
+        return ""
+
+    return contract
+
+
+def guard(piece: str, what: str = "stand-in", *, swallow: bool = False, contract=None):
     """Decorator: run the function as fenced piece *piece*. A fault (any exception but a deliberate one, a
     ``SystemExit`` or ``KeyboardInterrupt`` included) is recorded, then re-raised (the caller gets no made-up
     value) or, with ``swallow``, dropped (a post-import hook: the import it rides on goes on as if the
-    hook were absent; the cell is INCOMPLETE anyway)."""
+    hook were absent; the cell is INCOMPLETE anyway). With a *contract* (:func:`returns`), a value the replaced
+    function never returns is a fault too (:class:`ContractBroken`): vLLM would raise a line later in its own frame,
+    or worse, decide on it."""
     register(piece, what)
 
     def wrap(fn):
@@ -168,7 +209,13 @@ def guard(piece: str, what: str = "stand-in", *, swallow: bool = False):
         def fenced(*args, **kwargs):
             try:
                 _enter(piece)
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                if piece in _WRONG[0]:
+                    result = WrongValue()
+                broken = contract(result) if contract is not None else ""
+                if broken:
+                    raise ContractBroken(f"{piece} {broken}")
+                return result
             except BaseException as exc:
                 # a SystemExit or KeyboardInterrupt our code raises is a fault like any other (the agent is ended
                 # by SIGKILL, never by a signal turned into an exception, so none of these is the user's)
@@ -231,8 +278,9 @@ def fits(piece: str, mod, *attrs: str) -> bool:
 def summary() -> dict:
     """What the evidence says of the fence in this process."""
     return {"on": True, "pieces": dict(sorted(REGISTRY.items())), "calls": dict(sorted(CALLS.items())),
-            "planted": sorted(_PLANTED[0]), "survey": _SURVEY[0]}
+            "planted": sorted(planted()), "survey": _SURVEY[0]}
 
 
-__all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "PlantedFault", "SimulationLimit", "check_origin", "deliberate",
+__all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "ContractBroken", "PlantedFault", "SimulationLimit", "returns",
+           "check_origin", "deliberate",
            "enter", "fault", "foreign", "guard", "passes", "plant", "planted", "raised_by_us", "register", "summary"]

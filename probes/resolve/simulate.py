@@ -222,12 +222,18 @@ def simulate_torch() -> None:
     def device_count():
         return _State.world()
 
+    pair = fence.returns(tuple, check=lambda v: len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                   for x in v), what="torch.cuda.get_device_capability")
+    count = fence.returns(int, check=lambda v: v >= 0, what="a device count or index")
+    contracts = {"get_device_capability": pair, "get_device_properties": fence.returns(_DeviceProperties),
+                 "get_device_name": fence.returns(str, check=bool, what="a device name"),
+                 "current_device": count, "device_count": count}
     for name, fn in (("get_device_capability", get_device_capability),
                      ("get_device_properties", get_device_properties),
                      ("get_device_name", get_device_name),
                      ("current_device", current_device),
                      ("device_count", device_count)):
-        setattr(torch.cuda, name, functools.wraps(fn)(fence.guard(f"torch.cuda.{name}")(fn)))
+        setattr(torch.cuda, name, functools.wraps(fn)(fence.guard(f"torch.cuda.{name}", contract=contracts[name])(fn)))
         SIMULATED[f"torch.cuda.{name}"] = "simulated SKU"
     SIMULATED["torch.cuda.is_available"] = ("True on a simulated device count when vLLM sets "
                                             "PYTORCH_NVML_BASED_CUDA_CHECK=1 (as it does); no CUDA runtime")
@@ -285,10 +291,22 @@ def install_platform():
         "is_integrated_gpu": lambda cls, device_id=0: False,
         "is_arch_support_pdl": lambda cls: P.sku().major >= 9,
     }
+    positive = fence.returns(int, check=lambda v: v > 0)
+    flag = fence.returns(bool)
+    # what each replaced method of vLLM's platform returns (vllm/platforms/interface.py), checked on every answer
+    contracts = {"get_device_capability": fence.returns(DeviceCapability, check=lambda v: all(
+                     isinstance(x, int) and not isinstance(x, bool) for x in (v.major, v.minor)),
+                     what="vLLM's get_device_capability"),
+                 "get_device_name": fence.returns(str, check=bool), "get_device_uuid": fence.returns(str, check=bool),
+                 "get_device_total_memory": positive, "device_count": positive, "num_compute_units": positive,
+                 "is_fully_connected": flag, "is_integrated_gpu": flag, "is_arch_support_pdl": flag,
+                 "get_device_numa_node": fence.returns(int, type(None)),
+                 "get_all_device_numa_nodes": fence.returns(list, type(None))}
     ns: dict = {"__module__": __name__, "__qualname__": "SimulatedCudaPlatform"}
     for name, fn in overrides.items():
         if hasattr(base, name):
-            ns[name] = classmethod(fence.guard(f"vllm.platforms.cuda:CudaPlatform.{name}")(fn))
+            ns[name] = classmethod(fence.guard(f"vllm.platforms.cuda:CudaPlatform.{name}",
+                                               contract=contracts.get(name))(fn))
             SIMULATED[f"vllm.platforms.cuda:CudaPlatform.{name}"] = "simulated SKU"
     cls = type("SimulatedCudaPlatform", (base,), ns)
     instance = cls()

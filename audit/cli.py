@@ -473,9 +473,21 @@ def _envs(args, out, err) -> int:
     err.print(f"{len(rows)} environment(s) in {rt.root / 'envs'} take {gb(listing['unique_bytes'])} on disk together "
               f"(a file hard-linked into several environments, or from uv's cache, {rt.root / 'uv-cache'}, counted "
               "once)")
+    from audit.errors import EnvironmentInUse
+
+    refused = []
     for r in prune:
-        rt.remove_env(r["name"])
+        try:
+            rt.remove_env(r["name"])
+        except EnvironmentInUse as exc:
+            refused.append(r["name"])
+            err.print(f"[yellow]not removed:[/yellow] {_escape(exc.message)}")
+            continue
         err.print(f"removed {r['name']} ({gb(r['own_bytes'])} of its own)")
+    if refused:
+        err.print(f"{len(refused)} environment(s) in use were left: prune again once their audits have ended "
+                  f"(exit {int(ExitCode.ENVIRONMENT)})")
+        return ExitCode.ENVIRONMENT
     return ExitCode.OK
 
 

@@ -170,6 +170,15 @@ class EnvironmentModified(EnvironmentBuildError):
                               "rebuilds it from the pinned wheel")
 
 
+class EnvironmentInUse(EnvironmentBuildError):
+    """An environment a running audit is using (its agent runs in it) cannot be removed."""
+
+    def __init__(self, *, name: str, path: str):
+        self.name, self.path = name, path
+        super().__init__(f"environment {name} is in use by a running audit: not removed ({path})", step="prune",
+                         hint="prune again once that audit has ended (serving-truth envs --prune ...)")
+
+
 class UnsafeLockPath(EnvironmentBuildError):
     """A pin's fields would put a cache path outside the cache (e.g. a version with '/' or '..' in it). Lock
     files are validated on load; this guards pins built any other way. Nothing is deleted or run."""

@@ -798,3 +798,21 @@ def test_a_signal_to_verify_pins_ends_it_as_interrupted_not_as_a_pin_that_does_n
     with pytest.raises(Interrupted):
         pincheck.verify_pins(KIMI_K3, lock_path=ROOT / "images.lock", pins=["v0.32.0", "v0.33.0"])
     assert seen == ["v0.32.0"] and Interrupted.exit_code == ExitCode.INTERRUPTED == 130
+
+
+def test_prune_refuses_an_environment_a_running_audit_uses(tmp_path, monkeypatch):
+    """`envs --prune all` while an audit's agent runs in an environment: that one is left (exit 3, named), never
+    deleted from under the audit; once the audit has ended it goes."""
+    from audit.errors import EnvironmentInUse
+    from audit.runtimes.local import LocalRuntime
+
+    monkeypatch.setenv("SERVING_TRUTH_CACHE", str(tmp_path / "cache"))
+    rt = LocalRuntime()
+    env = rt.root / "envs" / "vllm-0.0.0-cp312-000000000000"
+    (env / "bin").mkdir(parents=True)
+    with rt.using(env):
+        with pytest.raises(EnvironmentInUse) as err:
+            rt.remove_env(env.name)
+        assert err.value.exit_code == ExitCode.ENVIRONMENT and env.name in str(err.value) and env.is_dir()
+    rt.remove_env(env.name)
+    assert not env.exists()

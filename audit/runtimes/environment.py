@@ -9,6 +9,8 @@ process sees of it (PATH, the CUDA toolkit the environment's wheels ship, caches
 """
 from __future__ import annotations
 
+import contextlib
+
 import base64
 import csv
 import glob
@@ -24,8 +26,8 @@ import time
 import zipfile
 from pathlib import Path
 
-from audit.errors import DownloadHashMismatch, EnvironmentBuildError, EnvironmentModified, UnsafeLockPath, \
-    WheelHashMismatch
+from audit.errors import DownloadHashMismatch, EnvironmentBuildError, EnvironmentInUse, EnvironmentModified, \
+    UnsafeLockPath, WheelHashMismatch
 from audit.fsutil import DirLock, cache_root, load_memo, memo_hash, save_memo, sha256_file, write_atomic
 from audit.pins.fetch import download
 from audit.pins.lock import Pin, contained, unsafe_path_field
@@ -284,12 +286,44 @@ class PinEnvironments:
                         "finished": (env / ENV_MARKER).is_file()})
         return {"envs": out, "unique_bytes": unique}
 
+    @contextlib.contextmanager
+    def using(self, env: Path):
+        """Hold *env* in use (a shared lock on ``<cache>/envs/.in-use/<name>``) while an audit's agent runs in it:
+        ``envs --prune`` refuses an environment in use instead of deleting it under the audit."""
+        import fcntl
+
+        marker = self.root / "envs" / ".in-use" / env.name
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield env
+        finally:
+            os.close(fd)  # closing releases the lock
+
     def remove_env(self, name: str) -> None:
-        """Remove one environment (a direct child of ``<cache>/envs``) under its build lock."""
+        """Remove one environment (a direct child of ``<cache>/envs``) under its build lock; one an audit is using
+        (:meth:`using`) is refused (:class:`EnvironmentInUse`), never pulled from under it."""
+        import fcntl
+
         envs = self.root / "envs"
         env = envs / name
         if env.parent != envs or not env.is_dir() or env.is_symlink() or name.startswith("."):
             raise ValueError(f"{name!r} is not an environment under {envs}")
+        marker = envs / ".in-use" / name
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise EnvironmentInUse(name=name, path=str(env)) from None
+            self._remove(env, name)
+        finally:
+            os.close(fd)
+
+    def _remove(self, env: Path, name: str) -> None:
+        envs = env.parent
         with DirLock(env):
             shutil.rmtree(env)
             # what only this environment's agents used: its bytecode, memos and learned imports

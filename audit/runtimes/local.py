@@ -59,7 +59,11 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
         self.bind(request)
         if request.mode == "observe":
             return self._run_observe(request, progress)
-        env = self.ensure_env(request.pin, progress)
+        with self.using(self.env_dir(request.pin)):  # `envs --prune` refuses it while the audit uses it
+            env = self.ensure_env(request.pin, progress)
+            return self._run_resolve(request, progress, env)
+
+    def _run_resolve(self, request: RunRequest, progress: Progress, env: Path) -> RunResult:
         progress("stage", text="building the stub libcuda (cached)")
         stub = self.ensure_stub(env)
         model_dir = write_model_dirs(request)

@@ -153,7 +153,8 @@ class EnvironmentModified(EnvironmentBuildError):
     removed, or a startup hook no installed distribution records was added. The audit refuses to run in it
     (its ledger would carry the pinned wheel's hash for code that is not that wheel's)."""
 
-    def __init__(self, *, env: str, wheel: str, modified: list[str], missing: list[str], unexpected: list[str]):
+    def __init__(self, *, env: str, wheel: str, modified: list[str], missing: list[str], unexpected: list[str],
+                 uv_cache: str = "", package: str = "vllm"):
         self.env = env
         self.wheel = wheel
         self.modified = list(modified)
@@ -166,8 +167,11 @@ class EnvironmentModified(EnvironmentBuildError):
                 parts.append(f"{what}: " + ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else ""))
         super().__init__(f"the environment {env} differs from what {wheel} installs; " + "; ".join(parts),
                          step="verify environment",
-                         hint=f"do not audit an edited environment; remove it (rm -rf {env}) and the next audit "
-                              "rebuilds it from the pinned wheel")
+                         hint=f"do not audit an edited environment. Its files are hard links into uv's package "
+                              f"cache, so the edit is in the cached copy too and a rebuild would link it again: "
+                              f"drop both, `rm -rf {env}` and `.venv/bin/uv cache clean {package} --cache-dir "
+                              f"{uv_cache or '<cache>/uv-cache'}`; the next audit rebuilds it from the pinned wheel "
+                              "(its sha256 checked)")
 
 
 class EnvironmentInUse(EnvironmentBuildError):

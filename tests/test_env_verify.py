@@ -63,6 +63,9 @@ def test_a_modified_environment_is_refused(fake_env, tamper, listed):
         rt.ensure_env(pin, NOP)
     assert listed in str(e.value), str(e.value)
     assert e.value.exit_code == ExitCode.ENVIRONMENT and f"rm -rf {env}" in str(e.value)
+    # the remedy drops uv's cached copy too (the environment's files are hard links into it: a rebuild alone
+    # would link the edited file again)
+    assert f"uv cache clean vllm --cache-dir {rt.root / 'uv-cache'}" in str(e.value)
     assert env.exists()  # refused, not silently rebuilt
 
 

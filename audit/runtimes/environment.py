@@ -434,7 +434,7 @@ class PinEnvironments:
                 modified.append(problem)
         if modified or missing or unexpected:
             raise EnvironmentModified(env=str(env), wheel=wheel.name, modified=modified, missing=missing,
-                                      unexpected=unexpected)
+                                      unexpected=unexpected, uv_cache=str(self.root / "uv-cache"))
         summary = {"files": checked, "skipped": skipped, "wheel": wheel.name, "sha256": pin.wheel_sha256,
                    "text": f"verified before the audit: the {checked} files {pin.wheel} installs match the sha256s "
                            "in its own RECORD" + (f" ({skipped} rewritten at install time not compared)" if skipped else "")

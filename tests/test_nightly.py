@@ -231,6 +231,41 @@ def test_truncated_download(index, lock_copy, tmp_path):
     _unchanged(lock_copy, before, tmp_path / "cache")
 
 
+def test_a_download_larger_than_its_bound_is_refused_and_a_killed_ones_partial_is_swept(index, lock_copy, tmp_path,
+                                                                                          monkeypatch):
+    """A server announcing 10^15 bytes is refused before a byte is read (the ceiling, SERVING_TRUTH_MAX_DOWNLOAD_BYTES);
+    a body past the ceiling is stopped; a partial file a killed download left (its process gone) is swept by the next
+    download, one of a live process is not."""
+    import subprocess
+
+    from audit.errors import DownloadError
+    from audit.pins import fetch
+
+    wheel_path = f"/{COMMIT}/" + index.wheel.name.replace("+", "%2B")
+    index.announce[wheel_path] = 10 ** 15
+    before = lock_copy.read_bytes()
+    with pytest.raises(DownloadError, match="announces 1000000000000000 bytes, more than the"):
+        wheelindex.add_pin(lock_copy, "n", commit=COMMIT, arch="x86_64", index_url=index.url,
+                           cache_root=tmp_path / "cache")
+    _unchanged(lock_copy, before, tmp_path / "cache")
+    ceiling = index.wheel.stat().st_size // 2
+    index.announce[wheel_path] = None  # announces no length, sends the whole file
+    monkeypatch.setenv(fetch.MAX_DOWNLOAD_ENV, str(ceiling))
+    with pytest.raises(DownloadError, match="sent more than the"):
+        fetch.download(index.url + wheel_path, tmp_path / "dl" / index.wheel.name)
+    assert not list((tmp_path / "dl").iterdir())
+    monkeypatch.delenv(fetch.MAX_DOWNLOAD_ENV)
+    del index.announce[wheel_path]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / "dl" / f".partial-{dead.pid}-{index.wheel.name}"
+    alive = tmp_path / "dl" / f".partial-{os.getppid()}-{index.wheel.name}"
+    stale.write_bytes(b"half a wheel")
+    alive.write_bytes(b"another download, running")
+    fetch.download(index.url + wheel_path, tmp_path / "dl" / index.wheel.name)
+    assert not stale.exists() and alive.exists() and (tmp_path / "dl" / index.wheel.name).is_file()
+
+
 def test_no_wheel_for_the_platform(tmp_path, lock_copy, cli_env):
     arm = make_wheel(tmp_path / "src", DEV, commit=COMMIT[:9], plat="manylinux_2_28_aarch64")
     publish_commit(tmp_path / "index", COMMIT, {None: [arm]})

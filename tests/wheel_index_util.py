@@ -123,6 +123,9 @@ class IndexServer:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.truncate: set[str] = set()
+        #: URL path -> a Content-Length to announce in place of the file's own (a server that lies about its size;
+        #: None: none announced)
+        self.announce: dict[str, int | None] = {}
         self.commits: list[dict] = []
         self.requests: list[str] = []
         server = self
@@ -141,6 +144,15 @@ class IndexServer:
                     return self._api(path[len("/api"):])
                 if path in server.truncate:
                     return self._truncated(path)
+                if path in server.announce:
+                    data = Path(self.translate_path(path)).read_bytes()
+                    self.send_response(200)
+                    if server.announce[path] is not None:  # None: no length at all, the body ends with the connection
+                        self.send_header("Content-Length", str(server.announce[path]))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    self.close_connection = True
+                    return None
                 return super().do_GET()
 
             def _api(self, path):

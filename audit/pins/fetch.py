@@ -70,19 +70,61 @@ def _get(url: str, *, what: str, step: str = "wheel index", accept: str = "", li
 
 
 # -- downloads ------------------------------------------------------------------------------------------
-def download(url: str, dest: Path, *, expected_sha256: str = "", expected_source: str = "",
+#: the most a download may take, whatever its server announces (``SERVING_TRUTH_MAX_DOWNLOAD_BYTES`` sets another)
+MAX_DOWNLOAD_ENV = "SERVING_TRUTH_MAX_DOWNLOAD_BYTES"
+MAX_DOWNLOAD_BYTES = 4 << 30
+
+
+def max_download_bytes() -> int:
+    raw = os.environ.get(MAX_DOWNLOAD_ENV, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else MAX_DOWNLOAD_BYTES
+
+
+def sweep_partials(directory: Path) -> list[Path]:
+    """Remove the partial files of downloads whose process is gone (killed mid-download): ``.partial-<pid>-<name>``
+    with no such process alive. Returns what was removed."""
+    removed = []
+    for path in directory.glob(".partial-*-*"):
+        pid = path.name.split("-", 2)[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # that download is still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def download(url: str, dest: Path, *, expected_sha256: str = "", expected_source: str = "", expected_size: int = 0,
              progress: Progress = lambda text: None) -> tuple[Path, str, int]:
     """Fetch *url* into *dest* (atomically: a partial file never has the final name); hash the bytes as they
-    arrive. A short body (fewer bytes than Content-Length, or a connection that ends early) and a sha256 other
-    than *expected_sha256* are errors, and leave nothing behind. Returns (dest, sha256, size)."""
+    arrive. A short body (fewer bytes than Content-Length, or a connection that ends early), a body larger than the
+    size the index states (*expected_size*) or than the ceiling (:func:`max_download_bytes`), announced or
+    received, and a sha256 other than *expected_sha256* are errors, and leave nothing behind; partial files a
+    killed download left are swept first. Returns (dest, sha256, size)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    sweep_partials(dest.parent)
     tmp = dest.parent / f".partial-{os.getpid()}-{dest.name}"
     h = hashlib.sha256()
     size = 0
+    limit = min(x for x in (expected_size, max_download_bytes()) if x)
+    bound = (f"the {limit} bytes the index states" if expected_size and expected_size == limit else
+             f"the {limit} bytes a download may take (${MAX_DOWNLOAD_ENV})")
     try:
         with _open(url, what="wheel", step="download wheel") as resp, open(tmp, "wb") as out:
             length = resp.headers.get("Content-Length")
             expected_len = int(length) if length and length.isdigit() else None
+            if expected_len is not None and expected_len > limit:
+                raise DownloadError(f"{url} announces {expected_len} bytes, more than {bound}: refused before "
+                                    "reading", url=url)
             progress(f"downloading {url}" + (f" ({expected_len / 1e6:.0f} MB)" if expected_len else ""))
             while True:
                 try:
@@ -94,9 +136,11 @@ def download(url: str, dest: Path, *, expected_sha256: str = "", expected_source
                     raise DownloadError(f"reading {url} failed after {size} bytes: {exc}", url=url) from None
                 if not chunk:
                     break
+                size += len(chunk)
+                if size > limit:
+                    raise DownloadError(f"{url} sent more than {bound}: stopped", url=url)
                 h.update(chunk)
                 out.write(chunk)
-                size += len(chunk)
             if expected_len is not None and size != expected_len:
                 raise TruncatedDownload(url=url, expected_bytes=expected_len, received_bytes=size)
             out.flush()

@@ -24,6 +24,8 @@ shas). Standard library only.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import email.parser
 import html.parser
 import json
@@ -66,6 +68,8 @@ class WheelEntry:
     variant: str = ""
     #: from a ``#sha256=`` fragment of the package index, when it has one
     sha256: str = ""
+    #: the file's size in bytes where the index states it (its metadata.json): the download may take no more
+    size: int = 0
 
 
 def index_base(explicit: str | None = None) -> str:
@@ -150,7 +154,8 @@ def read_commit_index(base: str, commit: str, variant: str | None = None) -> tup
             e = _entry(item["filename"], urllib.parse.urljoin(pkg, item["path"]), variant=item.get("variant") or "",
                        sha256=hashes.get(item["filename"], ""))
             if e:
-                entries.append(e)
+                stated = item.get("size")
+                entries.append(dataclasses.replace(e, size=stated) if isinstance(stated, int) and stated > 0 else e)
     elif html_links is not None:
         for href in html_links:
             split = urllib.parse.urlsplit(href)
@@ -410,6 +415,7 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
         cache = WheelCache(cache_root or default_cache_root())
         incoming = cache.incoming / filename
         path, digest, size = download(wheel_url, incoming, expected_sha256=announced, expected_source=source,
+                                      expected_size=chosen.size if chosen is not None else 0,
                                       progress=progress)
         try:
             facts = inspect_wheel(path)

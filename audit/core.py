@@ -250,6 +250,9 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
             # the evidence names its pin: two pins of the same wheel keep their own entries
             "pin": request.pin.name, "harness_env": identity.get("harness_env", []), "redact_env": []}
     probes = evcache.probes_digest()
+    # what every reused evidence file's header must say (check_evidence_identity refuses anything else later, so an
+    # entry saying otherwise is discarded here instead of failing every audit that finds it)
+    header = {"pin": request.pin.name, "wheel_sha256": request.pin.wheel_sha256}
     keys, cached, discarded = {}, {}, []
     for system, layout in request.cells:
         cell = {"system": system.as_job(), "layout": layout.as_job()}
@@ -258,7 +261,7 @@ def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True
         keys[(system.name, layout.name)] = (key, inputs)
         if not use:
             continue
-        entry, why = evcache.check(rt.root, key, (system.name, layout.name), request.profile.name)
+        entry, why = evcache.check(rt.root, key, (system.name, layout.name), request.profile.name, expect=header)
         if why:
             evcache.discard(rt.root, key)
             discarded.append([system.name, layout.name, why])

@@ -262,3 +262,49 @@ def test_what_the_agent_left_running_is_ended_before_its_bytecode_is_dropped(tmp
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the agent's leftover child is still running")
+
+
+def _with_header(cell: Path, **fields) -> None:
+    ev = cell / "evidence-h-1-abc.jsonl"
+    lines = ev.read_text().splitlines()
+    ev.write_text("\n".join([json.dumps({**json.loads(lines[0]), **fields}), *lines[1:]]) + "\n")
+
+
+def test_an_entry_of_another_pin_or_wheel_is_discarded_not_refused_at_every_audit(tmp_path, monkeypatch):
+    """An entry whose evidence names another pin or wheel would be refused later by the evidence identity check
+    (exit 4) at every audit that found it; the cache check discards it instead, so the cell just runs again."""
+    monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(tmp_path / "c"))
+    cell = _cell(tmp_path)
+    _with_header(cell, pin="v0.32.0", wheel_sha256="a" * 64, model="kimi-k3")
+    assert evcache.store(tmp_path, "k1", cell, run="r1", date="d", inputs={}, info={})
+    ours = {"pin": "v0.32.0", "wheel_sha256": "a" * 64}
+    assert evcache.check(tmp_path, "k1", ("b200_sxm", "tp8"), "kimi-k3", expect=ours)[0] is not None
+    entry, why = evcache.check(tmp_path, "k1", ("b200_sxm", "tp8"), "kimi-k3", expect={**ours, "pin": "v0.33.0"})
+    assert entry is None and "says pin 'v0.32.0', this audit's is 'v0.33.0'" in why
+    entry, why = evcache.check(tmp_path, "k1", ("b200_sxm", "tp8"), "kimi-k3", expect={**ours, "wheel_sha256": "b" * 64})
+    assert entry is None and "says wheel_sha256" in why
+    assert evcache.lookup(tmp_path, "k1", ("b200_sxm", "tp8"), "kimi-k3", expect={**ours, "pin": "v0.33.0"}) is None
+    assert not os.path.lexists(tmp_path / "c" / "k1")
+
+
+def test_an_entry_replaced_while_it_is_checked_is_not_judged_damaged(tmp_path, monkeypatch):
+    """Two audits of the same cell: one stores (old entry renamed aside, new renamed in) while the other checks.
+    The checker may read the old seal and the new files; that torn reading is taken again, and the sound new
+    entry is reused, never discarded."""
+    monkeypatch.setenv("SERVING_TRUTH_EVIDENCE_CACHE", str(tmp_path / "c"))
+    old, new = _cell(tmp_path, name="old"), _cell(tmp_path, name="new")
+    (new / "agent.log").write_text("another run's log\n")
+    assert evcache.store(tmp_path, "k1", old, run="old", date="d", inputs={}, info={})
+    real = evcache.sha256_file
+    swapped = []
+
+    def digest_while_another_audit_stores(path):
+        if not swapped:
+            swapped.append(True)
+            assert evcache.store(tmp_path, "k1", new, run="new", date="d", inputs={}, info={})
+        return real(path)
+
+    monkeypatch.setattr(evcache, "sha256_file", digest_while_another_audit_stores)
+    entry, why = evcache.check(tmp_path, "k1", ("b200_sxm", "tp8"))
+    assert swapped and why == "" and entry["run"] == "new"
+    assert evcache.lookup(tmp_path, "k1", ("b200_sxm", "tp8"))["run"] == "new"

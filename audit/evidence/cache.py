@@ -13,7 +13,8 @@ are written to a sibling first and renamed into place, so a reader never sees ha
 
 An entry is **sealed** like a content-addressed store: before it is reused, the entry directory must be a
 real directory holding exactly the files ``entry.json`` names (regular files, no links, nothing extra), each
-with the digest recorded when it was written, and its evidence must be that cell's. Anything else (an edited,
+with the digest recorded when it was written, and its evidence must be that cell's, model's, pin's and wheel's
+(what the run's evidence identity check would demand later). Anything else (an edited,
 truncated, planted, swapped or linked entry; a FIFO) is a miss: the entry is taken out of the cache, the cell
 runs again and its fresh evidence replaces the entry. Nothing damaged is ever reused, and nothing needs a
 manual delete. ``--no-cache`` runs every cell and refreshes the entries it ran.
@@ -85,9 +86,33 @@ def _regular(path: Path) -> bool:
         return False
 
 
-def check(root: Path, key: str, cell: tuple[str, str] | None = None, model: str = "") -> tuple[dict | None, str]:
+def check(root: Path, key: str, cell: tuple[str, str] | None = None, model: str = "",
+          expect: dict | None = None) -> tuple[dict | None, str]:
     """``(entry, "")`` for a sound entry of *key*; ``(None, "")`` when there is none; ``(None, why)`` when one is
-    there but cannot be trusted (the seal is broken, or its evidence is of another cell or another *model*)."""
+    there but cannot be trusted (the seal is broken, or its evidence is of another cell, another *model*, or says
+    other header fields than *expect* holds: the pin by name, the wheel's sha256).
+
+    An entry another audit replaces while this one reads it (:func:`store` renames the old one aside and the new
+    one in) can look torn for a moment; a torn reading is taken once more before the entry is judged damaged."""
+    entry, why = _check_once(root, key, cell, model, expect or {})
+    if why:
+        entry, why = _check_once(root, key, cell, model, expect or {})
+    return entry, why
+
+
+def _header_mismatch(name: str, header: dict, cell, model: str, expect: dict) -> str:
+    got = header.get("cell") or {}
+    if cell is not None and (got.get("system"), got.get("layout")) != tuple(cell):
+        return f"{name} is the evidence of {got.get('system')}/{got.get('layout')}, not {cell[0]}/{cell[1]}"
+    if model and header.get("model") != model:
+        return f"{name} is the evidence of the model {header.get('model')!r}, not {model}"
+    for field, want in sorted(expect.items()):
+        if want and header.get(field) != want:
+            return f"{name} says {field} {str(header.get(field))[:24]!r}, this audit's is {str(want)[:24]!r}"
+    return ""
+
+
+def _check_once(root: Path, key: str, cell, model: str, expect: dict) -> tuple[dict | None, str]:
     d = cache_dir(root) / key
     try:
         st = os.lstat(d)
@@ -121,25 +146,26 @@ def check(root: Path, key: str, cell: tuple[str, str] | None = None, model: str 
             return None, f"{name} is not a regular file"
         if sha256_file(d / name) != digest:
             return None, f"{name} does not match its recorded sha256"
-    if cell is not None:
-        for name in files:
+    if cell is not None or model or expect:
+        for name in sorted(files):
             if name.startswith("evidence-"):
                 try:
                     with open(d / name, encoding="utf-8") as fh:
                         header = json.loads(fh.readline())
                 except (OSError, ValueError):
                     return None, f"{name} has no readable header"
-                got = header.get("cell") or {}
-                if (got.get("system"), got.get("layout")) != tuple(cell):
-                    return None, f"{name} is the evidence of {got.get('system')}/{got.get('layout')}, not {cell[0]}/{cell[1]}"
-                if model and header.get("model") != model:
-                    return None, f"{name} is the evidence of the model {header.get('model')!r}, not {model}"
+                if not isinstance(header, dict):
+                    return None, f"{name} has no readable header"
+                mismatch = _header_mismatch(name, header, cell, model, expect)
+                if mismatch:
+                    return None, mismatch
     return entry, ""
 
 
-def lookup(root: Path, key: str, cell: tuple[str, str] | None = None, model: str = "") -> dict | None:
+def lookup(root: Path, key: str, cell: tuple[str, str] | None = None, model: str = "",
+           expect: dict | None = None) -> dict | None:
     """The sound entry for *key*, or None (a damaged one is discarded: :func:`discard`)."""
-    entry, why = check(root, key, cell, model)
+    entry, why = check(root, key, cell, model, expect)
     if why:
         discard(root, key)
     return entry

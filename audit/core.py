@@ -180,7 +180,7 @@ def run_audit(pin_name: str, options: AuditOptions, *,
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
                          timeout_s=o.timeout_s, mode=o.mode, slice=o.slice_name, profiler=o.profiler,
                          postload_every_layer=o.postload_every_layer, plant_fault=o.plant_fault,
-                         deadline=started + o.timeout_s if o.timeout_s else None)
+                         trust_memo=o.cache, deadline=started + o.timeout_s if o.timeout_s else None)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, o.runtime, o.cuda_toolkit, lock=str(o.lock_path),
                                   expectations=str(o.expectations) if o.expectations not in (None, "") else "none",
                                   baseline="" if o.baseline in (None, "auto") else o.baseline, profile=profile)

@@ -186,16 +186,20 @@ def test_the_memo_keys_on_source_arguments_and_the_facts_read(vllm_env, tmp_path
         print(json.dumps({"calls": toypkg.CALLS, "same_object": first is again, "from_disk": repr(from_disk),
                           "first": repr(first), "other": repr(other_sku), "stats": memo.STATS}))
     ''', tmp_path)
-    assert out["calls"] == [4, 4, 4]  # first, another SKU, edited source; never for a reused answer
+    # first, the check of the first answer read from disk, another SKU, edited source; never for an answer this
+    # process already has
+    assert out["calls"] == [4, 4, 4, 4]
     assert out["same_object"] and out["from_disk"] == out["first"] == "[(0, 4), {'block': (8, 16)}]"
-    assert out["stats"]["toy"] == {"computed": 3, "reused": 2, "uncacheable": 0, "rejected": 0}
+    assert out["stats"]["toy"] == {"computed": 3, "reused": 2, "uncacheable": 0, "rejected": 0, "checked": 1}
     assert out["stats"]["opaque"]["uncacheable"] == 1
 
 
 def test_a_memo_entry_that_does_not_verify_is_recomputed_never_served(vllm_env, tmp_path):
     """The memo is evidence too: an entry whose result was edited (its seal no longer verifies), an entry moved
-    into another key's file, and a file that is not a list of entries are each rejected and computed again; what
-    the computation returns is what it computes, never the edited value."""
+    into another key's file (resealed or not: its key is recomputed from its inputs), an edit resealed by the hand
+    that made it (caught by computing the first answer read from disk again), and a file that is not a list of
+    entries are each rejected and computed again; what the computation returns is what it computes, never the
+    edited value."""
     pkg = tmp_path / "toypkg2"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent('''
@@ -220,10 +224,40 @@ def test_a_memo_entry_that_does_not_verify_is_recomputed_never_served(vllm_env, 
         moved = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)
         open(one, "w").write('{"not": "a list"}')         # a malformed file
         malformed = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)
+        good = json.load(open(one))[0]
+        resealed = memo.seal(good["inputs"], good["facts"], {"block_size_m": 999})   # an edit whose hand resealed it
+        json.dump([resealed], open(one, "w"))
+        caught = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)
+        other = json.load(open(two))[0]                    # another call's inputs under this key, resealed
+        disguised = {**other, "key": good["key"]}
+        disguised["sha256"] = memo._digest(good["key"], other["inputs"], other["facts"], other["result"])
+        json.dump([disguised], open(one, "w"))
+        moved_resealed = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)
         again = memo.memoised(toypkg2.heuristics, "toy", "memo", facts)(1)   # the rewritten entry verifies
-        print(json.dumps({"edited": edited, "moved": moved, "malformed": malformed, "again": again,
+        print(json.dumps({"edited": edited, "moved": moved, "malformed": malformed, "caught": caught,
+                          "moved_resealed": moved_resealed, "again": again,
                           "calls": toypkg2.CALLS, "stats": memo.STATS["toy"]}))
     ''', tmp_path)
-    assert out["edited"] == out["moved"] == out["malformed"] == out["again"] == {"block_size_m": 8}
-    assert out["calls"] == [1, 2, 1, 1, 1]  # computed again after each bad entry, reused once it was rewritten
-    assert out["stats"] == {"computed": 5, "reused": 1, "uncacheable": 0, "rejected": 3}
+    assert out["edited"] == out["moved"] == out["malformed"] == out["caught"] == out["moved_resealed"] == \
+        out["again"] == {"block_size_m": 8}
+    # computed again after each bad entry; the resealed edit is caught by the check of the first answer a process
+    # reads from disk, the disguised entry by its key recomputed from its inputs; once sound, checked and reused
+    assert out["calls"] == [1, 2, 1, 1, 1, 1, 1, 1]
+    assert out["stats"] == {"computed": 7, "reused": 1, "uncacheable": 0, "rejected": 5, "checked": 2}
+
+
+def test_an_untrusting_memo_serves_no_stored_answer(vllm_env, tmp_path):
+    """--no-cache: every call computes, even over a sound entry, and refreshes the entry."""
+    pkg = tmp_path / "toypkg3"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("CALLS = []\n\ndef h(x):\n    CALLS.append(x)\n    return [x]\n", encoding="utf-8")
+    out = _in_env(vllm_env, '''
+        import json, toypkg3
+        from probes.resolve import memo
+        facts = lambda fields: {}
+        memo.memoised(toypkg3.h, "toy", "memo", facts)(3)
+        untrusting = memo.memoised(toypkg3.h, "toy", "memo", facts, trust=False)
+        print(json.dumps({"a": untrusting(3), "calls": toypkg3.CALLS, "stats": memo.STATS["toy"]}))
+    ''', tmp_path)
+    assert out["a"] == [3] and out["calls"] == [3, 3]
+    assert out["stats"] == {"computed": 2, "reused": 0, "uncacheable": 0, "rejected": 0, "checked": 0}

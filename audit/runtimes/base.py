@@ -51,6 +51,9 @@ class RunRequest:
     plant_fault: str = ""
     #: planted raises are caught by each piece's own fence and recorded, then the piece does its work
     plant_survey: bool = False
+    #: False (``--no-cache``): the memo of pure computations below vLLM serves no stored answer (computes
+    #: every one and refreshes its entries)
+    trust_memo: bool = True
     #: time.monotonic() by which the whole audit must end (``--timeout`` counted from the audit's start, so it
     #: covers building the environment too); None: from when the run starts, or no limit without timeout_s
     deadline: float | None = None
@@ -377,6 +380,7 @@ def write_plan(request: RunRequest, *, model_dir: str, stub_libcuda: str, out_di
         "plant_survey": request.plant_survey,
         # pure computations below vLLM kept across cells and audits (probes/resolve/memo.py); None: none kept
         "memo_dir": where(memo_dir) if memo_dir else None,
+        "memo_trust": request.trust_memo,
         "draft_weights": list(request.profile.draft_weights),
         "profile": request.profiler,
         "warm_third_party": ["torch", "transformers", "triton"],

@@ -171,7 +171,8 @@ def _install_platform(plan: dict, rec):
     standins.install(hooks, own)
     from probes.resolve import memo
 
-    memo.install(hooks, None if plan.get("postload_every_layer") else plan.get("memo_dir"), standins.humming_facts)
+    memo.install(hooks, None if plan.get("postload_every_layer") else plan.get("memo_dir"), standins.humming_facts,
+                 trust=plan.get("memo_trust", True))
     platform = simulate.install_platform()
     simulate.stand_in_cuda_streams()
     base = type(platform).__mro__[1]

@@ -15,10 +15,18 @@ that asks the same question:
 * entries live in the directory the host names (``plan["memo_dir"]``, under the audit cache); without one,
   nothing is kept. ``plan["postload_every_layer"]`` (the straightforward path) computes every time.
 
-Each entry is **sealed** like evidence: it names its key (the file it belongs in) and carries the sha256 of its
-key, facts and result. An entry whose key is not its file's, whose seal does not verify or whose shape is not an
-entry's is never served: the answer is computed again and the entry replaced (counted as ``rejected``); a file
-that is not a list of entries is ignored the same way, never a failure of the computation that asked.
+Each entry is **sealed** like evidence: it names its key (the file it belongs in), the inputs the key is
+computed from (the label, the package digest, the arguments' text) and carries the sha256 of all of it with the
+facts and result. An entry is served only when its key recomputed from its own inputs is its file's and the
+current call's, its facts are a flat object of JSON scalars, and its seal verifies; anything else is computed
+again and the entry replaced (counted as ``rejected``); a file that is not a list of entries is ignored the same
+way, never a failure of the computation that asked.
+
+A seal is a plain digest: it catches an accident, not an edit by a hand that reseals. So the first answer of
+each memoised function a process would reuse from disk is computed again (``checked``) and must be the stored
+one, types included; one that is not is rejected, its file rewritten from the computation, and nothing from
+that file is served. An edited entry a process does not check first is not caught this way: runs that must not
+trust the cache at all use ``--no-cache`` (the memo then computes everything) or ``--postload-every-layer``.
 
 The cell's evidence says how many answers were computed, reused and rejected (``memo`` record), and tests
 require the same routing with the memo and without it, and after an entry is edited. Imported only inside the
@@ -72,12 +80,14 @@ def _package_digest(module_name: str) -> str:
     return h.hexdigest()
 
 
-def memoised(fn, label: str, directory: str, facts_now):
+def memoised(fn, label: str, directory: str, facts_now, trust: bool = True):
     """``fn`` answered from ``directory`` when the same code, arguments and device facts were seen before.
-    ``facts_now(fields)`` gives the current SKU's values for recorded fact names."""
+    ``facts_now(fields)`` gives the current SKU's values for recorded fact names. With *trust* False no stored
+    answer is served: every call computes and refreshes its entry."""
     code = _package_digest(fn.__module__)
-    stats = STATS.setdefault(label, {"computed": 0, "reused": 0, "uncacheable": 0, "rejected": 0})
+    stats = STATS.setdefault(label, {"computed": 0, "reused": 0, "uncacheable": 0, "rejected": 0, "checked": 0})
     here: dict[str, object] = {}  # this process's answers by key file (one SKU per process)
+    unchecked = [True]  # the first answer this process would take from disk is computed again
 
     @functools.wraps(fn)
     @fence.guard(f"memo {label}")
@@ -86,41 +96,68 @@ def memoised(fn, label: str, directory: str, facts_now):
         if _ADDRESS.search(text):
             stats["uncacheable"] += 1
             return foreign(fn, *args, **kwargs)
-        key = hashlib.sha256(f"{label}\0{code}\0{text}".encode()).hexdigest()
+        inputs = {"label": label, "code": code, "args": text}
+        key = key_of(inputs)
         path = os.path.join(directory, key + ".json")
         if path in here:  # the same object each time, as the function's own cache would give
             stats["reused"] += 1
             return here[path]
         entries, rejected = _load(path, key)
         stats["rejected"] += rejected
-        for entry in entries:
+        for entry in entries if trust else ():
             try:
                 same = facts_now(list(entry["facts"])) == entry["facts"]
             except Exception:  # a fact the current SKU cannot answer: not this entry
                 same = False
-            if same:
-                stats["reused"] += 1
-                here[path] = _decode(entry["result"])
-                return here[path]
-        READ.append({})
-        try:
-            result = foreign(fn, *args, **kwargs)
-        finally:
-            facts = READ.pop()
-        try:
-            stored = _encode(result)
-            round_trip = _decode(json.loads(json.dumps(stored)))
-        except (TypeError, ValueError):
-            round_trip = stored = None
-        if stored is None or round_trip != result or not _same_types(round_trip, result):
-            stats["uncacheable"] += 1
-            return result
-        stats["computed"] += 1
-        here[path] = result
-        _save(path, [e for e in entries if e["facts"] != facts] + [seal(key, facts, stored)])
+            if not same:
+                continue
+            stored = _decode(entry["result"])
+            if unchecked[0]:
+                unchecked[0] = False
+                stats["checked"] += 1
+                result, facts = _compute(fn, args, kwargs)
+                if facts != entry["facts"] or result != stored or not _same_types(result, stored):
+                    stats["rejected"] += 1  # an edited answer, resealed: the computation's is kept instead
+                    _keep(path, [], facts, result, inputs, stats, here)
+                    return result
+            stats["reused"] += 1
+            here[path] = stored
+            return stored
+        result, facts = _compute(fn, args, kwargs)
+        _keep(path, entries, facts, result, inputs, stats, here)
         return result
 
     return call
+
+
+def _compute(fn, args, kwargs):
+    """(what *fn* returns, the device facts it read meanwhile)."""
+    READ.append({})
+    try:
+        result = foreign(fn, *args, **kwargs)
+    finally:
+        facts = READ.pop()
+    return result, facts
+
+
+def _keep(path: str, entries: list, facts: dict, result, inputs: dict, stats: dict, here: dict) -> None:
+    """Store a computed *result* beside the other *entries* of its file, when JSON keeps it exactly."""
+    try:
+        stored = _encode(result)
+        round_trip = _decode(json.loads(json.dumps(stored)))
+    except (TypeError, ValueError):
+        round_trip = stored = None
+    if stored is None or round_trip != result or not _same_types(round_trip, result):
+        stats["uncacheable"] += 1
+        return
+    stats["computed"] += 1
+    here[path] = result
+    _save(path, [e for e in entries if e["facts"] != facts] + [seal(inputs, facts, stored)])
+
+
+def key_of(inputs: dict) -> str:
+    """The key of a memoised call: sha256 over its label, its package's digest and its arguments' text."""
+    return hashlib.sha256(f"{inputs['label']}\0{inputs['code']}\0{inputs['args']}".encode()).hexdigest()
 
 
 _TUPLE = "__memo_tuple__"
@@ -159,18 +196,37 @@ def _same_types(a, b) -> bool:
     return True
 
 
-def _digest(key: str, facts, result) -> str:
-    return hashlib.sha256(json.dumps({"key": key, "facts": facts, "result": result}, sort_keys=True).encode()).hexdigest()
+def _digest(key: str, inputs, facts, result) -> str:
+    return hashlib.sha256(json.dumps({"key": key, "inputs": inputs, "facts": facts, "result": result},
+                                     sort_keys=True).encode()).hexdigest()
 
 
-def seal(key: str, facts: dict, result) -> dict:
-    """A memo entry of *key*: its facts and result with the sha256 that seals them."""
-    return {"key": key, "facts": facts, "result": result, "sha256": _digest(key, facts, result)}
+def seal(inputs: dict, facts: dict, result) -> dict:
+    """A memo entry for the call *inputs* describe: its key, inputs, facts and result, and the sha256 sealing them."""
+    key = key_of(inputs)
+    return {"key": key, "inputs": dict(inputs), "facts": facts, "result": result,
+            "sha256": _digest(key, inputs, facts, result)}
+
+
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def _sound(e, key: str) -> bool:
+    """An entry of the call whose key is *key*: its own inputs give that key, its facts are flat scalars, its
+    seal verifies."""
+    if not isinstance(e, dict) or e.get("key") != key or "result" not in e:
+        return False
+    inputs, facts = e.get("inputs"), e.get("facts")
+    if not isinstance(inputs, dict) or not all(isinstance(inputs.get(f), str) for f in ("label", "code", "args")):
+        return False
+    if key_of(inputs) != key or not isinstance(facts, dict) or not all(isinstance(v, _SCALAR) for v in facts.values()):
+        return False
+    return e.get("sha256") == _digest(key, inputs, facts, e["result"])
 
 
 def _load(path: str, key: str) -> tuple[list, int]:
-    """(the entries of *path* that verify, how many did not): an entry must be an object naming *key* (the file's
-    own), with a facts object, and its seal must match; anything else is dropped and counted, never served."""
+    """(the entries of *path* that verify, how many did not): see :func:`_sound`; anything else is dropped and
+    counted, never served."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -180,8 +236,7 @@ def _load(path: str, key: str) -> tuple[list, int]:
         return [], 1
     if not isinstance(data, list):
         return [], 1
-    good = [e for e in data if isinstance(e, dict) and e.get("key") == key and isinstance(e.get("facts"), dict)
-            and "result" in e and e.get("sha256") == _digest(key, e["facts"], e["result"])]
+    good = [e for e in data if _sound(e, key)]
     return good, len(data) - len(good)
 
 
@@ -199,7 +254,7 @@ def _save(path: str, entries: list) -> None:
             pass
 
 
-def install(hooks, directory: str | None, facts_now) -> None:
+def install(hooks, directory: str | None, facts_now, trust: bool = True) -> None:
     if not directory:
         return
     for module, name, why in MEMOS:
@@ -207,7 +262,7 @@ def install(hooks, directory: str | None, facts_now) -> None:
         def patch(mod, name=name, label=f"{module}:{name}"):
             original = getattr(mod, name, None)
             if callable(original):
-                setattr(mod, name, memoised(original, label, directory, facts_now))
+                setattr(mod, name, memoised(original, label, directory, facts_now, trust))
 
         fence.register(f"memo {module}:{name}", "stand-in")
         hooks.register(module, patch, piece=f"install memo {module}:{name}")

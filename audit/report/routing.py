@@ -659,7 +659,8 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "fingerprint": _one(f, "fingerprint"),
         "fence": _fence(f),
         "standin_fit": _one(f, "standin_fit").get("items", {}),
-        "harness_faults": harness_faults(f) + _undeclared_stops(failure, post, _one(f, "fingerprint")),
+        # a stop in a cell whose own harness code faulted is that fault's doing: not asked about as a limit
+        "harness_faults": harness_faults(f) or _undeclared_stops(failure, post, _one(f, "fingerprint")),
         # --- dispatch tiers (audit/report/dispatch.py): per-call choices by token count, None if not resolved ---
         "dispatch": dispatch_tiers(f, profile),
     }

@@ -661,6 +661,17 @@ def _findings_exit(outcome, strict: bool, err) -> int:
     (which includes claims the audit could not judge). The ledger is written either way."""
     from audit.report.verdicts import FAILING
 
+    unbuilt = outcome.unbuilt or []
+    if outcome.cells and len(unbuilt) == outcome.cells:  # no cell resolved a lane: never a pass
+        names = ", ".join(n for n, _ in unbuilt[:6]) + (" ..." if len(unbuilt) > 6 else "")
+        if all(why == "refused" for _, why in unbuilt):  # vLLM's own answer for every cell: a finding
+            err.print(f"[red]vLLM refused every cell[/red] ({names}) before the model was built; the ledger says "
+                      f"where and why (exit {int(ExitCode.FINDINGS)})")
+            return ExitCode.FINDINGS
+        err.print(f"[red]nothing was built[/red]: every cell ({names}) stopped before vLLM constructed the model, "
+                  "so no lane could be resolved or judged; the ledger's Stages table says where each stopped "
+                  f"(exit {int(ExitCode.NOTHING_JUDGED)})")
+        return ExitCode.NOTHING_JUDGED
     if outcome.gate is not None:
         return _gate_exit(outcome.gate, strict, outcome, err)
     drifted = outcome.required_drift or []

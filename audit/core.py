@@ -45,6 +45,8 @@ class AuditOutcome:
     subset_of: int | None = None
     #: the pin-bump gate's answer (an explicit baseline): audit/report/gate.py
     gate: dict | None = None
+    #: cells that stopped before vLLM constructed the model (nothing of theirs could be judged)
+    unbuilt: list = None
 
 
 def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True,
@@ -307,6 +309,18 @@ def _render_aborted(exc: RunAborted, request: RunRequest, *, pin, profile: Profi
     except AuditError:
         return None
     return outcome.ledger
+
+
+def unbuilt_cells(cells: list[dict]) -> list[list[str]]:
+    """``[system/layout, outcome]`` of every cell that stopped before vLLM finished constructing the model (its
+    deepest stage passed is one before ``construct``), with what stopped it (``refused``: vLLM's own code;
+    ``limit``, ``fault``, ...: anything else): nothing of the model's lanes was resolved there. Resolve mode's
+    stages only (observe mode's serving process records no construction stages)."""
+    from audit.report.routing import STAGE_ORDER
+
+    before = STAGE_ORDER[:STAGE_ORDER.index("construct")] + ("",)
+    return [[f"{c['system']}/{c['layout']}", (c.get("failure") or {}).get("outcome") or "stopped"] for c in cells
+            if c.get("evidence") == "resolved" and (c.get("depth") or "") in before]
 
 
 def load_expectations(spec: str | None, *, lock_path, profile: Profile):
@@ -621,7 +635,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         drift=len({d["target"] for c in cells for d in c["drift"]}),
         required_drift=sorted({d["target"] for c in cells for d in c["drift"] if d.get("required", True)}),
         verdicts=(routing.get("verdicts") or {}).get("summary"),
-        judged=exp is not None, subset_of=subset_of, gate=gate,
+        judged=exp is not None, subset_of=subset_of, gate=gate, unbuilt=unbuilt_cells(cells),
     )
     faults = [{**f, "cell": f"{c['system']}/{c['layout']}"} for c in routing["cells"] for f in c.get("harness_faults") or []]
     if misfits and not _beside_run:

@@ -816,3 +816,42 @@ def test_prune_refuses_an_environment_a_running_audit_uses(tmp_path, monkeypatch
         assert err.value.exit_code == ExitCode.ENVIRONMENT and env.name in str(err.value) and env.is_dir()
     rt.remove_env(env.name)
     assert not env.exists()
+
+
+def test_a_run_whose_cells_all_stopped_before_construction_never_exits_0(tmp_path):
+    """Cells that never got through constructing the model resolved no lane: with no claim to judge, or none
+    failing, the audit still never exits 0: 7 (nothing judged) when a limit or anything but vLLM stopped them, 1 (a
+    finding) when vLLM's own code refused every one. One built cell is enough to judge by the verdicts again."""
+    import io
+    import json as _json
+
+    from rich.console import Console
+
+    from audit.cli import _findings_exit
+    from audit.core import AuditOutcome, unbuilt_cells
+
+    committed = _json.loads((ROOT / "reports" / "v0.33.0" / "routing.json").read_text(encoding="utf-8"))["cells"]
+    # vLLM refuses some layouts while constructing the model (DeepGEMM MegaMoE below SM 10, ...)
+    refused = unbuilt_cells(committed)
+    assert ["l40s/dep8", "refused"] in refused and all(why == "refused" for _, why in refused)
+    cells = [c for c in committed if c["depth"] == "inspect"][:3]
+    assert unbuilt_cells(cells) == []
+    limit = {"outcome": "limit", "stage": "config", "message": "m", "type": "t", "where": "w"}
+    stopped = [{**c, "depth": depth, "failure": limit} for c, depth in zip(cells, ("config", "imports", ""))]
+    assert unbuilt_cells(stopped) == [[f"{c['system']}/{c['layout']}", "limit"] for c in cells]
+    assert unbuilt_cells([{**cells[0], "depth": "construct"}]) == []
+    assert unbuilt_cells([{**cells[0], "depth": "", "evidence": "observed"}]) == []  # observe mode: no stages
+
+    def exit_of(unbuilt, verdicts):
+        out = io.StringIO()
+        o = AuditOutcome(pin="v0.33.0", report_dir=tmp_path, ledger=tmp_path / "l", routing_path=tmp_path / "r",
+                         run_dir=tmp_path, cells=3, incomplete=0, partial=3, drift=0, verdicts=verdicts,
+                         required_drift=[], unbuilt=unbuilt)
+        return _findings_exit(o, False, Console(file=out, width=300)), out.getvalue()
+
+    code, said = exit_of(unbuilt_cells(stopped), {"UNVERIFIED": 4})
+    assert code == ExitCode.NOTHING_JUDGED == 7 and "nothing was built" in said and "l40s/tp8" in said
+    assert exit_of(unbuilt_cells(stopped), None)[0] == 7  # --expectations none
+    assert exit_of(unbuilt_cells(stopped)[:2], {"UNVERIFIED": 4})[0] == ExitCode.OK
+    code, said = exit_of([[n, "refused"] for n, _ in unbuilt_cells(stopped)], None)
+    assert code == ExitCode.FINDINGS and "vLLM refused every cell" in said

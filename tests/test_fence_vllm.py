@@ -216,3 +216,21 @@ def test_an_edited_memo_entry_changes_nothing_in_the_routing(vllm_env, tmp_path_
     assert json.dumps(before["cells"], sort_keys=True) == json.dumps(after["cells"], sort_keys=True)
     assert "did not verify (edited, moved or malformed): each was computed again" in render_ledger(
         after, profile=KIMI_K3, reproduce="x")
+
+
+def test_two_runs_of_a_faulted_cell_give_byte_identical_routing(vllm_env, tmp_path):
+    """The faults suite's answers are facts of the code, not of the run: the same planted wrong value, audited twice
+    from scratch (no evidence cache), renders the same INCOMPLETE routing.json byte for byte (no run directory, pid
+    or time leaks into it)."""
+    outs = []
+    for i in range(2):
+        reports = tmp_path / f"reports-{i}"
+        shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")
+        with pytest.raises(HarnessFaultError) as e:
+            run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", systems=["h200_sxm"], layouts=["tp8"],
+                                              reports_dir=reports, expectations="auto", baseline="none",
+                                              accepted="none", cache=False, replace=True, profile=KIMI_K3,
+                                              plant_fault="wrong value: torch.cuda.device_count"))
+        outs.append((e.value.incomplete_ledger.parent / "routing.json").read_bytes())
+    assert outs[0] == outs[1]
+    assert b"ContractBroken" in outs[0]

@@ -8,6 +8,7 @@ the wrapper itself. The probes' own hooks run as they would (they cannot bind su
 nothing); only the wrapped function is swapped, and put back before the next target.
 """
 import json
+import shutil
 import subprocess
 import textwrap
 
@@ -98,14 +99,32 @@ EVERY_TARGET = textwrap.dedent('''
 ''')
 
 
-def test_every_wrapper_returns_and_raises_exactly_what_it_wraps(vllm_env, tmp_path):
+def _every_target(vllm_env, tmp_path, root=ROOT) -> dict:
     rt, pin, env = vllm_env
     stub = rt.ensure_stub(env)
     models = json.dumps([[p.probes, list(p.schemes)] for p in PROFILES.values()])
-    out = subprocess.run([str(env / "bin" / "python"), "-c", EVERY_TARGET, str(ROOT), str(stub), models],
+    out = subprocess.run([str(env / "bin" / "python"), "-c", EVERY_TARGET, str(root), str(stub), models],
                          capture_output=True, text=True, env=rt._env(env, stub, run_dir=tmp_path), timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_wrapper_that_returns_something_else_is_caught_on_every_target(vllm_env, tmp_path):
+    """The check itself, on a copy of the probes whose wrapper hands back None instead of the wrapped result (the
+    bug the faults campaign planted): every target reports it."""
+    copy = tmp_path / "planted"
+    shutil.copytree(ROOT / "probes", copy / "probes", ignore=shutil.ignore_patterns("__pycache__"))
+    src = copy / "probes" / "core" / "patching.py"
+    text = src.read_text(encoding="utf-8")
+    assert text.count("        return result\n") == 1
+    src.write_text(text.replace("        return result\n", "        return None\n"), encoding="utf-8")
+    got = _every_target(vllm_env, tmp_path, root=copy)
+    assert got["results"] and all("returned another object than the wrapped function's" in r["problems"]
+                                  for r in got["results"])
+
+
+def test_every_wrapper_returns_and_raises_exactly_what_it_wraps(vllm_env, tmp_path):
+    got = _every_target(vllm_env, tmp_path)
     results = got["results"]
     assert [r for r in results if r["problems"]] == []
     # every target of every model that this release has was reached and wrapped

@@ -676,7 +676,8 @@ def _rewrite(ev: Path, keep) -> None:
     from probes.core.recorder import closing
 
     lines = [l for l in ev.read_text().splitlines() if l]
-    body = [lines[0]] + [l for l in lines[1:-1] if keep(json.loads(l))]
+    kept = [r for r in map(json.loads, lines[1:-1]) if keep(r)]
+    body = [lines[0]] + [json.dumps({**r, "seq": i}, sort_keys=True) for i, r in enumerate(kept, 1)]  # renumbered
     ev.write_text("\n".join(body + [json.dumps(closing(body, True), sort_keys=True)]) + "\n")
 
 
@@ -725,7 +726,8 @@ def test_a_report_whose_claims_would_become_unjudged_is_not_replaced_without_rep
     before = snapshot(report_copy)
     r = cli("render", str(run_copy), "--reports", str(report_copy), "--expectations", str(reduced))
     assert r.returncode == ExitCode.RUN_FAILED, r.stderr[-2000:]
-    assert "would become UNVERIFIED: kda-context-flashkda on b200_sxm/tp8" in r.stderr and "--replace" in r.stderr
+    assert "2 claim verdict(s)" in r.stderr and "would become UNVERIFIED: " in r.stderr and "--replace" in r.stderr
+    assert all(f"kda-context-flashkda on b200_sxm/{layout} (was MATCH)" in r.stderr for layout in ("tp8", "dep8"))
     assert snapshot(report_copy) == before
     r = cli("render", str(run_copy), "--reports", str(report_copy), "--expectations", str(reduced), "--replace")
     assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-2000:]

@@ -48,8 +48,10 @@ envs: setup
 # code (0 ok, 1 findings, 2 bad input, 3 environment, 4 run failed/INCOMPLETE or a harness fault, 5 report not
 # written, 6 serving changed against --baseline, 7 nothing judged (a gate that compared no cell),
 # 70 internal error, 130 interrupted). A CI gate that needs the code calls .venv/bin/serving-truth directly.
+# HOST=pip audits a pip install with no CUDA toolkit instead of the pin's official image (audit/pins/hosts.py);
+# its reports and its diff against the image's host go to reports/hosts/pip/.
 audit: setup
-	@$(BIN)/serving-truth audit $(call q,$(PIN)) $(if $(MODEL),--model $(call q,$(MODEL))) --runtime $(call q,$(RUNTIME)) --systems $(call q,$(SYSTEMS)) --layouts $(call q,$(LAYOUTS)) \
+	@$(BIN)/serving-truth audit $(call q,$(PIN)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(HOST),--host $(call q,$(HOST))) --runtime $(call q,$(RUNTIME)) --systems $(call q,$(SYSTEMS)) --layouts $(call q,$(LAYOUTS)) \
 		--lock $(call q,$(LOCK)) --mode $(call q,$(MODE)) $(if $(SLICE),--slice $(call q,$(SLICE))) $(if $(filter 0,$(PROFILER)),--no-profiler) \
 		$(if $(PASS_ENV),--pass-env $(call q,$(PASS_ENV))) $(if $(CLUSTER),--cluster $(call q,$(CLUSTER))) \
 		$(if $(EXPECTATIONS),--expectations $(call q,$(EXPECTATIONS))) $(if $(BASELINE),--baseline $(call q,$(BASELINE))) \

@@ -70,8 +70,13 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--expectations", default="auto",
                    help="claims to judge (default: expectations/<model>.toml if present; 'none' for no verdicts)")
     a.add_argument("--strict", action="store_true", help="also fail (exit 1) on UNVERIFIED lanes")
+    a.add_argument("--host", default="image", choices=["image", "pip"],
+                   help="the host vLLM runs on, as its availability checks read it (audit/pins/hosts.py): 'image' "
+                        "(default: the pin's official image, facts declared in images.lock) or 'pip' (a pip install "
+                        "with no CUDA toolkit and no FlashInfer cubin package); reports of 'pip' go to "
+                        "reports/hosts/pip/ with the diff against the image's host")
     a.add_argument("--no-cuda-toolkit", dest="cuda_toolkit", action="store_false",
-                   help="audit as a host without a CUDA toolkit (vLLM then disables FlashInfer's JIT kernels)")
+                   help="the same as --host pip")
 
     r = sub.add_parser("render", help="re-render a ledger from a run directory's evidence")
     r.add_argument("run_dir")
@@ -550,7 +555,8 @@ def _audit(args, out, err) -> int:
 
         options = AuditOptions(lock_path=args.lock, runtime=args.runtime, systems=args.systems, layouts=args.layouts,
                                reports_dir=args.reports, profile=profile, parallel=args.parallel, timeout_s=args.timeout,
-                               cuda_toolkit=args.cuda_toolkit, baseline=args.baseline, expectations=args.expectations,
+                               cuda_toolkit=args.cuda_toolkit, host=args.host, baseline=args.baseline,
+                               expectations=args.expectations,
                                pass_env=tuple(pass_env), cluster=args.cluster, wait=args.wait, mode=args.mode,
                                slice_name=args.slice_name, profiler=args.profiler, replace=args.replace,
                                cache=args.cache, postload_every_layer=args.postload_every_layer,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from audit.evidence import files as evidence
 from audit.pins import lock as lockmod
+from audit.pins import hosts
 from audit.report import routing as routingmod
 from audit.errors import AuditError, EvidenceError, HarnessFaultError, ReportWriteError, RunAborted, RunIncomplete, \
     JudgmentShrank, StandinMisfitError, UsageError
@@ -49,15 +50,16 @@ class AuditOutcome:
     unbuilt: list = None
 
 
-def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda_toolkit: bool = True,
+def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, host: str = hosts.DEFAULT,
                       lock: str = "images.lock", expectations: str = "auto", baseline: str = "",
                       *, profile: Profile) -> str:
-    """The command that audits the same inputs again: ``make audit`` with its variables, or the CLI where
-    make has no variable for an option (``--no-cuda-toolkit``); defaults are left out."""
+    """The command that audits the same inputs again: ``make audit`` with its variables; defaults are left out
+    (the host "undeclared" is what the default host is for a pin that declares none)."""
     lock = _display(Path(lock)) if lock != "images.lock" else lock
     options = [  # (make variable, CLI option, value, whether it differs from the default)
         ("MODEL", "--model", profile.name, profile.name != models.DEFAULT),
-        ("RUNTIME", "--runtime", runtime, runtime != "local" or not cuda_toolkit),
+        ("HOST", "--host", host, host not in (hosts.DEFAULT, "undeclared")),
+        ("RUNTIME", "--runtime", runtime, runtime != "local"),
         ("SYSTEMS", "--systems", ",".join(s.name for s in systems), len(systems) != len(SYSTEMS)),
         ("LAYOUTS", "--layouts", "all" if len(layouts) == len(profile.layouts) else ",".join(l.name for l in layouts),
          [l.name for l in layouts] != [l.name for l in select("layout", None, profile.layouts)]),
@@ -66,9 +68,6 @@ def reproduce_command(pin: str, systems: list, layouts: list, runtime: str, cuda
         ("BASELINE", "--baseline", baseline, bool(baseline)),
     ]
     given = [(var, opt, value) for var, opt, value, differs in options if differs]
-    if not cuda_toolkit:
-        return " ".join([f"serving-truth audit {pin}", *(f"{opt} {v}" for _, opt, v in given[:1]),
-                         "--no-cuda-toolkit", *(f"{opt} {v}" for _, opt, v in given[1:])])
     return " ".join([f"make audit PIN={pin}", *(f"{var}={v}" for var, _, v in given)])
 
 
@@ -111,6 +110,9 @@ class AuditOptions:
     parallel: int | None = None
     timeout_s: float | None = None
     cuda_toolkit: bool = True
+    #: the host vLLM is audited as running on (audit/pins/hosts.py): "image" (the pin's official image, as
+    #: images.lock declares it) or "pip" (a pip install with no CUDA toolkit; ``cuda_toolkit=False`` says the same)
+    host: str = "image"
     baseline: str | None = "auto"
     expectations: str | None = "auto"
     pass_env: tuple[str, ...] = ()
@@ -143,7 +145,9 @@ def run_audit(pin_name: str, options: AuditOptions, *,
         raise UsageError(f"--parallel must be at least 1, got {parallel!r}")
     lock = lockmod.load(o.lock_path)
     pin = lock.get(pin_name)
-    root = models.reports_root(o.reports_dir, profile)  # this model's reports (the default model's: reports/)
+    host = _host(pin, o)
+    # this model's reports under this host's (the default model on the image host: reports/)
+    root = models.reports_root(hosts.report_root(o.reports_dir, host.name), profile)
     report_dir_for(root, pin.name)  # a pin that cannot name a report directory is bad input
     if o.baseline not in (None, "", "auto", "none"):
         # an explicit baseline is the pin-bump gate: an unknown one, or one with no report to compare with, is
@@ -161,7 +165,12 @@ def run_audit(pin_name: str, options: AuditOptions, *,
     load_expectations(o.expectations, lock_path=o.lock_path, profile=profile)  # bad expectations fail early too
     sys_sel = select("system", o.systems, SYSTEMS)
     lay_sel = select("layout", o.layouts, profile.layouts)
-    rt = get_runtime(o.runtime, RuntimeOptions(cuda_toolkit=o.cuda_toolkit, lock_dir=Path(o.lock_path).resolve().parent,
+    if o.runtime == "docker" and host.name == "pip":
+        raise UsageError("the docker runtime audits the pinned image as it is: it cannot be another host",
+                         hint="audit --host pip with the local runtime (it builds the pip install's environment)")
+    rt = get_runtime(o.runtime, RuntimeOptions(cuda_toolkit=host.facts["nvcc"],
+                                               flashinfer_cubin=host.facts["flashinfer_cubin"],
+                                               lock_dir=Path(o.lock_path).resolve().parent,
                                                pass_env=tuple(o.pass_env), cluster=o.cluster, wait=o.wait))
     if not o.cache:
         rt.stat_memo = False  # --no-cache: the environment check re-reads every file it hashes too
@@ -183,7 +192,7 @@ def run_audit(pin_name: str, options: AuditOptions, *,
                          timeout_s=o.timeout_s, mode=o.mode, slice=o.slice_name, profiler=o.profiler,
                          postload_every_layer=o.postload_every_layer, plant_fault=o.plant_fault,
                          trust_memo=o.cache, deadline=started + o.timeout_s if o.timeout_s else None)
-    reproduce = reproduce_command(pin.name, sys_sel, lay_sel, o.runtime, o.cuda_toolkit, lock=str(o.lock_path),
+    reproduce = reproduce_command(pin.name, sys_sel, lay_sel, o.runtime, host=host.name, lock=str(o.lock_path),
                                   expectations=str(o.expectations) if o.expectations not in (None, "") else "none",
                                   baseline="" if o.baseline in (None, "auto") else o.baseline, profile=profile)
     if o.mode == "observe":
@@ -209,6 +218,8 @@ def run_audit(pin_name: str, options: AuditOptions, *,
                                                 reproduce=reproduce, expectations=o.expectations)
         raise
     run_info = {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": reproduce}
+    if o.mode == "resolve" and o.runtime != "docker":  # the host resolve mode arranged (docker: the image itself)
+        run_info["host"] = host.record()
     if keys:
         _to_cache(rt, request, keys, cached, result, run_dir)
         run_info["cache"] = {"hits": sorted([s, l, e.get("run", "?"), e.get("date", "?")]
@@ -309,6 +320,15 @@ def _render_aborted(exc: RunAborted, request: RunRequest, *, pin, profile: Profi
     except AuditError:
         return None
     return outcome.ledger
+
+
+def _host(pin, o: AuditOptions) -> "hosts.Host":
+    """The host the audit arranges (``--no-cuda-toolkit`` is the pip host)."""
+    name = o.host if o.cuda_toolkit else "pip"
+    if name not in hosts.HOSTS:
+        raise UsageError(f"unknown host {name!r}", hint="known hosts: " + "; ".join(
+            f"{k} ({v})" for k, v in hosts.HOSTS.items()))
+    return hosts.host_for(pin, name)
 
 
 def unbuilt_cells(cells: list[dict]) -> list[list[str]]:
@@ -532,7 +552,9 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     lock = lockmod.load(lock_path)
     pin = lock.get(meta["pin"])
     profile = models.named_in(meta, what="run.json", path=str(run_dir / "run.json"), key="profile")
-    reports_dir = models.reports_root(reports_dir, profile)
+    host_name = ((meta["run"].get("host") or {}).get("name")) or hosts.DEFAULT
+    image_root = models.reports_root(reports_dir, profile)  # the same pin on its image's host (a host diff's base)
+    reports_dir = models.reports_root(hosts.report_root(reports_dir, host_name), profile)
     missing = {(s, l): info for s, l, info in meta["missing"]}
     refreshed = refresh_missing(run_dir, meta["run"])  # JobsPending while a batch job has not ended
     if refreshed is not None:
@@ -591,6 +613,13 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     gated = baseline not in (None, "", "auto", "none")  # an explicit baseline is the pin-bump gate
     if beside:
         baseline = None  # an INCOMPLETE ledger compares with nothing
+    base_root, diff_name = Path(reports_dir), None
+    if baseline == "auto" and host_name not in (hosts.DEFAULT, "undeclared"):
+        # another host than the image's: what changes is the host, so the same pin on the image's host is the base
+        base_root, baseline = Path(image_root), pin.name
+        diff_name = f"{pin.name}@{hosts.DEFAULT}..{pin.name}@{host_name}"
+        if not (report_dir_for(base_root, baseline) / "routing.json").is_file():
+            changes, baseline = {"unavailable": f"{baseline} on the image's host"}, None
     if baseline == "auto":  # the pin before this one in release order, when it has been audited
         prev = lockmod.previous_pin(lock, pin.name)
         baseline = prev.name if prev else None
@@ -601,7 +630,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     if baseline and not beside:
         from audit.report.diff import diff_routings, load_routing
 
-        base = load_routing(Path(reports_dir), baseline)
+        base = load_routing(base_root, baseline)
         changes = diff_routings(base, routing, profile)
         if gated:
             from audit.report.gate import judge_gate
@@ -622,7 +651,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
 
         d = {k: v for k, v in changes.items() if k != "gate"}
         try:
-            write_diff(Path(reports_dir), baseline, pin.name, profile, d)
+            write_diff(Path(reports_dir), baseline, pin.name, profile, d, name=diff_name)
         except OSError as exc:
             raise ReportWriteError(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
                                    path=str(Path(reports_dir) / "diffs"), run_dir=str(run_dir)) from None

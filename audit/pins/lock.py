@@ -19,6 +19,18 @@ Format (TOML, read with :mod:`tomllib`)::
     vllm_commit = ""                 # git sha: the short one the build reports (g1234abcd) or the full commit
     note = ""
 
+    [pin.host]                       # what the pin's official image gives vLLM's availability checks
+    source = "..."                   # where these were read (the image's recipe, file:line; its inventory)
+    nvcc = true                      # a CUDA toolkit where vLLM looks
+    ninja = true
+    flashinfer_cubin = true
+    flashinfer_jit_cache = true
+    cuda = "13.0.2"                  # information
+
+``[pin.host]`` declares the host facts vLLM reads (``audit/pins/hosts.py`` names them and says what reads each);
+``--host image`` audits under them, ``--host pip`` under a plain pip install with no toolkit. A pin without the
+table is audited under the harness's own arrangement, and its ledger says the facts were not declared.
+
 ``wheel_url`` pins a build that is not on PyPI (a vLLM nightly from its per-commit index, a pre-release, a
 local file): the local runtime downloads it from there, checks the sha256 of the bytes and installs it
 like a PyPI wheel. ``serving-truth lock add NAME --commit SHA`` writes such a pin (audit/pins/wheelindex.py).
@@ -59,7 +71,7 @@ _PY = re.compile(r"^3\.\d{1,2}\Z")
 _PLATFORMS = ("linux/amd64", "linux/arm64")
 _KNOWN_KEYS = {
     "name", "vllm_version", "python", "wheel", "wheel_sha256", "image", "platform_digests",
-    "vllm_commit", "note", "image_config_digest", "image_tarball", "image_tag", "wheel_url",
+    "vllm_commit", "note", "image_config_digest", "image_tarball", "image_tag", "wheel_url", "host",
 }
 #: PEP 440 (public version plus optional local label); nothing else, so a version is always one safe path part
 _VERSION = re.compile(
@@ -128,6 +140,8 @@ class Pin:
     image_tag: str = ""
     wheel_url: str = ""
     line: int = 0
+    #: the official image's host facts (``[pin.host]``: audit/pins/hosts.py), {} where none are declared
+    host: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def has_wheel(self) -> bool:
@@ -240,6 +254,8 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
         raise err(f"unknown key {unknown[0]!r} in [[pin]]", unknown[0],
                   hint="known keys: " + ", ".join(sorted(_KNOWN_KEYS)))
     for key, value in raw.items():
+        if key == "host":
+            continue  # checked below, as a table
         if key == "platform_digests":
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise err("platform_digests must be a table of strings", key)
@@ -326,11 +342,21 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
                   hint="a digest belongs in image; image_tag is what `serving-truth lock resolve` resolves")
     if not wheel and not image and not config_digest and not tag:
         raise err(ctx + "neither a wheel nor an image: nothing can be audited", "name")
+    host = raw.get("host", {})
+    if host:
+        from audit.pins.hosts import check_facts
+
+        problem = check_facts(host) if isinstance(host, dict) else "host must be a table ([pin.host])"
+        if problem:
+            at = next((i for i, l in enumerate(text.splitlines(), 1) if i > (line or 0) and l.strip() == "[pin.host]"),
+                      line)
+            raise LockError(ctx + problem, path=path, line=at,
+                            hint="declare every fact of audit/pins/hosts.py (FACTS) with its type, and the source")
     return Pin(
         name=name, vllm_version=version, python=python, wheel=wheel, wheel_sha256=sha, wheel_url=url,
         image=image, platform_digests=dict(digests), vllm_commit=raw.get("vllm_commit", ""),
         note=raw.get("note", ""), image_config_digest=config_digest, image_tarball=tarball, image_tag=tag,
-        line=line or 0,
+        line=line or 0, host=dict(sorted(host.items())) if host else {},
     )
 
 
@@ -354,7 +380,8 @@ def wheel_url_problem(url: str, wheel: str) -> str:
 
 
 #: folders under reports/ that are not a pin's report
-RESERVED_REPORT_FOLDERS = {"diffs": "reports/diffs/ holds the diffs between pins"}
+RESERVED_REPORT_FOLDERS = {"diffs": "reports/diffs/ holds the diffs between pins",
+                           "hosts": "reports/hosts/ holds the reports of audits on another host than the image's"}
 
 
 def reserved_names() -> dict[str, str]:

@@ -446,6 +446,11 @@ def diff_routings(old: dict, new: dict, profile) -> dict:
     # the environments compared differ in these packages (every audited cell's fingerprint; information rows)
     d["packages"] = sorted({(r["field"].split(": ", 1)[1], r["before"], r["after"])
                             for r in rows if r["facet"] == "package"})
+    # the host facts vLLM read that differ between the sides (a host diff: every serving row depends on them)
+    from audit.pins.hosts import differences
+
+    d["hosts"] = [list(x) for x in differences((old.get("run") or {}).get("host"), (new.get("run") or {}).get("host"))]
+    d["labels"] = [side_label(d["from"]), side_label(d["to"])]
     from audit.report.summary import pr_summary
 
     d["summary"] = pr_summary(d, old, new, profile)
@@ -456,9 +461,19 @@ def _build(routing: dict) -> dict:
     """Which build an audit is of: the pin, its vLLM version and commit, and the wheel's (or image's) identity, so
     two builds with the same version and file name and different bytes are told apart."""
     pin = routing.get("pin") or {}
+    host = (routing.get("run") or {}).get("host") or {}
     return {"pin": pin.get("name"), "vllm_version": pin.get("vllm_version"), "vllm_commit": pin.get("vllm_commit", ""),
             "wheel": pin.get("wheel", ""), "wheel_sha256": pin.get("wheel_sha256", ""),
-            "image_config_digest": pin.get("image_config_digest", "")}
+            "image_config_digest": pin.get("image_config_digest", ""),
+            # the host vLLM was audited as running on (audit/pins/hosts.py); "" for an audit that recorded none
+            "host": host.get("name", ""), "host_title": host.get("title", "")}
+
+
+def side_label(build: dict) -> str:
+    """How a diff names one side (:func:`audit.pins.hosts.label`)."""
+    from audit.pins.hosts import label
+
+    return label(build["pin"], build.get("host") or "")
 
 
 def load_routing(reports_dir: Path, pin: str, profile=None) -> dict:
@@ -519,14 +534,16 @@ def render_diff(d: dict, profile) -> str:
     if d.get("model") != profile.name:
         raise RenderError(f"this diff is of the model {d.get('model')!r}, not of {profile.name!r}; no report file "
                           "was changed")
+    d = {"hosts": [], "labels": [side_label(d["from"]), side_label(d["to"])], **d}
     return fit(_env(list(profile.layouts)).get_template("diff.md.j2").render(d=d, model_title=profile.title,
                                                                              kinds=classes.KINDS))
 
 
 def write_diff(reports_dir: Path, from_pin: str, to_pin: str, profile,
-               d: dict | None = None) -> tuple[Path, Path, dict]:
+               d: dict | None = None, *, name: str | None = None) -> tuple[Path, Path, dict]:
     """Render reports/diffs/<from>..<to>.md and .json of *profile*'s model (both rendered before either is
-    replaced); *d* is the diff when the caller computed it already."""
+    replaced); *d* is the diff when the caller computed it already; *name* the files' name when it is not
+    ``<from>..<to>`` (a host diff: ``<pin>@image..<pin>@<host>``)."""
     from audit.fsutil import report_dir_for, write_all_atomic
 
     for pin in (from_pin, to_pin):
@@ -535,6 +552,7 @@ def write_diff(reports_dir: Path, from_pin: str, to_pin: str, profile,
         d = diff_routings(load_routing(reports_dir, from_pin, profile), load_routing(reports_dir, to_pin, profile),
                           profile)
     out = Path(reports_dir) / "diffs"
-    md, js = out / f"{from_pin}..{to_pin}.md", out / f"{from_pin}..{to_pin}.json"
+    stem = name or f"{from_pin}..{to_pin}"
+    md, js = out / f"{stem}.md", out / f"{stem}.json"
     write_all_atomic({js: json.dumps(d, indent=1, sort_keys=True, ensure_ascii=False) + "\n", md: render_diff(d, profile)})
     return md, js, d

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import jinja2
 
+from audit.pins.hosts import FACTS as HOST_FACTS
 from audit import __version__
 from audit.report import dispatch
 from audit.errors import RenderError
@@ -209,7 +211,11 @@ def glance(routing: dict, changes: dict | None, profile=None) -> dict:
         rows = changes.get("changes", [])
         verdict_rows = [r for r in rows if r["facet"] == "verdict"]
         # the diff already classed every row and every verdict turn: read them, never re-derive
-        out["since"] = {"pin": changes["from"]["pin"], "serving_rows": [r for r in rows if r.get("serving")],
+        from audit.pins.hosts import label as host_label
+
+        label = host_label(changes["from"]["pin"], changes["from"].get("host") or "")
+        out["since"] = {"pin": label, "anchor": "changes-since-" + re.sub(r"[^a-z0-9 -]", "", label.lower()).replace(" ", "-"),
+                        "serving_rows": [r for r in rows if r.get("serving")],
                         "headline": changes.get("headline", ""),
                         "serving_cells": changes["serving_cells"],
                         "new_failures": [{**r, "before": verdict_before(changes, r)} for r in verdict_rows
@@ -391,6 +397,7 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
                 "cuda_toolkit": "not recorded", "aborted": None, "image": None, "architecture_note": "",
                 "inventory": None, "slice": None, **routing.get("run", {})},
         "harness_version": __version__, "systems": systems, "sm_families": _sm_families(systems),
+        "host_facts": [f for f in HOST_FACTS if f != "cuda"],
         "claim_words": _claim_words(routing, profile), "flags": FLAGS, "layouts": layouts,
         "matrices": _matrices(routing, cells, systems, layouts, lane_ids, profile),
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],

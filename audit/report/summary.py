@@ -125,18 +125,34 @@ def _head(v: View) -> str:
         else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
     systems = len({c["system"] for c in v.new["cells"]})
     layouts = len({c["layout"] for c in v.new["cells"]})
-    head = (f"**{v.profile.title}, vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}**{pins}: "
+    hosted = (d["from"].get("host") or "") != (d["to"].get("host") or "")
+    what = (f"vLLM {d['from']['vllm_version']}, host {d['from'].get('host_title') or 'not recorded'} → "
+            f"{d['to'].get('host_title') or 'not recorded'}" if hosted else
+            f"vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}")
+    head = (f"**{v.profile.title}, {what}**{pins if not hosted else ''}: "
             f"{d['cells_compared']} cells compared (a cell: one system and one layout; {systems} systems × {layouts} "
             f"layouts, each layout where it applies); evidence {', '.join(evidence.get(x, x) for x in levels) or 'none'}. ")
     if not d["cells_compared"]:
         return head + "**Nothing was judged**: the two audits share no cell."
-    head += ("**The pin-bump gate fails** (exit 6): " if v.serving else "**No serving change**: ") + d["headline"] + \
-        " (information rows change no kernel; the diff lists them with the reason)."
+    if hosted:  # the same build on two hosts: every serving row is a kernel that depends on the host
+        facts = ", ".join(f"{k} {_yes(a)} → {_yes(b)}" for k, a, b in d.get("hosts") or [])
+        head += (f"The hosts differ in what vLLM's availability checks read ({facts or 'nothing recorded'}). "
+                 + ("**These kernels depend on the host**: " if v.serving else "**No kernel depends on the host**: ")
+                 + d["headline"] + " (information rows change no kernel).")
+    else:
+        head += ("**The pin-bump gate fails** (exit 6): " if v.serving else "**No serving change**: ") + d["headline"] + \
+            " (information rows change no kernel; the diff lists them with the reason)."
     packages = d.get("packages") or []
     envs = (f" The compared environments differ in {len(packages)} package(s): "
             + ", ".join(f"{name} {a} → {b}" for name, a, b in packages) + ".") if packages else \
         " The compared environments hold the same package versions."
     return head + " " + _systems(v) + envs
+
+
+def _yes(value) -> str:
+    """A host fact in words: yes / no, a version, or "not recorded"."""
+    return "yes" if value is True else "no" if value is False else str(value) if value not in (None, "") else \
+        "not recorded"
 
 
 def _systems(v: View) -> str:
@@ -478,7 +494,8 @@ def _words(blocks: list) -> int:
 def pr_summary(d: dict, old: dict, new: dict, profile) -> str:
     """The PR summary for the diff *d* of *profile*'s routings *old* -> *new* (markdown)."""
     v = View(d, old, new, profile)
-    diff_name = f"{d['from']['pin']}..{d['to']['pin']}.md"
+    diff_name = (f"{d['from']['pin']}@{d['from'].get('host')}..{d['to']['pin']}@{d['to'].get('host')}.md"
+                 if d["from"].get("host") != d["to"].get("host") else f"{d['from']['pin']}..{d['to']['pin']}.md")
     blocks: list = [_head(v)]
     tight = False
     for attempt in (False, True):

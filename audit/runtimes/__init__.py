@@ -17,6 +17,8 @@ class RuntimeOptions:
     """What a runtime is built with (each runtime reads the options that apply to it)."""
     #: local and slurm: put the environment's CUDA toolkit on PATH and CUDA_HOME, as on a serving host
     cuda_toolkit: bool = True
+    #: local and slurm: the host has flashinfer-cubin (VLLM_HAS_FLASHINFER_CUBIN=1; audit/pins/hosts.py)
+    flashinfer_cubin: bool = False
     #: docker and slurm: the directory of images.lock (test images and the cluster profile are found from it)
     lock_dir: Path | None = None
     #: docker: host environment variables passed into the container
@@ -30,7 +32,7 @@ class RuntimeOptions:
 def _local(o: RuntimeOptions) -> Runtime:
     from audit.runtimes.local import LocalRuntime
 
-    return LocalRuntime(with_cuda_toolkit=o.cuda_toolkit)
+    return LocalRuntime(with_cuda_toolkit=o.cuda_toolkit, with_flashinfer_cubin=o.flashinfer_cubin)
 
 
 def _docker(o: RuntimeOptions) -> Runtime:
@@ -44,7 +46,8 @@ def _slurm(o: RuntimeOptions) -> Runtime:
     from audit.runtimes.slurm import SlurmRuntime
 
     profile = load(o.cluster or default_profile_path(o.lock_dir or Path.cwd()))
-    return SlurmRuntime(profile, wait=o.wait, with_cuda_toolkit=o.cuda_toolkit)
+    return SlurmRuntime(profile, wait=o.wait, with_cuda_toolkit=o.cuda_toolkit,
+                        with_flashinfer_cubin=o.flashinfer_cubin)
 
 
 #: the runtimes by name, each built from :class:`RuntimeOptions`: the one list of them (``--runtime`` picks one; a new

@@ -120,9 +120,11 @@ def _run(cmd: list[str], *, step: str, env: dict | None = None, timeout: float =
 class PinEnvironments:
     """The environments under one cache root, built from pinned wheels and verified before use."""
 
-    def __init__(self, root: Path | None = None, *, with_cuda_toolkit: bool = True):
+    def __init__(self, root: Path | None = None, *, with_cuda_toolkit: bool = True, with_flashinfer_cubin: bool = False):
         self.root = root or cache_root()
         self.with_cuda_toolkit = with_cuda_toolkit
+        #: the host has flashinfer-cubin installed (audit/pins/hosts.py): vLLM's own VLLM_HAS_FLASHINFER_CUBIN=1 says so
+        self.with_flashinfer_cubin = with_flashinfer_cubin
         #: str(env) -> summary of its last :meth:`verify_env` in this process
         self.verified: dict[str, dict] = {}
         #: the verified wheels this cache holds
@@ -147,6 +149,10 @@ class PinEnvironments:
             if os.access(nvcc, os.X_OK):
                 return nvcc.parent.parent
         return None
+
+    def harness_env(self) -> list[str]:
+        """The variables this runtime sets for the host it arranges (stated in the provenance)."""
+        return ["CUDA_HOME"] + (["VLLM_HAS_FLASHINFER_CUBIN"] if self.with_flashinfer_cubin else [])
 
     def toolkit_note(self, env: Path) -> str:
         if not self.with_cuda_toolkit:
@@ -499,6 +505,10 @@ class PinEnvironments:
         out["CUDA_HOME"] = str(toolkit) if toolkit else str(self.root / "no-cuda-toolkit")
         if toolkit:
             out["PATH"] = os.pathsep.join([str(env / "bin"), str(toolkit / "bin"), *SYSTEM_PATH])
+        if self.with_flashinfer_cubin and stub is not None:
+            # resolve mode (a stub driver): the declared host's cubin package, as vLLM's has_flashinfer_cubin()
+            # reads it; observe mode serves on a real host as it is, so nothing is claimed for it
+            out["VLLM_HAS_FLASHINFER_CUBIN"] = "1"
         if stub is not None:
             out["LD_LIBRARY_PATH"] = str(stub.parent)
         if pythonpath is not None:

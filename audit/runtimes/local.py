@@ -46,7 +46,7 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
         marker = json.loads((env / ENV_MARKER).read_text())
         return {"runtime": self.name, "wheel_sha256": pin.wheel_sha256, "env": marker,
                 "stub_sha256": sha256_file(stub), "cuda_toolkit": self.toolkit_note(env),
-                "harness_env": ["CUDA_HOME"]}
+                "flashinfer_cubin": self.with_flashinfer_cubin, "harness_env": self.harness_env()}
 
     # -- run -----------------------------------------------------------------------------------
     def bind(self, request: RunRequest) -> None:
@@ -73,7 +73,7 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
         plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub),
                           out_dir=str(request.evidence_dir), learned=learned_imports(caches),
                           shared=shared_imports(caches), ahead=ahead_imports(caches),
-                          harness_env=["CUDA_HOME"],  # chosen by this runtime, stated in the provenance
+                          harness_env=self.harness_env(),  # chosen by this runtime, stated in the provenance
                           memo_dir=os.environ.get("SERVING_TRUTH_MEMO") or str(caches / "memo"))
         log = request.run_dir / "agent.log"
         started = datetime.now(timezone.utc)
@@ -118,7 +118,7 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
         stage_probes(request.run_dir)
         request.evidence_dir.mkdir(parents=True, exist_ok=True)
         plan = write_plan(request, model_dir=str(request.run_dir / "model"), stub_libcuda="",
-                          out_dir=str(request.evidence_dir), harness_env=["CUDA_HOME"])
+                          out_dir=str(request.evidence_dir), harness_env=self.harness_env())
         started = datetime.now(timezone.utc)
         for i, (system, layout) in enumerate(request.cells):
             cell = cell_dir_name(system.name, layout.name)

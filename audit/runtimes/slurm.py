@@ -138,10 +138,12 @@ def pyxis_srun_args(*, pin: Pin, placement: Placement, run_dir: Path, plan: str,
 class SlurmRuntime(RuntimeDefaults):
     name = "slurm"
 
-    def __init__(self, profile: ClusterProfile, *, wait: bool = True, with_cuda_toolkit: bool = True):
+    def __init__(self, profile: ClusterProfile, *, wait: bool = True, with_cuda_toolkit: bool = True,
+                 with_flashinfer_cubin: bool = False):
         self.profile = profile
         self.wait = wait
         self.with_cuda_toolkit = with_cuda_toolkit
+        self.with_flashinfer_cubin = with_flashinfer_cubin
         self.root = cache_root()
 
     @property
@@ -232,7 +234,8 @@ class SlurmRuntime(RuntimeDefaults):
         if not shutil.which("sbatch"):
             raise EnvironmentBuildError("sbatch not found", step="slurm", hint="run on a Slurm submit host")
         self._check_squashfs(request)
-        local = LocalRuntime(root=self.profile.env_root, with_cuda_toolkit=self.with_cuda_toolkit)
+        local = LocalRuntime(root=self.profile.env_root, with_cuda_toolkit=self.with_cuda_toolkit,
+                             with_flashinfer_cubin=self.with_flashinfer_cubin)
         env_dir = local.ensure_env(request.pin, progress)
         observe = request.mode == "observe"
         stub = None
@@ -259,7 +262,7 @@ class SlurmRuntime(RuntimeDefaults):
                 (request.evidence_dir / cell).mkdir(parents=True, exist_ok=True)
                 plan = write_plan(one, model_dir=str(model_dir), stub_libcuda=str(stub or ""),
                                   out_dir=str(request.evidence_dir), name=f"plan-{cell}.json",
-                                  harness_env=["CUDA_HOME"])
+                                  harness_env=local.harness_env())
                 if self.profile.placement(system.name).container == "local":
                     env = local._env(env_dir, stub, request.run_dir, request.run_dir)
                     # a job reads the environment's bytecode but writes none: it may outlive the harness (--no-wait),

@@ -110,9 +110,10 @@ def arrangement(host: Host) -> list[str]:
 
 
 def differences(a: dict | None, b: dict | None) -> list[tuple[str, object, object]]:
-    """(fact, before, after) for every declared fact two hosts' records (``run.host``) disagree on."""
+    """(fact, before, after) for every fact vLLM reads (:data:`REQUIRED`) that two hosts' records (``run.host``)
+    disagree on; the CUDA version is information, not compared."""
     fa, fb = (a or {}).get("facts") or {}, (b or {}).get("facts") or {}
-    return [(k, fa.get(k), fb.get(k)) for k in FACTS if fa.get(k) != fb.get(k)]
+    return [(k, fa.get(k), fb.get(k)) for k in REQUIRED if fa.get(k) != fb.get(k)]
 
 
 def report_root(reports_dir, name: str):
@@ -123,6 +124,9 @@ def report_root(reports_dir, name: str):
     return Path(reports_dir) if name in (DEFAULT, "undeclared") else Path(reports_dir) / "hosts" / name
 
 
-def label(pin: str, host: str) -> str:
-    """How a report or diff names an audit: the pin, and its host where that is not the image's."""
-    return pin + (f" on the {host} host" if host not in ("", DEFAULT, "undeclared") else "")
+def label(pin: str, host: str, *, always: bool = False) -> str:
+    """How a report or diff names an audit: the pin, and its host where that is not the image's (or *always*, when
+    the two sides compared differ in host)."""
+    if always or host not in ("", DEFAULT, "undeclared"):
+        return f"{pin} on the {host or 'unrecorded'} host"
+    return pin

@@ -450,7 +450,7 @@ def diff_routings(old: dict, new: dict, profile) -> dict:
     from audit.pins.hosts import differences
 
     d["hosts"] = [list(x) for x in differences((old.get("run") or {}).get("host"), (new.get("run") or {}).get("host"))]
-    d["labels"] = [side_label(d["from"]), side_label(d["to"])]
+    d["labels"] = [side_label(d["from"], d["to"]), side_label(d["to"], d["from"])]
     from audit.report.summary import pr_summary
 
     d["summary"] = pr_summary(d, old, new, profile)
@@ -469,11 +469,12 @@ def _build(routing: dict) -> dict:
             "host": host.get("name", ""), "host_title": host.get("title", "")}
 
 
-def side_label(build: dict) -> str:
-    """How a diff names one side (:func:`audit.pins.hosts.label`)."""
+def side_label(build: dict, other: dict | None = None) -> str:
+    """How a diff names one side (:func:`audit.pins.hosts.label`), naming the host whenever *other* has another."""
     from audit.pins.hosts import label
 
-    return label(build["pin"], build.get("host") or "")
+    host = build.get("host") or ""
+    return label(build["pin"], host, always=other is not None and host != (other.get("host") or ""))
 
 
 def load_routing(reports_dir: Path, pin: str, profile=None) -> dict:
@@ -534,7 +535,7 @@ def render_diff(d: dict, profile) -> str:
     if d.get("model") != profile.name:
         raise RenderError(f"this diff is of the model {d.get('model')!r}, not of {profile.name!r}; no report file "
                           "was changed")
-    d = {"hosts": [], "labels": [side_label(d["from"]), side_label(d["to"])], **d}
+    d = {"hosts": [], "labels": [side_label(d["from"], d["to"]), side_label(d["to"], d["from"])], **d}
     return fit(_env(list(profile.layouts)).get_template("diff.md.j2").render(d=d, model_title=profile.title,
                                                                              kinds=classes.KINDS))
 

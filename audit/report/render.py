@@ -213,7 +213,8 @@ def glance(routing: dict, changes: dict | None, profile=None) -> dict:
         # the diff already classed every row and every verdict turn: read them, never re-derive
         from audit.pins.hosts import label as host_label
 
-        label = host_label(changes["from"]["pin"], changes["from"].get("host") or "")
+        a, b = changes["from"].get("host") or "", changes["to"].get("host") or ""
+        label = host_label(changes["from"]["pin"], a, always=a != b)
         out["since"] = {"pin": label, "anchor": "changes-since-" + re.sub(r"[^a-z0-9 -]", "", label.lower()).replace(" ", "-"),
                         "serving_rows": [r for r in rows if r.get("serving")],
                         "headline": changes.get("headline", ""),

@@ -90,6 +90,9 @@ class View:
         self.systems = SYSTEMS
         self.layouts_of = {c["layout"] for c in new["cells"]}
         self.tight = False
+        #: the same build audited on two hosts (audit/pins/hosts.py): the sides are hosts, not builds
+        self.hosted = (d["from"].get("host") or "") != (d["to"].get("host") or "")
+        self.sides = "hosts" if self.hosted else "builds"
 
     def where(self, cells) -> str:
         return self._collapse([f"{s}/{l}" for s, l in cells], self.audited, self.order)
@@ -125,7 +128,7 @@ def _head(v: View) -> str:
         else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
     systems = len({c["system"] for c in v.new["cells"]})
     layouts = len({c["layout"] for c in v.new["cells"]})
-    hosted = (d["from"].get("host") or "") != (d["to"].get("host") or "")
+    hosted = v.hosted
     what = (f"vLLM {d['from']['vllm_version']}, host {d['from'].get('host_title') or 'not recorded'} → "
             f"{d['to'].get('host_title') or 'not recorded'}" if hosted else
             f"vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}")
@@ -135,7 +138,7 @@ def _head(v: View) -> str:
     if not d["cells_compared"]:
         return head + "**Nothing was judged**: the two audits share no cell."
     if hosted:  # the same build on two hosts: every serving row is a kernel that depends on the host
-        facts = ", ".join(f"{k} {_yes(a)} → {_yes(b)}" for k, a, b in d.get("hosts") or [])
+        facts = ", ".join(f"{k.replace('_', '-')} {_yes(a)} → {_yes(b)}" for k, a, b in d.get("hosts") or [])
         head += (f"The hosts differ in what vLLM's availability checks read ({facts or 'nothing recorded'}). "
                  + ("**These kernels depend on the host**: " if v.serving else "**No kernel depends on the host**: ")
                  + d["headline"] + " (information rows change no kernel).")
@@ -409,7 +412,7 @@ def _refusals_block(v: View) -> str:
                 at = batches(r["workloads"]) if r.get("workloads") else r.get("at", "")
                 groups[(turn, r["stage"], was, at, r.get("raised") or r["why"])].add(cell)
     order = ("new", "gone", "moved", "stands")
-    words = {"new": "new", "gone": "gone", "moved": "moved stage", "stands": "in both builds"}
+    words = {"new": "new", "gone": "gone", "moved": "moved stage", "stands": f"in both {v.sides}"}
     lines = []
     merged: dict[tuple, set] = defaultdict(set)
     for (turn, stage, was, at, raised), cells in groups.items():
@@ -421,7 +424,7 @@ def _refusals_block(v: View) -> str:
         tag = f" [{len(rows)} rows: {', '.join(r['field'] for r in rows)}]" if rows else ""
         lines.append(f"{words[turn]}: {v.where(cells)}, {where}: {raised}{tag}")
     return "**Refusals** (vLLM's own check says no; a server there fails): " + (
-        "; ".join(lines) if lines else "none in either build") + "."
+        "; ".join(lines) if lines else ("none on either host" if v.hosted else "none in either build")) + "."
 
 
 def _at_text(r: dict) -> str:
@@ -519,6 +522,11 @@ def pr_summary(d: dict, old: dict, new: dict, profile) -> str:
                   "**per-call choice** is vLLM's dispatch at one batch size; **resolved** evidence is vLLM's own "
                   "selection code run on a simulated GPU, not a kernel observed running.")
     claims = any(c.get("turn") for c in d["changes"] if c["facet"] == "verdict")
+    if v.hosted:
+        blocks.append("**For the perf database:** a row measured on one host holds there only: label each row with "
+                      "its host, or measure both." if v.serving else "**For the perf database:** no label depends on "
+                      "the host.")
+        return "\n\n".join(b if isinstance(b, str) else "\n".join([b[0], *b[1]]) for b in blocks)
     blocks.append("**To merge:** only if every change is intended: re-measure the perf-db rows above, fix the claims "
                   "or `make accept` them." if v.serving or claims else "**To merge:** nothing to re-measure.")
     return "\n\n".join(b if isinstance(b, str) else "\n".join([b[0], *b[1]]) for b in blocks)

@@ -53,11 +53,6 @@ LIMITS: tuple[Limit, ...] = (
               "implementation; its checks differ between releases (group sizes {128} on 0.27-0.29, {32, 128} on "
               "0.30+), so no stand-in is written for it. MLA's post-load calls it (DeepGEMM's packed FP8 "
               "activation quantization)."),
-    Limit("deepgemm-scale-layout-sm12", "vllm", ("0.27.0", "0.27.1"),
-          raised_in=r"^probes\.resolve\.standins:transform_sf_meta$", type=r"^probes\.core\.fence:SimulationLimit$",
-          message=r"^DeepGEMM's scale layout transform on SM 12\.x",
-          why="the stand-in for DeepGEMM's scale-layout kernel declines on SM 12.x: the DeepGEMM vendored in these "
-              "releases carries no SM 12 layout code, so there is no upstream behaviour to imitate."),
 )
 
 

@@ -12,6 +12,7 @@ import re
 import jinja2
 
 from audit.pins.hosts import FACTS as HOST_FACTS
+from probes.core.stages import NO_DEVICE_CODE
 from audit import __version__
 from audit.report import dispatch
 from audit.errors import RenderError
@@ -398,7 +399,7 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
                 "cuda_toolkit": "not recorded", "aborted": None, "image": None, "architecture_note": "",
                 "inventory": None, "slice": None, **routing.get("run", {})},
         "harness_version": __version__, "systems": systems, "sm_families": _sm_families(systems),
-        "host_facts": [f for f in HOST_FACTS if f != "cuda"],
+        "host_facts": [f for f in HOST_FACTS if f != "cuda"], "no_device_code": NO_DEVICE_CODE,
         "claim_words": _claim_words(routing, profile), "flags": FLAGS, "layouts": layouts,
         "matrices": _matrices(routing, cells, systems, layouts, lane_ids, profile),
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],

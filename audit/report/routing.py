@@ -222,7 +222,8 @@ def stop_outcome(err: dict) -> dict:
     outcome, rule = stop_rule(in_vllm="/vllm/" in path or path.startswith("vllm/"),
                               assertion=err.get("type", "").endswith(":AssertionError"),
                               raise_line=inner.group("src").strip().startswith("raise") if inner else None,
-                              cause="an exception" if chained else None, message=err.get("message", ""))
+                              cause="an exception" if chained else None, message=err.get("message", ""),
+                              type_name=err.get("type", ""))
     return {"outcome": outcome, "rule": rule}
 
 
@@ -280,7 +281,8 @@ def _rejudged(r: dict) -> dict:
     raised_in = str(r.get("raised_in") or "").rsplit(":", 1)[-1].rsplit(".", 1)[-1]
     outcome, rule = stop_rule(in_vllm=in_vllm, assertion=str(r.get("type", "")).endswith(":AssertionError"),
                               raise_line=r.get("raise_line"), cause=r.get("cause"), message=str(r.get("message") or ""),
-                              fed_no_weights=r.get("step") == "model-load", raised_in=raised_in)
+                              fed_no_weights=r.get("step") == "model-load", raised_in=raised_in,
+                              type_name=str(r.get("type", "")))
     if outcome == r.get("outcome"):
         return r
     return {**r, "outcome": outcome, "rule": f"{rule} (the record said {r.get('outcome')}; the rule decided)"}

@@ -150,6 +150,28 @@ class PinEnvironments:
                 return nvcc.parent.parent
         return None
 
+    @staticmethod
+    def device_code(env: Path) -> dict:
+        """The GPU code the environment's vLLM ships, per library (read from each shared object's fatbins:
+        probes/core/elfscan.py): ``{path under site-packages: {"sass": [...], "ptx": [...]}}``; a library that ships
+        none is listed with ``None`` (DeepGEMM compiles its kernels at run time; it is listed with the SM majors its
+        host code admits). A fact of the wheel, the same for every host."""
+        from probes.core.elfscan import deep_gemm_sm_majors, device_code
+
+        site = next(env.glob("lib/python*/site-packages"), None)
+        if site is None:
+            return {}
+        out: dict = {}
+        for so in sorted((site / "vllm").rglob("*.so")):
+            code = device_code(so)
+            rel = str(so.relative_to(site))
+            if code is not None and (code["sass"] or code["ptx"]):
+                out[rel] = code
+            elif "deep_gemm" in so.parts:  # one entry for the package (a build per CPython in some releases)
+                out.setdefault(str(so.parent.relative_to(site)) + "/_C*.so", {
+                    "sass": [], "ptx": [], "jit": True, "sm_majors": deep_gemm_sm_majors(so.parent)})
+        return out
+
     def harness_env(self) -> list[str]:
         """The variables this runtime sets for the host it arranges (stated in the provenance)."""
         return ["CUDA_HOME"] + (["VLLM_HAS_FLASHINFER_CUBIN"] if self.with_flashinfer_cubin else [])

@@ -105,7 +105,7 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
         return RunResult(evidence_dir=request.evidence_dir, missing=missing, info={
             "runtime": f"local venv ({env.name})", "python": py.get("python"),
             "mode": "resolve", "date": started.strftime("%Y-%m-%d"), "cuda_toolkit": self.toolkit_note(env),
-            "env_verified": self.verified[str(env)]["text"],
+            "env_verified": self.verified[str(env)]["text"], "device_code": self.device_code(env),
         })
 
     def _run_observe(self, request: RunRequest, progress: Progress) -> RunResult:

@@ -255,3 +255,100 @@ def source_cuda_symbols(roots: Iterable[Path]) -> set[str]:
                 continue
             found.update(n for n in _C_CALL.findall(text) if _is_driver_symbol(n) and not n.endswith("_t"))
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# GPU code a shared object carries: the fatbin containers of its .nv_fatbin section
+# --------------------------------------------------------------------------------------------
+#
+# A container: u32 magic 0xBA55ED50, u16 version 1, u16 header size, u64 size of the entries that follow. An entry:
+# u16 kind (1 PTX, 2 SASS), u16, u32 header size, u64 payload size (the next entry follows header and payload),
+# u32 compressed size, u32 options offset, u16 minor, u16 major, u32 SM number, u32 name offset, u32 name size,
+# u64 flags (0x100000: an arch-specific build, "a"; 0x200000: a family build, "f"), u64, u64 uncompressed size. The
+# header is never compressed, so the SM of a compressed entry is read all the same. Checked against cuobjdump's
+# --list-elf / --list-ptx on the pinned environments' libraries (same SMs, same counts).
+
+_FATBIN_MAGIC = 0xBA55ED50
+_CONTAINER = struct.Struct("<IHHQ")
+_ENTRY = struct.Struct("<HHIQIIHHIIIQ")  # the first 56 bytes of an entry header
+_ARCH_SPECIFIC, _FAMILY = 0x100000, 0x200000
+
+
+def device_code(path: str | os.PathLike) -> dict[str, list[str]] | None:
+    """``{"sass": ["sm_90a", "sm_100f", ...], "ptx": ["compute_80", ...]}`` for a shared object's ``.nv_fatbin``
+    section (empty lists: a section with no entries), or None when the file has no such section (no GPU code
+    shipped: a library that compiles its kernels at run time, or a CPU-only one) or is no ELF64 file."""
+    import mmap
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            size = path.stat().st_size
+            elf = _ElfFile(fh, size)
+            names = elf.section_data(_shstrndx(fh))
+            found = [sh for sh in elf.sections if _section_name(names, sh[0]) == ".nv_fatbin" and sh[1] != _SHT_NOBITS]
+            if not found:
+                return None
+            sass, ptx = set(), set()
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:  # sections of hundreds of MB: never read
+                for sh in found:
+                    offset, length = sh[4], sh[5]
+                    if offset + length > size:
+                        return None
+                    _read_containers(memoryview(mm)[offset:offset + length], sass, ptx)
+    except (OSError, ValueError, _NotElf64, struct.error):
+        return None
+    order = lambda s: (int(re.sub(r"\D", "", s)), s)  # noqa: E731
+    return {"sass": sorted(sass, key=order), "ptx": sorted(ptx, key=order)}
+
+
+def _shstrndx(fh) -> int:
+    fh.seek(0)
+    return _EHDR.unpack(fh.read(_EHDR.size))[13]
+
+
+def _section_name(names: bytes, offset: int) -> str:
+    end = names.find(b"\0", offset)
+    return names[offset:end].decode("latin-1") if 0 <= offset < len(names) and end >= 0 else ""
+
+
+def _read_containers(data: memoryview, sass: set, ptx: set) -> None:
+    at = 0
+    magic_bytes = struct.pack("<I", _FATBIN_MAGIC)
+    while at + _CONTAINER.size <= len(data):
+        magic, version, head, size = _CONTAINER.unpack_from(data, at)
+        if magic != _FATBIN_MAGIC or version != 1 or head < _CONTAINER.size:
+            nxt = bytes(data[at + 1:at + 1 + 4096]).find(magic_bytes)  # padding between containers is short
+            if nxt < 0:
+                return
+            at += 1 + nxt
+            continue
+        end = min(at + head + size, len(data))
+        entry = at + head
+        while entry + _ENTRY.size <= end:
+            kind, _u, ehead, payload, _c, _o, _minor, _major, sm, _no, _nl, flags = _ENTRY.unpack_from(data, entry)
+            if ehead < 64 or sm > 1000:
+                break
+            suffix = "a" if flags & _ARCH_SPECIFIC else "f" if flags & _FAMILY else ""
+            if kind == 2:
+                sass.add(f"sm_{sm}{suffix}")
+            elif kind == 1:
+                ptx.add(f"compute_{sm}{suffix}")
+            entry += ehead + payload
+        at = end
+
+
+def deep_gemm_sm_majors(package_dir: str | os.PathLike) -> list[int]:
+    """The SM majors a vendored DeepGEMM build has code for. DeepGEMM ships no GPU code (its ``_C*.so`` has no
+    ``.nv_fatbin``: it compiles its kernels at run time for the device's SM), so its compiled host code decides: SM 9
+    and SM 10 in every release, SM 12 where that code checks for it (``arch_major == 12``; the builds without it
+    have no ``sm120`` kernel headers either)."""
+    majors = {9, 10}
+    for path in sorted(Path(package_dir).glob("_C*.so")):
+        try:
+            with open(path, "rb") as fh:
+                if b"arch_major == 12" in fh.read():
+                    majors.add(12)
+        except OSError:
+            continue
+    return sorted(majors)

@@ -41,6 +41,12 @@ class SimulationLimit(RuntimeError):
     """A stand-in declines to answer: what it was asked is not simulated (not a harness fault)."""
 
 
+class NoDeviceCode(RuntimeError):
+    """A library vLLM selected carries no code for the simulated GPU's SM: on the device, loading fails where this is
+    raised. Raised by a stand-in that read the library's shipped code (audit: a load failure, never a limit). The
+    message names the library, the SMs it has code for, and the SM asked for."""
+
+
 class PlantedFault(RuntimeError):
     """Raised by a fence where :data:`PLANT_ENV` names its piece."""
 
@@ -56,7 +62,7 @@ def deliberate(exc: BaseException) -> BaseException:
 
 
 def passes(exc: BaseException) -> bool:
-    return isinstance(exc, SimulationLimit) or bool(getattr(exc, _PASSES, False))
+    return isinstance(exc, (SimulationLimit, NoDeviceCode)) or bool(getattr(exc, _PASSES, False))
 
 
 def foreign(fn, *args, **kwargs):
@@ -281,6 +287,6 @@ def summary() -> dict:
             "planted": sorted(planted()), "survey": _SURVEY[0]}
 
 
-__all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "ContractBroken", "PlantedFault", "SimulationLimit", "returns",
+__all__ = ["CALLS", "FAULTS", "PLANT_ENV", "REGISTRY", "ContractBroken", "NoDeviceCode", "PlantedFault", "SimulationLimit", "returns",
            "check_origin", "deliberate",
            "enter", "fault", "foreign", "guard", "passes", "plant", "planted", "raised_by_us", "register", "summary"]

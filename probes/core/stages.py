@@ -49,8 +49,13 @@ WEIGHT_CHECK_WORDS = re.compile(r"checkpoint|\bmissing\b|not (?:been )?loaded|un
                                 re.IGNORECASE)
 
 
+#: the exception type (``module:qualname``) a stand-in raises where the library vLLM selected carries no code for the
+#: GPU's SM (probes.core.fence.NoDeviceCode)
+NO_DEVICE_CODE = "probes.core.fence:NoDeviceCode"
+
+
 def stop_rule(*, in_vllm: bool, assertion: bool, raise_line: bool | None, cause: str | None,
-              message: str, fed_no_weights: bool = False, raised_in: str = "") -> tuple[str, str]:
+              message: str, fed_no_weights: bool = False, raised_in: str = "", type_name: str = "") -> tuple[str, str]:
     """(outcome, rule) for an exception that stopped a step of the simulation: ``refused`` when vLLM's own
     code said no (an explicit ``raise`` in a vLLM source file, not an assertion, not chained from another
     exception, not about the simulation), else ``limit``: the simulation could not go further. Shared by
@@ -59,6 +64,9 @@ def stop_rule(*, in_vllm: bool, assertion: bool, raise_line: bool | None, cause:
     *fed_no_weights* says the step ran ``load_weights`` on an empty stream, where the loading's own check on
     the tensors it received (raised by *raised_in*, a weight-loading function, or naming the checkpoint or
     missing weights) is the simulation's doing."""
+    if type_name == NO_DEVICE_CODE:
+        return "refused", ("the library vLLM selected carries no code for this GPU's SM (read from what it ships): "
+                           "on the device, loading fails here")
     if not in_vllm:
         return "limit", "raised outside vLLM (torch, a compiled op, a library, or a stand-in)"
     if assertion:

@@ -91,7 +91,8 @@ def classify(exc: BaseException, *, fed_no_weights: bool = False) -> dict:
     outcome, rule = stop_rule(in_vllm=inner_frame is not None and _is_vllm_file(inner_frame.f_code.co_filename),
                               assertion=isinstance(exc, AssertionError), message=str(exc),
                               fed_no_weights=fed_no_weights,
-                              raised_in=inner_frame.f_code.co_name if inner_frame is not None else "", **facts)
+                              raised_in=inner_frame.f_code.co_name if inner_frame is not None else "",
+                              type_name=out["type"], **facts)
     # what the rule read is recorded too, so the host applies the same rule to the record (audit.routing)
     out.update(outcome=outcome, rule=rule, **facts)
     return out

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 
 from probes.core import fence
-from probes.core.fence import SimulationLimit, deliberate, foreign
+from probes.core.fence import NoDeviceCode, SimulationLimit, deliberate, foreign
 from probes.resolve import simulate
 from probes.resolve.simulate import SIMULATED
 
@@ -451,9 +451,10 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
                                       f"k={k}, granularity ({gran_mn}, {gran_k}), num_groups={num_groups}"))
     arch = simulate._State.sku().major
     _count("deep_gemm transform_sf_into_required_layout (meta)")
-    if arch not in archs:
-        raise SimulationLimit(f"DeepGEMM's scale layout transform on SM {arch}.x: the compiled DeepGEMM carries no "
-                              f"SM {arch} code for it (not simulated)")
+    if arch not in archs:  # what DeepGEMM ships decides: on the device this is where loading the weights fails
+        raise NoDeviceCode(f"DeepGEMM (vendored in vLLM) has no code for SM {arch}.x: it compiles its kernels at run "
+                           f"time, and its compiled host code admits SM {', '.join(str(a) for a in sorted(archs))} only "
+                           f"(its scale layout transform, called at load, rejects SM {arch}.x)")
     fp32 = sf.dtype == torch.float32
     aligned = _align(mn, 4)  # TMA alignment: 16 bytes of 4-byte scales
     if fp32 and gran_k == 128 and gran_mn in (1, 128) and (arch == 9 or disable_ue8m0_cast):
@@ -496,17 +497,10 @@ def transform_sf_meta(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_u
 
 
 def _compiled_archs(package_dir: str) -> frozenset:
-    """The SM majors a DeepGEMM build carries scale-layout code for, read from its compiled extension: SM 9 and
-    SM 10 always (every release of the layout code has both), SM 12 where the extension's own checks name it."""
-    import glob
-    import os
+    """The SM majors a DeepGEMM build has code for (:func:`probes.core.elfscan.deep_gemm_sm_majors`)."""
+    from probes.core.elfscan import deep_gemm_sm_majors
 
-    archs = {9, 10}
-    for path in glob.glob(os.path.join(package_dir, "_C*.so")):
-        with open(path, "rb") as fh:
-            if b"arch_major == 12" in fh.read():
-                archs.add(12)
-    return frozenset(archs)
+    return frozenset(deep_gemm_sm_majors(package_dir))
 
 
 _LIBS: list = []  # torch.library registrations stay alive with the process

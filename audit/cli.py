@@ -207,7 +207,8 @@ def _verify_pins(args, out, err) -> int:
         out.print(f"{c.pin}: {'ok' if c.ok else 'FAILED'} ({len(c.cells)} cell(s): {', '.join(c.cells)})")
         for title, rows in (("harness fault", c.faults), ("cell did not finish", c.unfinished),
                             ("stand-in does not fit", c.misfits), ("stand-in skipped", c.skipped),
-                            ("availability differs from a plain import", c.disagreements)):
+                            ("availability differs from a plain import", c.disagreements),
+                            ("host facts (images.lock [pin.host])", c.host)):
             for row in rows:
                 out.print(f"  {title}: {row}", markup=False)
         for k, v in c.fit.items():

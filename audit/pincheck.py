@@ -58,11 +58,13 @@ class PinCheck:
     #: misfits NOT_NEEDED explains (named, with why; they do not fail the pin)
     skipped: list[str] = field(default_factory=list)
     disagreements: list[str] = field(default_factory=list)
+    #: the pin's declared host (images.lock [pin.host]) missing, or not what vLLM's own checks read in the run
+    host: list[str] = field(default_factory=list)
     error: str = ""
 
     @property
     def ok(self) -> bool:
-        return not (self.faults or self.unfinished or self.misfits or self.disagreements or self.error)
+        return not (self.faults or self.unfinished or self.misfits or self.disagreements or self.host or self.error)
 
 
 def family_systems() -> list[str]:
@@ -151,6 +153,7 @@ def check_pin(pin_name: str, profile: Profile, *, lock_path: str | Path = "image
                 res.skipped.append(f"{k}: {v}; not needed: {why}")
             else:
                 res.misfits.append(f"{k}: {v}")
+    res.host = host_problems(pin, routing)
     plain = plain_imports(pin, progress)
     for key, modules in sorted(_answer_modules().items()):
         said, got = answers.get(key), plain.get(key, "?")
@@ -161,6 +164,34 @@ def check_pin(pin_name: str, profile: Profile, *, lock_path: str | Path = "image
             res.disagreements.append(f"{key}: vLLM says unavailable, a plain import of {names} works"
                                      + (f" ({why[key]})" if key in why else ""))
     return res
+
+
+def host_problems(pin, routing: dict) -> list[str]:
+    """How the run's host falls short of the pin's declared one (audit/pins/hosts.py): no declaration, or a fact vLLM's
+    own checks read otherwise in some cell (the arrangement did not reach vLLM)."""
+    from audit.pins.hosts import check_facts
+
+    if not pin.host:
+        return [f"images.lock declares no [pin.host] for {pin.name}: its audits run under the harness's own "
+                "arrangement, not its image's"]
+    problem = check_facts(pin.host)
+    if problem:
+        return [problem]
+    host = (routing.get("run") or {}).get("host") or {}
+    if host.get("name") != "image":
+        return [f"the run recorded the host {host.get('name')!r}, not the pin's image"]
+    out = []
+    # what each declared fact makes vLLM's own check answer, read back from every cell
+    expect = {"flashinfer_cubin": pin.host["flashinfer_cubin"]}
+    if pin.host["flashinfer_cubin"] or (pin.host["nvcc"] and pin.host["ninja"]):
+        expect["flashinfer"] = True
+    for c in routing["cells"]:
+        said = c.get("availability") or {}
+        for key, want in expect.items():
+            if key in said and said[key] is not want:
+                out.append(f"{c['system']}/{c['layout']}: vLLM's {key} check says {said[key]}, the declared host "
+                           f"makes it {want}")
+    return sorted(set(out))
 
 
 def verify_pins(profile: Profile, *, lock_path: str | Path = "images.lock", pins: list[str] | None = None,

@@ -102,3 +102,19 @@ def test_the_reproduce_command_names_a_host_other_than_the_image():
     assert "HOST=pip" in reproduce_command("v0.33.0", systems, layouts, "local", host="pip", profile=KIMI_K3)
     for host in ("image", "undeclared"):
         assert "HOST" not in reproduce_command("v0.33.0", systems, layouts, "local", host=host, profile=KIMI_K3)
+
+
+def test_verify_pins_checks_the_declared_host_reached_vllms_checks(write):
+    from audit.pincheck import host_problems
+
+    declared = lock.load(write("images.lock", PIN + HOST)).get("v9.0.0")
+    bare = lock.load(write("bare.lock", PIN)).get("v9.0.0")
+    cell = {"system": "b200_sxm", "layout": "tp8", "availability": {"flashinfer_cubin": True, "flashinfer": True}}
+    run = {"host": hosts.host_for(declared, "image").record()}
+    assert host_problems(declared, {"run": run, "cells": [cell]}) == []
+    missed = {**cell, "availability": {"flashinfer_cubin": False, "flashinfer": True}}
+    assert host_problems(declared, {"run": run, "cells": [missed]}) == [
+        "b200_sxm/tp8: vLLM's flashinfer_cubin check says False, the declared host makes it True"]
+    assert "declares no [pin.host]" in host_problems(bare, {"run": {}, "cells": [cell]})[0]
+    pip_run = {"host": hosts.host_for(declared, "pip").record()}
+    assert "not the pin's image" in host_problems(declared, {"run": pip_run, "cells": [cell]})[0]

@@ -588,7 +588,8 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         faulty = [c for c in routing["cells"] if c.get("harness_faults")]
         died = len(unfinished) - len(faulty)
         routing["run"]["aborted"] = {
-            "kind": "standin-misfit" if misfits and not unfinished else
+            # a misfit first: what ran past a stand-in that does not fit explains the faults and stops after it
+            "kind": "standin-misfit" if misfits else
             "harness-fault" if faulty and not died else "cells-missing", "returncode": None, "log_tail": "",
             "message": "; ".join(part for part in (
                 f"{died} of {len(routing['cells'])} cell(s) left no evidence (their process died, was killed or its "

@@ -130,3 +130,21 @@ def test_records_of_another_cell_or_a_planted_probes_off_record_are_refused(tmp_
     with pytest.raises(EvidenceError, match="probes were not installed"):
         _check_records_against_header(f, {})
     _check_records_against_header(f, {"probes": False})  # a transparency baseline runs without them
+
+
+def test_a_dropped_snapshot_leaves_the_file_numbered_in_order(tmp_path):
+    """observe mode drops and re-emits its running snapshot at every flush: the records kept are numbered again, so a
+    file the probes wrote always passes the schema's numbering check."""
+    from audit.evidence import files as evidence
+    from probes.core.recorder import Recorder
+
+    rec = Recorder(str(tmp_path), role="vllm-process:test", meta={"mode": "observe", "model": "kimi-k3",
+                                                                  "cell": {"system": "b200_sxm", "layout": "tp8"}})
+    rec.emit("plugin", event="loaded")
+    rec.emit("observe-status", targets={})
+    rec.emit("workload", ok=True)
+    rec.drop("observe-status")
+    rec.emit("observe-status", targets={"x": "hit"})
+    path = rec.flush(final=True)
+    assert [r["seq"] for r in rec.records()[1:]] == [1, 2, 3]
+    assert [r["kind"] for r in evidence.read_file(path).records] == ["plugin", "workload", "observe-status"]

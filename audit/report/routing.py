@@ -838,7 +838,9 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
         seen = observe_files.get((system, layout))
         if f is not None:
             cell = build_cell(f, profile)
-            shorter = went_further(before[(system, layout)], cell) if (system, layout) in before else ""
+            # a cell whose own harness code faulted stopped for that reason: not asked again
+            shorter = went_further(before[(system, layout)], cell) \
+                if (system, layout) in before and not cell["harness_faults"] else ""
             if shorter:
                 cell["harness_faults"].append({
                     "piece": "the committed audit of this build went further", "where": f"{system}/{layout}",

@@ -97,9 +97,12 @@ class Recorder:
         self._header = {**self._header, "pid": os.getpid(), "parent_pid": self._header.get("pid")}
 
     def drop(self, *kinds: str) -> None:
-        """Forget the records of these kinds (a snapshot about to be re-emitted replaces them)."""
+        """Forget the records of these kinds (a snapshot about to be re-emitted replaces them). The records kept are
+        numbered again, in their order, so the file stays numbered 1, 2, ... as the evidence schema requires."""
         with self._lock:
-            self._records = [r for r in self._records if r.get("kind") not in kinds]
+            kept = [r for r in self._records if r.get("kind") not in kinds]
+            self._records = [{**r, "seq": i} for i, r in enumerate(kept, 1)]
+            self._seq = len(self._records)
 
     def update_header(self, **fields) -> None:
         with self._lock:

@@ -155,9 +155,15 @@ def _keep(path: str, entries: list, facts: dict, result, inputs: dict, stats: di
     _save(path, [e for e in entries if e["facts"] != facts] + [seal(inputs, facts, stored)])
 
 
+#: the entry format: part of every key, so a file an older format wrote is never found (not "rejected": it was
+#: not edited, only written before entries recorded their inputs)
+FORMAT = 2
+
+
 def key_of(inputs: dict) -> str:
-    """The key of a memoised call: sha256 over its label, its package's digest and its arguments' text."""
-    return hashlib.sha256(f"{inputs['label']}\0{inputs['code']}\0{inputs['args']}".encode()).hexdigest()
+    """The key of a memoised call: sha256 over the entry format, its label, its package's digest and its
+    arguments' text."""
+    return hashlib.sha256(f"memo-{FORMAT}\0{inputs['label']}\0{inputs['code']}\0{inputs['args']}".encode()).hexdigest()
 
 
 _TUPLE = "__memo_tuple__"

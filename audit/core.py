@@ -746,17 +746,21 @@ def _fuller_report(report_dir: Path, cells: list[tuple[str, str]]) -> int | None
 
 
 def report_from_routing(pin_name: str, *, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
-                        profile: Profile, write: bool = True) -> dict[str, str]:
+                        profile: Profile, write: bool = True, host: str = hosts.DEFAULT) -> dict[str, str]:
     """A committed report rendered again from its own routing.json with today's code, no audit: the routing (a
     schema 2 one upgraded to records) is judged again against the model's claims (unless its audit judged none),
     its records' families and flags filled in, and its ledger, labels and routing.json written anew, the "changes
     since" section against the previous pin's committed routing. Returns the files (name -> text); with *write*,
-    the report directory is replaced as one unit. The same routing always renders the same bytes."""
-    from audit.report.diff import diff_routings, load_routing
+    the report directory is replaced as one unit. The same routing always renders the same bytes.
+
+    *host* another than the image's: the report under ``reports/hosts/<host>/``, its "changes since" against the
+    same pin on the image's host, and that host diff among the files (``diffs/<pin>@image..<pin>@<host>.md``/``.json``
+    relative to the host's model root)."""
+    from audit.report.diff import diff_routings, load_routing, render_diff
 
     lock = lockmod.load(lock_path)
     pin = lock.get(pin_name)
-    root = models.reports_root(reports_dir, profile)
+    root = models.reports_root(hosts.report_root(reports_dir, host), profile)
     routing = load_routing(root, pin.name, profile)
     if routing.get("model") != profile.name:
         raise UsageError(f"{report_dir_for(root, pin.name) / 'routing.json'} is of the model {routing.get('model')!r}, "
@@ -770,14 +774,30 @@ def report_from_routing(pin_name: str, *, lock_path: str | Path = "images.lock",
         attach(routing, exp, profile, display_path=exp_path)
     changes = None
     prev = lockmod.previous_pin(lock, pin.name)
-    if prev is not None:
+    hosted = host not in (hosts.DEFAULT, "undeclared")
+    image_root = models.reports_root(reports_dir, profile)
+    if hosted:  # the same pin on the image's host is the base, as the audit of this host took it
+        if (report_dir_for(image_root, pin.name) / "routing.json").is_file():
+            changes = diff_routings(load_routing(image_root, pin.name, profile), routing, profile)
+        else:
+            changes = {"unavailable": f"{pin.name} on the image's host"}
+    elif prev is not None:
         if (report_dir_for(root, prev.name) / "routing.json").is_file():
             changes = diff_routings(load_routing(root, prev.name, profile), routing, profile)
         else:
             changes = {"unavailable": prev.name}
     files = report_files(routing, profile=profile, reproduce=(routing.get("run") or {}).get("reproduce", ""),
                          changes=changes, label_map=exp.label_map if exp is not None else None)
+    diff_files = {}
+    if hosted and changes and not changes.get("unavailable"):
+        stem = f"{pin.name}@{hosts.DEFAULT}..{pin.name}@{host}"
+        diff_files = {f"../diffs/{stem}.json": json.dumps(changes, indent=1, sort_keys=True, ensure_ascii=False) + "\n",
+                      f"../diffs/{stem}.md": render_diff(changes, profile)}
     if write:
+        if diff_files:
+            from audit.fsutil import write_all_atomic
+
+            write_all_atomic({root / "diffs" / Path(name).name: text for name, text in diff_files.items()})
         report_dir = report_dir_for(root, pin.name)
         try:
             with DirLock(report_dir):
@@ -785,7 +805,7 @@ def report_from_routing(pin_name: str, *, lock_path: str | Path = "images.lock",
         except OSError as exc:
             raise ReportWriteError(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""),
                                    path=str(report_dir), run_dir="") from None
-    return files
+    return {**files, **diff_files}
 
 
 def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: str | Path = "reports",
@@ -851,4 +871,12 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
             shutil.rmtree(env, ignore_errors=True)
     for before, after in zip(chosen, chosen[1:]):
         write_diff(models.reports_root(reports_dir, profile), before.name, after.name, profile)
+    if from_reports:  # the committed reports of other hosts render again too, each with its host diff
+        for host in sorted(h for h in hosts.HOSTS if h != hosts.DEFAULT):
+            for pin in chosen:
+                if (report_dir_for(models.reports_root(hosts.report_root(reports_dir, host), profile), pin.name)
+                        / "routing.json").is_file():
+                    progress("stage", text=f"rendering {pin.name} on the {host} host from its committed routing.json")
+                    report_from_routing(pin.name, lock_path=lock_path, reports_dir=reports_dir, profile=profile,
+                                        host=host)
     return outcomes

@@ -34,18 +34,21 @@ def test_reports_exist_for_every_pin_with_a_wheel():
     assert PINS == [p.name for p in LOCK.pins.values() if p.wheel], "run `make reports` to regenerate reports/"
 
 
-def _model_pins():
+def _model_pins(with_hosts: bool = False):
     from audit import models
+    from audit.pins import hosts
 
-    for profile in models.PROFILES.values():
-        root = models.reports_root(REPORTS, profile)
-        for p in LOCK.pins.values():
-            if (root / p.name / "routing.json").is_file():
-                yield pytest.param(profile, root, p.name, id=f"{profile.name}-{p.name}")
+    for host in (hosts.HOSTS if with_hosts else [hosts.DEFAULT]):
+        for profile in models.PROFILES.values():
+            root = models.reports_root(hosts.report_root(REPORTS, host), profile)
+            for p in LOCK.pins.values():
+                if (root / p.name / "routing.json").is_file():
+                    yield pytest.param(profile, root, p.name, host,
+                                       id=f"{profile.name}-{p.name}" + ("" if host == hosts.DEFAULT else f"@{host}"))
 
 
-@pytest.mark.parametrize("profile,root,pin", list(_model_pins()))
-def test_each_committed_report_is_its_routing_rendered(profile, root, pin):
+@pytest.mark.parametrize("profile,root,pin,host", list(_model_pins(with_hosts=True)))
+def test_each_committed_report_is_its_routing_rendered(profile, root, pin, host):
     """Every model's committed report is what `serving-truth regenerate --from-reports` renders from its own
     routing.json with today's code (ledger, labels.json and routing.json itself, byte for byte), its ledger's
     "changes since" against the previous pin's committed routing; and the committed diff from the previous pin is
@@ -53,13 +56,16 @@ def test_each_committed_report_is_its_routing_rendered(profile, root, pin):
     from audit.core import report_from_routing
     from audit.report.diff import DIFF_SCHEMA, load_routing, render_diff
 
-    files = report_from_routing(pin, lock_path=ROOT / "images.lock", reports_dir=REPORTS, profile=profile, write=False)
+    files = report_from_routing(pin, lock_path=ROOT / "images.lock", reports_dir=REPORTS, profile=profile, write=False,
+                                host=host)
+    if host != "image":  # another host's report carries its diff against the image's host (among the files)
+        assert any(name.startswith("../diffs/") for name in files), "the host diff is committed beside it"
     for name, text in sorted(files.items()):
         assert text == (root / pin / name).read_text(encoding="utf-8"), \
             f"{root / pin / name} is not what today's code renders from its routing.json: " \
             f"serving-truth regenerate --from-reports --model {profile.name}"
     prev = lockmod.previous_pin(LOCK, pin)
-    if prev is None or not (root / prev.name / "routing.json").is_file():
+    if host != "image" or prev is None or not (root / prev.name / "routing.json").is_file():
         return
     d = diff_routings(load_routing(root, prev.name, profile), load_routing(root, pin, profile), profile)
     md = root / "diffs" / f"{prev.name}..{pin}.md"
@@ -71,6 +77,9 @@ def test_the_third_model_is_committed_for_every_pin():
     from audit.models.deepseek_v3 import DEEPSEEK_V3
 
     ids = {p.id for p in _model_pins()}
+    # the pip host's report and its diff against the image's host, for K3 and DeepSeek-V3 (issue 48)
+    hosted = {p.id for p in _model_pins(with_hosts=True)} - ids
+    assert {"kimi-k3-v0.33.0@pip", f"{DEEPSEEK_V3.name}-v0.33.0@pip"} <= hosted
     assert {f"{DEEPSEEK_V3.name}-{p.name}" for p in LOCK.pins.values() if p.wheel} <= ids
     # a pin bump that moved nothing says so, never an empty table (0.33.0 changes no DeepSeek-V3 lane)
     text = (REPORTS / DEEPSEEK_V3.name / "v0.33.0" / "ledger.md").read_text(encoding="utf-8")

@@ -118,3 +118,22 @@ def test_verify_pins_checks_the_declared_host_reached_vllms_checks(write):
     assert "declares no [pin.host]" in host_problems(bare, {"run": {}, "cells": [cell]})[0]
     pip_run = {"host": hosts.host_for(declared, "pip").record()}
     assert "not the pin's image" in host_problems(declared, {"run": pip_run, "cells": [cell]})[0]
+
+
+def test_the_committed_reports_state_their_host_and_the_host_diffs_name_what_depends_on_it():
+    """Issue 48's "Done when" on the committed reports: both models' v0.33.0 reports say the host they assume and its
+    source; the pip host's diff against the image's host is committed for both and names the SM 10.x experts change."""
+    from audit import models
+
+    for name in ("kimi-k3", "deepseek-v3"):
+        profile = models.get(name)
+        ledger = (models.reports_root(ROOT / "reports", profile) / "v0.33.0" / "ledger.md").read_text(encoding="utf-8")
+        assert "- **Host:** the official image (CUDA 13.0.2): nvcc yes, ninja yes, flashinfer-cubin yes" in ledger
+        assert "Source: the official image's recipe in vllm-0.33.0.tar.gz" in ledger
+        pip = models.reports_root(ROOT / "reports" / "hosts" / "pip", profile)
+        assert (pip / "v0.33.0" / "routing.json").is_file()
+        diff = (pip / "diffs" / "v0.33.0@image..v0.33.0@pip.md").read_text(encoding="utf-8")
+        assert "**These kernels depend on the host**" in diff and "nvcc yes → no" in diff
+        assert "SM 10.0" in diff.split("**What changed", 1)[0]
+    k3 = (ROOT / "reports" / "hosts" / "pip" / "diffs" / "v0.33.0@image..v0.33.0@pip.md").read_text(encoding="utf-8")
+    assert "TrtLlmMxfp4ExpertsMonolithic → DeepGemmFP4Experts" in k3

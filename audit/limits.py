@@ -53,6 +53,12 @@ LIMITS: tuple[Limit, ...] = (
               "implementation; its checks differ between releases (group sizes {128} on 0.27-0.29, {32, 128} on "
               "0.30+), so no stand-in is written for it. MLA's post-load calls it (DeepGEMM's packed FP8 "
               "activation quantization)."),
+    Limit("vllm-C-per-token-group-fp8-quant", "vllm", ("0.33.0",),
+          raised_in=r"^torch\._ops:OpOverloadPacket\.__call__$", type=r"^builtins:NotImplementedError$",
+          message=r"^_C::per_token_group_fp8_quant: attempted to run this operator with Meta tensors",
+          why="the unpacked sibling of the op above: vLLM's compiled _C::per_token_group_fp8_quant registers no Meta "
+              "kernel and no fake implementation either. MLA's post-load reaches it on SM 9.0 where FlashInfer is "
+              "not available (the pip host, audit/pins/hosts.py); checked on vLLM 0.33.0."),
 )
 
 

@@ -261,3 +261,24 @@ def test_an_untrusting_memo_serves_no_stored_answer(vllm_env, tmp_path):
     ''', tmp_path)
     assert out["a"] == [3] and out["calls"] == [3, 3]
     assert out["stats"] == {"computed": 2, "reused": 0, "uncacheable": 0, "rejected": 0, "checked": 0}
+
+
+def test_the_check_of_a_stored_answer_does_not_depend_on_which_facts_the_library_reads_again(vllm_env, tmp_path):
+    """A library that caches the device facts it read answers the check's recomputation without reading them again:
+    the stored answer agrees, so it is served, never counted as rejected."""
+    pkg = tmp_path / "toypkg4"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from probes.resolve import memo\nSEEN = {}\n\ndef h(x):\n    if 'sm' not in SEEN:\n"
+        "        SEEN['sm'] = 132\n        memo.note_fact('sm_count', 132)\n    return [x * SEEN['sm']]\n",
+        encoding="utf-8")
+    out = _in_env(vllm_env, '''
+        import json, toypkg4
+        from probes.resolve import memo
+        facts = lambda fields: {f: 132 for f in fields}
+        memo.memoised(toypkg4.h, "toy", "memo", facts)(2)           # computed: read sm_count
+        again = memo.memoised(toypkg4.h, "toy", "memo", facts)(2)   # another process's view: checked, reads nothing
+        print(json.dumps({"again": again, "stats": memo.STATS["toy"]}))
+    ''', tmp_path)
+    assert out["again"] == [264]
+    assert out["stats"] == {"computed": 1, "reused": 1, "uncacheable": 0, "rejected": 0, "checked": 1}

@@ -33,8 +33,11 @@ def vllm_env():
     from audit.pins import lock
     from audit.runtimes.local import LocalRuntime
 
+    from audit.pins.hosts import host_for
+
     pin = lock.load(ROOT / "images.lock").get(VLLM_PIN)
-    rt = LocalRuntime()
+    facts = host_for(pin).facts  # the pin's declared image host, as `make audit` runs it
+    rt = LocalRuntime(with_cuda_toolkit=facts["nvcc"], with_flashinfer_cubin=facts["flashinfer_cubin"])
     env = rt.ensure_env(pin, lambda *a, **k: None)
     return rt, pin, env
 

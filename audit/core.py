@@ -15,7 +15,7 @@ from audit.pins import hosts
 from audit.report import routing as routingmod
 from audit.errors import AuditError, EvidenceError, HarnessFaultError, ReportWriteError, RunAborted, RunIncomplete, \
     JudgmentShrank, StandinMisfitError, UsageError
-from audit import models
+from audit import models, standinfit
 from audit.profiles import Profile
 from audit.fsutil import DirLock, cache_root, read_regular, replace_dir, report_dir_for, write_atomic
 from audit.report.render import report_files
@@ -191,7 +191,8 @@ def run_audit(pin_name: str, options: AuditOptions, *,
     request = RunRequest(pin=pin, profile=profile, cells=cells, run_dir=run_dir, parallel=parallel,
                          timeout_s=o.timeout_s, mode=o.mode, slice=o.slice_name, profiler=o.profiler,
                          postload_every_layer=o.postload_every_layer, plant_fault=o.plant_fault,
-                         trust_memo=o.cache, deadline=started + o.timeout_s if o.timeout_s else None)
+                         trust_memo=o.cache, deadline=started + o.timeout_s if o.timeout_s else None,
+                         preflight=_stop_on_misfit(run_dir) if o.mode == "resolve" else None)
     reproduce = reproduce_command(pin.name, sys_sel, lay_sel, o.runtime, host=host.name, lock=str(o.lock_path),
                                   expectations=str(o.expectations) if o.expectations not in (None, "") else "none",
                                   baseline="" if o.baseline in (None, "auto") else o.baseline, profile=profile)
@@ -329,6 +330,17 @@ def _host(pin, o: AuditOptions) -> "hosts.Host":
         raise UsageError(f"unknown host {name!r}", hint="known hosts: " + "; ".join(
             f"{k} ({v})" for k, v in hosts.HOSTS.items()))
     return hosts.host_for(pin, name)
+
+
+def _stop_on_misfit(run_dir: Path):
+    """The check a runtime runs before any cell: a stand-in that does not fit this release (and that NOT_NEEDED does
+    not cover) stops the audit there (exit 4, the stand-in named, no cell run, reports/ untouched). The same rule
+    judges the cells' own account after the run (:func:`render_run`), for stand-ins only a cell reaches."""
+    def check(fit: dict) -> None:
+        misfits = standinfit.stopping(fit)
+        if misfits:
+            raise StandinMisfitError(misfits=misfits, run_dir=str(run_dir), before_cells=True)
+    return check
 
 
 def unbuilt_cells(cells: list[dict]) -> list[list[str]]:
@@ -579,10 +591,8 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     else:
         routing["verdicts_skipped"] = "no expectations were given (--expectations none): no claim was judged"
     unfinished = [(c["system"], c["layout"]) for c in routing["cells"] if c["status"] == "INCOMPLETE"]
-    from audit import standinfit
-
     # a stand-in that does not fit its release (and nothing says the misfit is harmless there) stops the audit
-    misfits = {k: v for k, v in (routing.get("standin_fit") or {}).items() if standinfit.status(k, v) == "misfit"}
+    misfits = standinfit.stopping(routing.get("standin_fit") or {})
     incomplete = aborted or bool(unfinished) or bool(misfits)
     if incomplete and not aborted and not _beside_run:
         faulty = [c for c in routing["cells"] if c.get("harness_faults")]

@@ -395,13 +395,16 @@ class StandinMisfitError(RunIncomplete):
     ``NOT_NEEDED``): what the simulation ran past it may not be vLLM's code as released, so the audit stops with
     exit 4, names the stand-in, and reports/ is not changed."""
 
-    def __init__(self, *, misfits: dict[str, str], run_dir: str, incomplete_ledger=None):
+    def __init__(self, *, misfits: dict[str, str], run_dir: str, incomplete_ledger=None, before_cells: bool = False):
         super().__init__(cells=[], run_dir=run_dir, incomplete_ledger=incomplete_ledger)
         self.misfits = dict(misfits)
+        #: found by the check before any cell ran (no cell ran, no ledger was written), or in the cells' account
+        self.before_cells = before_cells
         first, fit = next(iter(self.misfits.items()))
         self.message = (f"stand-in {first!r} does not fit this release ({fit})"
                         + (f", and {len(self.misfits) - 1} more" if len(self.misfits) > 1 else "")
-                        + ": the audit stops here and reports/ was not changed")
+                        + (": the audit stops before any cell ran" if before_cells else ": the audit stops here")
+                        + " and reports/ was not changed")
         self.args = (self.message,)
         self.hint = ("update the stand-in to the release (probes/resolve/standins.py or the model's probes package), "
                      "or, if nothing in this release reads it, declare why in audit/standinfit.py NOT_NEEDED; "

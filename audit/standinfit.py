@@ -35,3 +35,9 @@ def status(piece: str, fit: str | None) -> str:
     if not misfit(fit):
         return "fits"
     return "not-needed" if not_needed(piece, fit) else "misfit"
+
+
+def stopping(fits: dict) -> dict[str, str]:
+    """The misfits among *fits* ({stand-in: fit}) that stop an audit: every one :data:`NOT_NEEDED` does not cover,
+    in name order. The audit asks this before any cell runs and again of the cells' own account."""
+    return {k: v for k, v in sorted((fits or {}).items()) if status(k, v) == "misfit"}

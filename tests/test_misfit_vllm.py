@@ -51,3 +51,61 @@ def test_a_moved_stand_in_target_stops_the_audit_naming_it(model, vllm_env, tmp_
     assert not reports.exists() or not any(reports.rglob("routing.json"))  # reports/ untouched
     ledger = err.value.incomplete_ledger.read_text(encoding="utf-8")  # written beside the run, saying why
     assert "INCOMPLETE RUN (standin-misfit)" in ledger and piece in ledger
+
+
+@pytest.mark.parametrize("model", list(CASES))
+def test_the_audit_checks_every_stand_ins_fit_before_any_cell(model, vllm_env, tmp_path):
+    """The same moved target, found before any cell runs: the runtime runs probes/resolve/fitcheck.py in the pinned
+    environment (every watched module imported under the simulated platform, nothing constructed) and the audit's
+    rule (audit/standinfit.py) stops it there: exit 4 naming the stand-in, no cell's evidence, no ledger. Without
+    the plant the same check passes and the cell runs."""
+    from audit.core import _stop_on_misfit
+    from audit.runtimes import RunRequest
+    from audit.systems import SYSTEMS
+
+    rt, pin, _ = vllm_env
+    profile = models.get(model)
+    cell, plant, piece = CASES[model]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "sitecustomize.py").write_text(sitecustomize([plant]), encoding="utf-8")
+    seen: list[dict] = []
+
+    def check(fit: dict) -> None:
+        seen.append(fit)
+        _stop_on_misfit(run_dir)(fit)
+
+    req = RunRequest(pin=pin, profile=profile, cells=[(SYSTEMS[cell[0]], profile.layouts[cell[1]])], run_dir=run_dir,
+                     parallel=1, preflight=check)
+    with pytest.raises(StandinMisfitError) as err:
+        rt.run(req, lambda *a, **k: None)
+    assert err.value.exit_code == ExitCode.RUN_FAILED == 4 and err.value.before_cells
+    assert piece in err.value.misfits and err.value.misfits[piece].startswith("does not fit")
+    assert "before any cell ran" in str(err.value) and err.value.incomplete_ledger is None
+    assert not list((run_dir / "evidence").rglob("evidence-*.jsonl"))  # no cell ran
+    # every other stand-in the check met fits (only the planted one moved)
+    assert [k for k, v in seen[0].items() if v.startswith("does not fit") and k != piece] == [], seen[0]
+    assert len(seen[0]) >= 5, seen[0]
+
+
+def test_on_the_release_as_built_the_check_passes_and_the_cells_run(vllm_env, tmp_path):
+    from audit import standinfit
+    from audit.core import _stop_on_misfit
+    from audit.runtimes import RunRequest
+    from audit.systems import SYSTEMS
+
+    rt, pin, _ = vllm_env
+    profile = models.get("kimi-k3")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    seen: list[dict] = []
+
+    def check(fit: dict) -> None:
+        seen.append(fit)
+        _stop_on_misfit(run_dir)(fit)
+
+    req = RunRequest(pin=pin, profile=profile, cells=[(SYSTEMS["b200_sxm"], profile.layouts["tp8"])], run_dir=run_dir,
+                     parallel=1, preflight=check, stop_after="config")
+    result = rt.run(req, lambda *a, **k: None)
+    assert len(seen) == 1 and standinfit.stopping(seen[0]) == {} and len(seen[0]) >= 5
+    assert result.missing == {} and list((run_dir / "evidence").rglob("evidence-*.jsonl"))

@@ -57,6 +57,9 @@ class RunRequest:
     #: time.monotonic() by which the whole audit must end (``--timeout`` counted from the audit's start, so it
     #: covers building the environment too); None: from when the run starts, or no limit without timeout_s
     deadline: float | None = None
+    #: called with every stand-in's fit to the release ({stand-in: fit}, probes/resolve/fitcheck.py) before any
+    #: cell runs, by a runtime that can check it first; it raises to stop the audit (audit/core.py decides)
+    preflight: Callable[[dict], None] | None = None
 
     def remaining(self) -> float | None:
         """Seconds left before the deadline (never negative), or None without a timeout."""

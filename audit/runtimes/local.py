@@ -7,11 +7,13 @@ on PATH), in resolve mode; observe mode serves with the same environment.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from probes.core.lifecycle import WATCHDOG_ENV
 
@@ -75,6 +77,9 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
                           shared=shared_imports(caches), ahead=ahead_imports(caches),
                           harness_env=self.harness_env(),  # chosen by this runtime, stated in the provenance
                           memo_dir=os.environ.get("SERVING_TRUTH_MEMO") or str(caches / "memo"))
+        if request.preflight is not None:
+            progress("stage", text="checking every stand-in's fit to this release (before any cell)")
+            request.preflight(self.stand_in_fit(request, env, stub, plan, caches))
         log = request.run_dir / "agent.log"
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
@@ -107,6 +112,58 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
             "mode": "resolve", "date": started.strftime("%Y-%m-%d"), "cuda_toolkit": self.toolkit_note(env),
             "env_verified": self.verified[str(env)]["text"], "device_code": self.device_code(env),
         })
+
+    def stand_in_fit(self, request: RunRequest, env: Path, stub: Path, plan: Path, caches: Path) -> dict:
+        """Every stand-in's fit to the environment's release ({stand-in: fit}), from probes/resolve/fitcheck.py run
+        in the environment as the agent runs (no cell built). Cached under the environment's runtime cache, keyed
+        by what decides the answer: the verified environment, the probes' sources, the model's probes and
+        schemes, the host arrangement, and any module the run directory itself puts on the path."""
+        from audit.evidence.cache import probes_digest
+
+        p = json.loads(plan.read_text(encoding="utf-8"))
+        extra = sorted((f.name, sha256_file(f)) for f in request.run_dir.glob("*.py"))
+        key = hashlib.sha256(json.dumps({
+            "fitcheck": 1, "env": env.name, "probes": probes_digest(), "model_probes": p.get("model_probes", ""),
+            "schemes": p.get("schemes", []), "harness_env": self.harness_env(),
+            "cuda_toolkit": self.with_cuda_toolkit, "run_dir_modules": extra}, sort_keys=True).encode()).hexdigest()
+        cached = caches / "fit" / f"{key[:32]}.json"
+        try:
+            return dict(json.loads(cached.read_text(encoding="utf-8"))["fit"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        out = request.run_dir / "stand-in-fit.json"
+        log = request.run_dir / "stand-in-fit.log"
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.resolve.fitcheck", str(plan), str(out)],
+                                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                    env={**self._env(env, stub, request.run_dir, request.run_dir), **LIFELINE},
+                                    cwd=str(request.run_dir), start_new_session=True)
+            try:
+                proc.wait(timeout=request.remaining())
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+                raise timed_out(request, where="the stand-in fit check (before any cell)",
+                                log_tail_text=log_tail(log), missing={}, runtime=f"local venv ({request.pin.name})")
+            except BaseException:
+                _kill(proc)
+                raise
+            finally:
+                _end_group(proc)
+        try:
+            answer = json.loads(out.read_text(encoding="utf-8"))
+            fit = answer["fit"]
+            if proc.returncode != 0 or not isinstance(fit, dict):
+                raise ValueError(proc.returncode)
+        except (OSError, ValueError, KeyError, TypeError):
+            from audit.errors import ProbeRunError
+
+            raise ProbeRunError("the stand-in fit check (probes/resolve/fitcheck.py) ended without its answer",
+                                cell="before any cell", returncode=proc.returncode, log_tail=log_tail(log))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(answer, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, cached)
+        return dict(fit)
 
     def _run_observe(self, request: RunRequest, progress: Progress) -> RunResult:
         """Serve each cell's slice with vLLM's real engine on this host's GPUs (one cell at a time)."""

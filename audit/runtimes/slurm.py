@@ -248,6 +248,12 @@ class SlurmRuntime(RuntimeDefaults):
         model_dir = write_model_dirs(request)
         stage_probes(request.run_dir)
         request.evidence_dir.mkdir(parents=True, exist_ok=True)
+        if request.preflight is not None and not observe:  # on the submit host, in the same pinned environment
+            progress("stage", text="checking every stand-in's fit to this release (before any job)")
+            plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub), out_dir=str(request.evidence_dir),
+                              name="plan-fit.json", harness_env=local.harness_env())
+            request.preflight(local.stand_in_fit(request, env_dir, stub, plan,
+                                                 local.root / "runtime-cache" / env_dir.name))
         jobs_dir = request.run_dir / "jobs"
         jobs_dir.mkdir(exist_ok=True)
         started = datetime.now(timezone.utc)

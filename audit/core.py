@@ -219,8 +219,10 @@ def run_audit(pin_name: str, options: AuditOptions, *,
                                                 reproduce=reproduce, expectations=o.expectations)
         raise
     run_info = {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": reproduce}
-    if o.mode == "resolve" and o.runtime != "docker":  # the host resolve mode arranged (docker: the image itself)
-        run_info["host"] = host.record()
+    if o.mode == "resolve" and (o.runtime != "docker" or host.name != "undeclared"):
+        # the host resolve mode arranged; docker runs the image itself (nothing arranged), whose facts only a
+        # declaration in images.lock states
+        run_info["host"] = host.record(arranged=o.runtime != "docker")
     if keys:
         _to_cache(rt, request, keys, cached, result, run_dir)
         run_info["cache"] = {"hits": sorted([s, l, e.get("run", "?"), e.get("date", "?")]

@@ -137,3 +137,28 @@ def test_the_committed_reports_state_their_host_and_the_host_diffs_name_what_dep
         assert "SM 10.0" in diff.split("**What changed", 1)[0]
     k3 = (ROOT / "reports" / "hosts" / "pip" / "diffs" / "v0.33.0@image..v0.33.0@pip.md").read_text(encoding="utf-8")
     assert "TrtLlmMxfp4ExpertsMonolithic → DeepGemmFP4Experts" in k3
+
+
+def test_a_host_run_as_it_is_says_nothing_was_arranged():
+    """The Docker runtime runs the pinned image itself: its record keeps the declared facts and arranges nothing,
+    and the ledger says the checks read the image's own files instead of naming an arrangement."""
+    import json
+
+    from audit.report.render import render_ledger
+
+    pin = lock.load(ROOT / "images.lock").get("v0.33.0")
+    host = hosts.host_for(pin)
+    as_is, arranged = host.record(arranged=False), host.record()
+    assert as_is["facts"] == arranged["facts"] and as_is["arranged"] == [] and arranged["arranged"]
+    routing = json.loads((ROOT / "tests" / "data" / "routing-v0.33.0.json").read_text(encoding="utf-8"))
+    routing.setdefault("run", {})["host"] = as_is
+
+    def host_item(text: str) -> str:  # the "Host" item of At a glance, with its wrapped lines
+        item = text.split("- **Host:**", 1)[1]
+        return item.split("\n- **", 1)[0]
+
+    line = host_item(render_ledger(routing, profile=KIMI_K3, reproduce="x"))
+    assert "the audit ran the pinned image itself" in line and "resolve mode arranged" not in line
+    routing["run"]["host"] = arranged
+    line = host_item(render_ledger(routing, profile=KIMI_K3, reproduce="x"))
+    assert "resolve mode arranged them: nvcc:" in " ".join(line.split()) and "ran the pinned image" not in line

@@ -44,10 +44,11 @@ class Host:
     facts: dict
     source: str
 
-    def record(self) -> dict:
-        """What routing.json keeps (``run.host``) and the ledger shows."""
+    def record(self, *, arranged: bool = True) -> dict:
+        """What routing.json keeps (``run.host``) and the ledger shows. ``arranged=False``: the audit ran the host
+        itself (the Docker runtime runs the pinned image as it is), so nothing was arranged to match the facts."""
         return {"name": self.name, "title": self.title, "facts": dict(sorted(self.facts.items())),
-                "source": self.source, "arranged": arrangement(self)}
+                "source": self.source, "arranged": arrangement(self) if arranged else []}
 
 
 #: the hosts ``--host`` names, with what each stands for

@@ -145,24 +145,38 @@ def test_raises_that_propagate_into_vllm_end_as_harness_faults(clean, vllm_env, 
     assert cell["status"] == "INCOMPLETE" and cell["lanes"] == {}
 
 
+def _audit_twice(tmp_path, plant: str, expectations: str) -> list[HarnessFaultError]:
+    """The planted fault audited twice from scratch (no evidence cache) through the core, each time into a copy of
+    the committed report: both exit 4 and leave the copy byte for byte as it was, and both INCOMPLETE routing.json
+    files beside the runs are the same bytes (the faults suite's answers are facts of the code: no run directory,
+    pid or time leaks into them). The two errors, for the case's own checks."""
+    out = []
+    for i in range(2):
+        reports = tmp_path / f"reports-{i}"
+        shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")
+        before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
+        with pytest.raises(HarnessFaultError) as e:
+            run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", systems=["h200_sxm"], layouts=["tp8"],
+                                              reports_dir=reports, expectations=expectations, baseline="none",
+                                              accepted="none", cache=False, replace=True, profile=KIMI_K3,
+                                              plant_fault=plant))
+        assert e.value.exit_code == ExitCode.RUN_FAILED == 4
+        assert {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()} == before
+        out.append(e.value)
+    first, second = ((e.incomplete_ledger.parent / "routing.json").read_bytes() for e in out)
+    assert first == second, "two runs of the same planted fault rendered different routing.json"
+    return out
+
+
 def test_a_fault_swallowed_by_vllm_ends_the_audit_with_exit_4_and_touches_no_report(vllm_env, tmp_path):
     """The case that made a committed report wrong: a raise inside Humming's import, which vLLM's
     ``_has_module`` swallows and answers "not available" (the oracle then falls through to Marlin)."""
-    reports = tmp_path / "reports"
-    shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")
-    before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
     piece = "install humming.device:DeviceInfo.__new__|DeviceInfo.__init__(index=...)"
-    with pytest.raises(HarnessFaultError) as e:
-        run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", systems=["h200_sxm"], layouts=["tp8"],
-                                          reports_dir=reports, expectations="none", baseline="none",
-                                          accepted="none", cache=False, replace=True, profile=KIMI_K3,
-                                          plant_fault=piece))
-    assert e.value.exit_code == ExitCode.RUN_FAILED == 4
-    assert piece in str(e.value) and [f["piece"] for f in e.value.faults] == [piece]
-    assert {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()} == before
-    ledger = e.value.incomplete_ledger.read_text(encoding="utf-8")
+    err = _audit_twice(tmp_path, piece, "none")[0]
+    assert piece in str(err) and [f["piece"] for f in err.faults] == [piece]
+    ledger = err.incomplete_ledger.read_text(encoding="utf-8")
     assert "## Harness faults" in ledger and "PlantedFault" in ledger and "HUMMING" not in ledger.split("## Harness")[0]
-    routed = json.loads((e.value.incomplete_ledger.parent / "routing.json").read_text(encoding="utf-8"))
+    routed = json.loads((err.incomplete_ledger.parent / "routing.json").read_text(encoding="utf-8"))
     assert [c["status"] for c in routed["cells"]] == ["INCOMPLETE"] and routed["cells"][0]["lanes"] == {}
 
 
@@ -172,19 +186,11 @@ def test_a_wrong_value_a_stand_in_returns_ends_the_audit_with_exit_4_never_as_a_
     """The platform stand-in answering with what vLLM's own function never returns (a tuple where a DeviceCapability
     belongs, a non-int count): vLLM would raise a line later in its own frame, and that stop once read as "a limit
     of resolve mode" and passed the gate. The stand-in's contract makes it a harness fault: exit 4, the report
-    untouched, the piece named."""
-    reports = tmp_path / "reports"
-    shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")
-    before = {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()}
-    with pytest.raises(HarnessFaultError) as e:
-        run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", systems=["h200_sxm"], layouts=["tp8"],
-                                          reports_dir=reports, expectations="auto", baseline="none",
-                                          accepted="none", cache=False, replace=True, profile=KIMI_K3,
-                                          plant_fault=f"wrong value: {piece}"))
-    assert e.value.exit_code == ExitCode.RUN_FAILED == 4
-    assert piece in [f["piece"] for f in e.value.faults]
-    assert any("ContractBroken" in f["type"] for f in e.value.faults if f["piece"] == piece)
-    assert {p.name: p.read_bytes() for p in (reports / "v0.33.0").iterdir()} == before
+    untouched, the piece named; two runs render the same INCOMPLETE routing byte for byte."""
+    err = _audit_twice(tmp_path, f"wrong value: {piece}", "auto")[0]
+    assert piece in [f["piece"] for f in err.faults]
+    assert any("ContractBroken" in f["type"] for f in err.faults if f["piece"] == piece)
+    assert b"ContractBroken" in (err.incomplete_ledger.parent / "routing.json").read_bytes()
 
 
 def test_an_edited_memo_entry_changes_nothing_in_the_routing(vllm_env, tmp_path_factory, monkeypatch):
@@ -216,21 +222,3 @@ def test_an_edited_memo_entry_changes_nothing_in_the_routing(vllm_env, tmp_path_
     assert json.dumps(before["cells"], sort_keys=True) == json.dumps(after["cells"], sort_keys=True)
     assert "did not verify (edited, moved or malformed): each was computed again" in render_ledger(
         after, profile=KIMI_K3, reproduce="x")
-
-
-def test_two_runs_of_a_faulted_cell_give_byte_identical_routing(vllm_env, tmp_path):
-    """The faults suite's answers are facts of the code, not of the run: the same planted wrong value, audited twice
-    from scratch (no evidence cache), renders the same INCOMPLETE routing.json byte for byte (no run directory, pid
-    or time leaks into it)."""
-    outs = []
-    for i in range(2):
-        reports = tmp_path / f"reports-{i}"
-        shutil.copytree(ROOT / "reports" / "v0.33.0", reports / "v0.33.0")
-        with pytest.raises(HarnessFaultError) as e:
-            run_audit("v0.33.0", AuditOptions(lock_path=ROOT / "images.lock", systems=["h200_sxm"], layouts=["tp8"],
-                                              reports_dir=reports, expectations="auto", baseline="none",
-                                              accepted="none", cache=False, replace=True, profile=KIMI_K3,
-                                              plant_fault="wrong value: torch.cuda.device_count"))
-        outs.append((e.value.incomplete_ledger.parent / "routing.json").read_bytes())
-    assert outs[0] == outs[1]
-    assert b"ContractBroken" in outs[0]

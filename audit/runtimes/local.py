@@ -79,7 +79,7 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
                           memo_dir=os.environ.get("SERVING_TRUTH_MEMO") or str(caches / "memo"))
         if request.preflight is not None:
             progress("stage", text="checking every stand-in's fit to this release (before any cell)")
-            request.preflight(self.stand_in_fit(request, env, stub, plan, caches))
+            request.preflight(self.stand_in_fit(request, env, stub, plan))
         log = request.run_dir / "agent.log"
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
@@ -113,12 +113,12 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
             "env_verified": self.verified[str(env)]["text"], "device_code": self.device_code(env),
         })
 
-    def stand_in_fit(self, request: RunRequest, env: Path, stub: Path, plan: Path, caches: Path) -> dict:
+    def stand_in_fit(self, request: RunRequest, env: Path, stub: Path, plan: Path) -> dict:
         """Every stand-in's fit to the environment's release ({stand-in: fit}), from probes/resolve/fitcheck.py run
-        in the environment as the agent runs (no cell built). Cached under the environment's runtime cache, keyed
-        by what decides the answer: the verified environment, the probes' sources, the model's probes and
+        in the environment as the agent runs (no cell built). Cached in the evidence cache, keyed by what decides
+        the answer: the verified environment, the probes' sources, the model's probes and
         schemes, the host arrangement, and any module the run directory itself puts on the path."""
-        from audit.evidence.cache import probes_digest
+        from audit.evidence.cache import cache_dir, probes_digest
 
         p = json.loads(plan.read_text(encoding="utf-8"))
         extra = sorted((f.name, sha256_file(f)) for f in request.run_dir.glob("*.py"))
@@ -126,7 +126,8 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
             "fitcheck": 1, "env": env.name, "probes": probes_digest(), "model_probes": p.get("model_probes", ""),
             "schemes": p.get("schemes", []), "harness_env": self.harness_env(),
             "cuda_toolkit": self.with_cuda_toolkit, "run_dir_modules": extra}, sort_keys=True).encode()).hexdigest()
-        cached = caches / "fit" / f"{key[:32]}.json"
+        # beside the cells' evidence it vouches for: an empty evidence cache (a fresh machine, a test's own) checks again
+        cached = cache_dir(self.root) / "fit" / f"{key[:32]}.json"
         try:
             return dict(json.loads(cached.read_text(encoding="utf-8"))["fit"])
         except (OSError, ValueError, KeyError, TypeError):

@@ -252,8 +252,7 @@ class SlurmRuntime(RuntimeDefaults):
             progress("stage", text="checking every stand-in's fit to this release (before any job)")
             plan = write_plan(request, model_dir=str(model_dir), stub_libcuda=str(stub), out_dir=str(request.evidence_dir),
                               name="plan-fit.json", harness_env=local.harness_env())
-            request.preflight(local.stand_in_fit(request, env_dir, stub, plan,
-                                                 local.root / "runtime-cache" / env_dir.name))
+            request.preflight(local.stand_in_fit(request, env_dir, stub, plan))
         jobs_dir = request.run_dir / "jobs"
         jobs_dir.mkdir(exist_ok=True)
         started = datetime.now(timezone.utc)

@@ -113,12 +113,16 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
             "env_verified": self.verified[str(env)]["text"], "device_code": self.device_code(env),
         })
 
+    def fit_cache(self, env: Path) -> Path:
+        """Where the fit check's answers for *env* are kept (beside its other runtime caches)."""
+        return self.root / "runtime-cache" / env.name / "fit"
+
     def stand_in_fit(self, request: RunRequest, env: Path, stub: Path, plan: Path) -> dict:
         """Every stand-in's fit to the environment's release ({stand-in: fit}), from probes/resolve/fitcheck.py run
-        in the environment as the agent runs (no cell built). Cached in the evidence cache, keyed by what decides
-        the answer: the verified environment, the probes' sources, the model's probes and
+        in the environment as the agent runs (no cell built). Cached beside the environment's runtime caches,
+        keyed by what decides the answer: the verified environment, the probes' sources, the model's probes and
         schemes, the host arrangement, and any module the run directory itself puts on the path."""
-        from audit.evidence.cache import cache_dir, probes_digest
+        from audit.evidence.cache import probes_digest
 
         p = json.loads(plan.read_text(encoding="utf-8"))
         extra = sorted((f.name, sha256_file(f)) for f in request.run_dir.glob("*.py"))
@@ -126,8 +130,7 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
             "fitcheck": 1, "env": env.name, "probes": probes_digest(), "model_probes": p.get("model_probes", ""),
             "schemes": p.get("schemes", []), "harness_env": self.harness_env(),
             "cuda_toolkit": self.with_cuda_toolkit, "run_dir_modules": extra}, sort_keys=True).encode()).hexdigest()
-        # beside the cells' evidence it vouches for: an empty evidence cache (a fresh machine, a test's own) checks again
-        cached = cache_dir(self.root) / "fit" / f"{key[:32]}.json"
+        cached = self.fit_cache(env) / f"{key[:32]}.json"
         try:
             return dict(json.loads(cached.read_text(encoding="utf-8"))["fit"])
         except (OSError, ValueError, KeyError, TypeError):

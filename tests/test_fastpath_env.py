@@ -159,7 +159,7 @@ def test_the_memo_keys_on_source_arguments_and_the_facts_read(vllm_env, tmp_path
         def heuristics(shape, sku):
             CALLS.append(shape)
             memo.note_fact("sm_count", sku["sm_count"])
-            return [(0, shape), {"block": (8, 16)}]
+            return [(0, shape), {"block": (8, 16), "align": 4}]  # keys out of sorted order: kept as computed
 
         def opaque(x):
             return object()
@@ -189,7 +189,7 @@ def test_the_memo_keys_on_source_arguments_and_the_facts_read(vllm_env, tmp_path
     # first, the check of the first answer read from disk, another SKU, edited source; never for an answer this
     # process already has
     assert out["calls"] == [4, 4, 4, 4]
-    assert out["same_object"] and out["from_disk"] == out["first"] == "[(0, 4), {'block': (8, 16)}]"
+    assert out["same_object"] and out["from_disk"] == out["first"] == "[(0, 4), {'block': (8, 16), 'align': 4}]"
     assert out["stats"]["toy"] == {"computed": 3, "reused": 2, "uncacheable": 0, "rejected": 0, "checked": 1}
     assert out["stats"]["opaque"]["uncacheable"] == 1
 

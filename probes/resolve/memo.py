@@ -158,8 +158,9 @@ def _keep(path: str, entries: list, facts: dict, result, inputs: dict, stats: di
 
 
 #: the entry format: part of every key, so a file an older format wrote is never found (not "rejected": it was
-#: not edited, only written before entries recorded their inputs)
-FORMAT = 2
+#: not edited). 2: entries record their inputs; 3: files keep a result's key order (2 wrote keys sorted, so every
+#: dict answer came back in another order than computed, and every check of one was counted as rejected)
+FORMAT = 3
 
 
 def key_of(inputs: dict) -> str:
@@ -253,7 +254,7 @@ def _save(path: str, entries: list) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(entries, fh, sort_keys=True)
+            json.dump(entries, fh)  # key order kept: a dict's order is part of the answer (the seal ignores it)
         os.replace(tmp, path)
     except OSError:  # a full or read-only cache only costs the computation next time
         try:

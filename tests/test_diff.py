@@ -279,3 +279,30 @@ def test_the_pr_summary_is_deterministic_names_every_serving_row_and_opens_the_d
     assert " ".join(top.split()).startswith(" ".join(text.split()))  # the diff opens with it (lines wrapped to fit)
     same = diff_routings(new, copy.deepcopy(new), KIMI_K3)["summary"]
     assert "**No serving change**" in same and "Unchanged on" in same
+
+
+def test_the_diff_an_audit_computes_before_writing_is_the_one_its_report_rerenders():
+    """An audit diffs its routing before writing it, when its lane values do not yet carry what they take from the
+    audit (family, refused, raises-at-dispatch); a re-render diffs what was written. Both must tell the same story:
+    K3's tp8-fp8kv prefill raise stands in 0.30.0 and 0.31.0 (it once read "gone" at audit time)."""
+    import copy
+
+    from audit.report.diff import diff_routings, load_routing
+    from audit.report.summary import pr_summary
+
+    old = load_routing(ROOT / "reports", "v0.30.0", KIMI_K3)
+    written = load_routing(ROOT / "reports", "v0.31.0", KIMI_K3)
+    unwritten = copy.deepcopy(written)
+    for cell in unwritten["cells"]:
+        for groups in (cell.get("lanes") or {}).values():
+            for g in groups:
+                v = g.get("value")
+                if isinstance(v, dict):  # what values.finish sets: the rest of a record is the evidence's
+                    v.pop("family", None)
+                    v.pop("raises", None)
+                    v["flags"] = [f for f in v.get("flags", ()) if f not in ("refused", "raises-at-dispatch")]
+    a = diff_routings(copy.deepcopy(old), written, KIMI_K3)
+    b = diff_routings(copy.deepcopy(old), unwritten, KIMI_K3)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    text = pr_summary(b, old, unwritten, KIMI_K3)
+    assert "in both builds: tp8-fp8kv" in " ".join(text.split()) and "gone: tp8-fp8kv" not in text

@@ -424,6 +424,12 @@ def diff_routings(old: dict, new: dict, profile) -> dict:
     """Compare two routing models of one model, *profile*'s (handed down by the caller): every difference, facet by
     facet, grouped into rows and classed by the table (audit/report/changes.py); then the verdicts that moved."""
     _check_models(old, new, profile)
+    from audit.report.values import finish
+
+    # what a lane value takes from its audit (its family, refused, raises-at-dispatch) is read on both sides as the
+    # written report has it: an audit diffs its routing before writing it, a re-render after reading it back
+    for side in (old, new):
+        finish(side, profile, (side.get("verdicts") or {}).get("label_map"))
     p = Pair(old, new, profile)
     facts = [*standin_facts(p), *lane_facts(p), *candidate_facts(p), *cell_facts(p), *dispatch_facts(p)]
     compared = [f for f in facts if f["facet"] == "_compared"]

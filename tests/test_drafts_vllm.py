@@ -173,17 +173,17 @@ def test_the_eagle3_draft_has_plain_attention_chosen_per_sm_and_shares_the_targe
 
 def test_a_planted_backend_order_moves_only_the_draft_attention(eagle3, eagle3_planted):
     """FlashInfer planted ahead of FlashAttention in vLLM's plain-attention order for SM 9.0: the draft's attention
-    lane names FlashInfer and no other construction lane moves (MLA's backend order is another list). The step's
-    CUDA-graph mode moves with it, as vLLM derives it from every attention builder, the draft's included."""
+    lane names FlashInfer and no other construction lane moves (MLA's backend order is another list). On the
+    image's host (flashinfer-cubin installed, as the session's runs arrange it) no dispatch row moves either: the
+    step's CUDA-graph mode, which vLLM derives from every attention builder, the draft's included, stays piecewise.
+    (Without the cubin package the same plant turned the step eager.)"""
     before = eagle3["h200_sxm"]
     assert _attention(eagle3_planted) == [("FlashInferBackend", "93")]
     moved = {lane for lane in set(before["lanes"]) | set(eagle3_planted["lanes"])
              if before["lanes"].get(lane) != eagle3_planted["lanes"].get(lane)}
     assert moved == {"attention"}
-    # vLLM's CUDA-graph mode for the step comes from the least graph support of every attention builder, the draft's
-    # included: the step's mode moves (and the lanes whose answer hangs on it), nothing else of the dispatch rows
     lanes_before, lanes_after = before["dispatch"]["lanes"], eagle3_planted["dispatch"]["lanes"]
     moved = {lane for lane in lanes_before if lanes_before[lane] != lanes_after.get(lane)}
-    assert "serving_path" in moved and moved <= {"serving_path", "down_proj_overlap", "kda_projection_overlap"}, moved
-    assert lanes_before["serving_path"][0]["tiers"]["decode 8"] == "PIECEWISE graph (breakable: attention eager), 8 tokens"
-    assert lanes_after["serving_path"][0]["tiers"]["decode 8"] == "eager, 8 tokens"
+    assert moved == set() and set(lanes_after) == set(lanes_before), moved
+    for lanes in (lanes_before, lanes_after):
+        assert lanes["serving_path"][0]["tiers"]["decode 8"] == "PIECEWISE graph (breakable: attention eager), 8 tokens"

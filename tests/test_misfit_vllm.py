@@ -27,24 +27,39 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("model", list(CASES))
-def test_a_moved_stand_in_target_stops_the_audit_naming_it(model, vllm_env, tmp_path):
+def _planted(model: str, vllm_env, tmp_path, *, seen: list | None = None, plant: bool = True, **kw):
+    """(runtime, pin, profile, the stand-in that moves, a request for the model's case cell): the moved target
+    planted in the run directory unless *plant* is False; with *seen*, the audit's check before any cell
+    (``audit.core._stop_on_misfit``) runs, each fit it is given kept in *seen*."""
+    from audit.core import _stop_on_misfit
     from audit.runtimes import RunRequest
     from audit.systems import SYSTEMS
 
     rt, pin, _ = vllm_env
     profile = models.get(model)
-    cell, plant, piece = CASES[model]
+    cell, moved, piece = CASES[model]
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "sitecustomize.py").write_text(sitecustomize([plant]), encoding="utf-8")
+    if plant:
+        (run_dir / "sitecustomize.py").write_text(sitecustomize([moved]), encoding="utf-8")
+
+    def check(fit: dict) -> None:
+        seen.append(fit)
+        _stop_on_misfit(run_dir)(fit)
+
     req = RunRequest(pin=pin, profile=profile, cells=[(SYSTEMS[cell[0]], profile.layouts[cell[1]])], run_dir=run_dir,
-                     parallel=1)
+                     parallel=1, preflight=check if seen is not None else None, **kw)
+    return rt, pin, profile, piece, req
+
+
+@pytest.mark.parametrize("model", list(CASES))
+def test_a_moved_stand_in_target_stops_the_audit_naming_it(model, vllm_env, tmp_path):
+    rt, pin, profile, piece, req = _planted(model, vllm_env, tmp_path)
     result = rt.run(req, lambda *a, **k: None)
     _write_run_json(req, profile, {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": "test"}, result.missing)
     reports = tmp_path / "reports"
     with pytest.raises(StandinMisfitError) as err:
-        render_run(run_dir, reports_dir=reports, expectations="none")
+        render_run(req.run_dir, reports_dir=reports, expectations="none")
     assert err.value.exit_code == ExitCode.RUN_FAILED == 4
     assert piece in err.value.misfits and err.value.misfits[piece].startswith("does not fit")
     assert piece in str(err.value) and "NOT_NEEDED" in err.value.hint
@@ -59,24 +74,9 @@ def test_the_audit_checks_every_stand_ins_fit_before_any_cell(model, vllm_env, t
     environment (every watched module imported under the simulated platform, nothing constructed) and the audit's
     rule (audit/standinfit.py) stops it there: exit 4 naming the stand-in, no cell's evidence, no ledger. Without
     the plant the same check passes and the cell runs."""
-    from audit.core import _stop_on_misfit
-    from audit.runtimes import RunRequest
-    from audit.systems import SYSTEMS
-
-    rt, pin, _ = vllm_env
-    profile = models.get(model)
-    cell, plant, piece = CASES[model]
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "sitecustomize.py").write_text(sitecustomize([plant]), encoding="utf-8")
     seen: list[dict] = []
-
-    def check(fit: dict) -> None:
-        seen.append(fit)
-        _stop_on_misfit(run_dir)(fit)
-
-    req = RunRequest(pin=pin, profile=profile, cells=[(SYSTEMS[cell[0]], profile.layouts[cell[1]])], run_dir=run_dir,
-                     parallel=1, preflight=check)
+    rt, pin, profile, piece, req = _planted(model, vllm_env, tmp_path, seen=seen)
+    run_dir = req.run_dir
     with pytest.raises(StandinMisfitError) as err:
         rt.run(req, lambda *a, **k: None)
     assert err.value.exit_code == ExitCode.RUN_FAILED == 4 and err.value.before_cells
@@ -90,22 +90,10 @@ def test_the_audit_checks_every_stand_ins_fit_before_any_cell(model, vllm_env, t
 
 def test_on_the_release_as_built_the_check_passes_and_the_cells_run(vllm_env, tmp_path):
     from audit import standinfit
-    from audit.core import _stop_on_misfit
-    from audit.runtimes import RunRequest
-    from audit.systems import SYSTEMS
 
-    rt, pin, _ = vllm_env
-    profile = models.get("kimi-k3")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
     seen: list[dict] = []
-
-    def check(fit: dict) -> None:
-        seen.append(fit)
-        _stop_on_misfit(run_dir)(fit)
-
-    req = RunRequest(pin=pin, profile=profile, cells=[(SYSTEMS["b200_sxm"], profile.layouts["tp8"])], run_dir=run_dir,
-                     parallel=1, preflight=check, stop_after="config")
+    rt, pin, profile, _, req = _planted("kimi-k3", vllm_env, tmp_path, seen=seen, plant=False, stop_after="config")
+    run_dir = req.run_dir
     result = rt.run(req, lambda *a, **k: None)
     assert len(seen) == 1 and standinfit.stopping(seen[0]) == {} and len(seen[0]) >= 5
     assert result.missing == {} and list((run_dir / "evidence").rglob("evidence-*.jsonl"))

@@ -244,6 +244,8 @@ def run_audit(pin_name: str, options: AuditOptions, *,
 
 
 INCOMPLETE_REPORTS = "incomplete-report"
+#: where an aborted run keeps its last output, in the run directory (an INCOMPLETE routing names it)
+ABORTED_LOG = "aborted.log"
 
 
 def _from_cache(rt, request: RunRequest, progress: Progress, *, use: bool = True) -> tuple[dict, dict, list]:
@@ -311,12 +313,17 @@ def _render_aborted(exc: RunAborted, request: RunRequest, *, pin, profile: Profi
     """Render the evidence a timed-out or dead run left, marked INCOMPLETE, under the run directory."""
     partial = exc.partial
     missing = dict(partial.missing) if partial else {}
+    # the run's last output goes to a file in the run directory, which the INCOMPLETE routing names: its pids and
+    # timings differ from run to run, and the routing of the same fault must not
+    log = ""
+    if exc.log_tail:
+        write_atomic(request.run_dir / ABORTED_LOG, exc.log_tail + "\n")
+        log = ABORTED_LOG
     for (s, l), info in missing.items():
         info["reason"] = f"{exc.summary}; {info.get('reason', '')}".rstrip("; ")
-        info["log_tail"] = info.get("log_tail") or exc.log_tail
+        info["log"] = info.get("log") or log
     run_info = {**(partial.info if partial else {}), "vllm_commit": pin.vllm_commit, "reproduce": reproduce,
-                "aborted": {"kind": exc.kind, "message": exc.summary, "returncode": exc.returncode,
-                            "log_tail": exc.log_tail}}
+                "aborted": {"kind": exc.kind, "message": exc.summary, "returncode": exc.returncode, "log": log}}
     _write_run_json(request, profile, run_info, missing)
     try:
         outcome = render_run(request.run_dir, lock_path=lock_path, expectations=expectations, _beside_run=True)
@@ -583,7 +590,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         raise EvidenceError(f"no evidence files under {run_dir / 'evidence'}",
                             hint="every cell's process died before writing evidence; see the logs there")
     routing = routingmod.build_routing(files, profile, pin=pin.as_provenance(), expected=meta["cells"],
-                                       missing=missing, run=meta["run"], scrub=_machine_paths(run_dir),
+                                       missing=missing, run=meta["run"], scrub=machine_paths(run_dir),
                                        previous=_committed_same_build(reports_dir, pin, profile))
     exp, exp_path = load_expectations(expectations, lock_path=lock_path, profile=profile)
     if exp is not None:
@@ -602,7 +609,7 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
         routing["run"]["aborted"] = {
             # a misfit first: what ran past a stand-in that does not fit explains the faults and stops after it
             "kind": "standin-misfit" if misfits else
-            "harness-fault" if faulty and not died else "cells-missing", "returncode": None, "log_tail": "",
+            "harness-fault" if faulty and not died else "cells-missing", "returncode": None, "log": "",
             "message": "; ".join(part for part in (
                 f"{died} of {len(routing['cells'])} cell(s) left no evidence (their process died, was killed or its "
                 "job failed)" if died else "",
@@ -734,7 +741,7 @@ def _committed_same_build(reports_dir: Path, pin, profile: Profile) -> dict | No
     return committed if same and committed.get("model") == profile.name else None
 
 
-def _machine_paths(run_dir: Path) -> dict[str, str]:
+def machine_paths(run_dir: Path) -> dict[str, str]:
     """Paths that differ between machines, and what evidence shows instead."""
     from audit.fsutil import cache_root
 

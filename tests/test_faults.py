@@ -111,30 +111,52 @@ def run_copy(audited, tmp_path):
 
 
 # --- SIGKILL of each process kind ------------------------------------------------------------------
-@pytest.mark.vllm
-def test_a_killed_cell_makes_the_run_incomplete_and_render_refuses_it(audited, report_copy, cache_root):
+def _incomplete_routing(err: str) -> tuple[Path, bytes]:
+    """The INCOMPLETE ledger a failed audit names on stderr, and the bytes of the routing.json beside it."""
+    ledger = Path([l.split(": ", 1)[1] for l in err.splitlines()
+                   if l.startswith("an INCOMPLETE ledger of what was observed: ")][0])
+    return ledger, (ledger.parent / "routing.json").read_bytes()
+
+
+def _kill_in_a_cell(argv: list[str], cache_root: Path, victims_of) -> tuple[subprocess.CompletedProcess, Path]:
+    """Start an audit (no cache: cached cells start no process), wait for b200_sxm/tp8's cell process to write its
+    log, SIGKILL what *victims_of* picks from its pids, and let the audit end: its result and run directory."""
     before_runs = set((cache_root / "runs").glob("*"))
-    before = snapshot(report_copy)
-    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(report_copy), "--no-cache"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *argv, "--no-cache"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
         assert run is not None, "the audit never created its run directory"
         log = run / "evidence" / "b200_sxm--tp8" / "agent.log"
-        victims = wait_for(lambda: log.exists() and pids_writing(log), 300)
-        assert victims, "the b200_sxm/tp8 cell never started"
-        for pid in victims:
+        cells = wait_for(lambda: log.exists() and pids_writing(log), 300)
+        assert cells, "the b200_sxm/tp8 cell never started"
+        for pid in victims_of(cells):
             os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=1200)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == ExitCode.RUN_FAILED, err[-3000:]
-    assert "1 cell(s) did not finish (b200_sxm/tp8)" in err and "reports/ was not changed" not in out
-    assert snapshot(report_copy) == before, "a dead cell must never replace the report"
-    ledger = Path([l.split(": ", 1)[1] for l in err.splitlines()
-                   if l.startswith("an INCOMPLETE ledger of what was observed: ")][0])
-    assert ledger.is_relative_to(run) and "INCOMPLETE RUN (cells-missing)" in ledger.read_text()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), run
+
+
+@pytest.mark.vllm
+def test_a_killed_cell_makes_the_run_incomplete_and_render_refuses_it(audited, report_copy, cache_root):
+    """Killed twice, in two runs: both INCOMPLETE routings are the same bytes (the routing names the dead cell's log
+    in the run directory; its text, with pids and timings, stays out)."""
+    before = snapshot(report_copy)
+    routings = []
+    for _ in range(2):
+        r, run = _kill_in_a_cell([*CELLS, "--reports", str(report_copy)], cache_root, lambda pids: pids)
+        assert r.returncode == ExitCode.RUN_FAILED, r.stderr[-3000:]
+        assert "1 cell(s) did not finish (b200_sxm/tp8)" in r.stderr and "reports/ was not changed" not in r.stdout
+        assert snapshot(report_copy) == before, "a dead cell must never replace the report"
+        ledger, routed = _incomplete_routing(r.stderr)
+        text = ledger.read_text()
+        assert ledger.is_relative_to(run) and "INCOMPLETE RUN (cells-missing)" in text
+        assert "Its process's output: `evidence/b200_sxm--tp8/agent.log` under the run directory." in text
+        assert (run / "evidence" / "b200_sxm--tp8" / "agent.log").is_file()
+        routings.append(routed)
+    assert routings[0] == routings[1], "two runs killed the same way rendered different routing.json"
 
     # rendering that run again refuses to touch reports/ too (it was a pass before)
     again = cli("render", str(run), "--reports", str(report_copy))
@@ -143,30 +165,25 @@ def test_a_killed_cell_makes_the_run_incomplete_and_render_refuses_it(audited, r
     assert agents_of(run) == []
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 @pytest.mark.vllm
 def test_a_killed_sm_process_is_named_as_the_cause(audited, tmp_path, cache_root):
-    before_runs = set((cache_root / "runs").glob("*"))
-    proc = subprocess.Popen([*CLI, "audit", "v0.33.0", "--systems", "h100_sxm,b200_sxm", "--layouts", "tp8",
-                             "--reports", str(tmp_path / "r"), "--no-cache"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
-        assert run is not None
-        log = run / "evidence" / "b200_sxm--tp8" / "agent.log"
-        cells = wait_for(lambda: log.exists() and pids_writing(log), 300)
-        assert cells, "the b200_sxm/tp8 cell never started"
-        sm = int(Path(f"/proc/{cells[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
-        os.kill(sm, signal.SIGKILL)
-        _, err = proc.communicate(timeout=1200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == ExitCode.RUN_FAILED, err[-3000:]
-    assert "(b200_sxm/tp8)" in err
-    ledger = Path([l.split(": ", 1)[1] for l in err.splitlines()
-                   if l.startswith("an INCOMPLETE ledger of what was observed: ")][0]).read_text()
-    assert "ended: killed by signal 9 (SIGKILL)" in ledger
-    assert wait_for(lambda: not agents_of(run), 20)
+    """The SM process above b200_sxm/tp8's cell killed, in two runs: the cause is named and both INCOMPLETE
+    routings are the same bytes."""
+    routings = []
+    for i in range(2):
+        r, run = _kill_in_a_cell(["--systems", "h100_sxm,b200_sxm", "--layouts", "tp8", "--reports",
+                                  str(tmp_path / f"r{i}")], cache_root, lambda cells: [_parent(cells[0])])
+        assert r.returncode == ExitCode.RUN_FAILED, r.stderr[-3000:]
+        assert "(b200_sxm/tp8)" in r.stderr
+        ledger, routed = _incomplete_routing(r.stderr)
+        assert "ended: killed by signal 9 (SIGKILL)" in ledger.read_text()
+        assert wait_for(lambda: not agents_of(run), 20)
+        routings.append(routed)
+    assert routings[0] == routings[1], "two runs killed the same way rendered different routing.json"
 
 
 @pytest.mark.vllm

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from audit.core import AuditOptions, run_audit
+from audit.core import AuditOptions, machine_paths, run_audit
 from audit.errors import ExitCode, HarnessFaultError
 from audit.evidence import files as evidence
 from audit.models.kimi_k3 import KIMI_K3, LAYOUTS
@@ -39,7 +39,8 @@ def _run(vllm_env, tmp_path_factory, name, cells, plant=(), survey=False):
                      parallel=2, plant_fault="\n".join(sorted(plant)), plant_survey=survey)
     result = rt.run(req, lambda *a, **k: None)
     files = evidence.read_dir(result.evidence_dir)
-    r = routing.build_routing(files, KIMI_K3, pin=pin.as_provenance(), expected=list(cells), missing=result.missing)
+    r = routing.build_routing(files, KIMI_K3, pin=pin.as_provenance(), expected=list(cells), missing=result.missing,
+                              scrub=machine_paths(run_dir))
     return {"files": {f.cell: f for f in files if f.cell}, "cells": {(c["system"], c["layout"]): c for c in r["cells"]},
             "missing": result.missing, "routing": r}
 
@@ -115,6 +116,10 @@ def test_a_raise_planted_in_every_piece_that_ran_ends_as_a_harness_fault(clean, 
     assert len(todo) > 60 and {"install", "probe", "hook"} & kinds and any(not p.startswith(("install ", "probe "))
                                                                          for p in todo)
     run = _run(vllm_env, tmp_path_factory, "fence-survey", CELLS, plant=todo, survey=True)
+    # two runs of the survey render the same routing, but for where the once-per-run work went off (whichever
+    # cell's process got there first: survey mode lets a faulted piece go on, so vLLM caches its answer)
+    again = _run(vllm_env, tmp_path_factory, "fence-survey-again", CELLS, plant=todo, survey=True)
+    assert _without(run["routing"], ONCE_PER_RUN) == _without(again["routing"], ONCE_PER_RUN)
     went_off = set()
     for key in CELLS:
         cell = run["cells"][key]
@@ -129,6 +134,18 @@ def test_a_raise_planted_in_every_piece_that_ran_ends_as_a_harness_fault(clean, 
     assert todo <= went_off, sorted(todo - went_off)  # every piece that ran anywhere went off somewhere
 
 
+def _without(routed: dict, pieces: set[str]) -> str:
+    """*routed* as text, without the faults of *pieces* (a cell's reason, which names its first fault and counts
+    the others, said again of what is left)."""
+    cells = []
+    for c in routed["cells"]:
+        kept = [f for f in c["harness_faults"] if f["piece"] not in pieces]
+        if kept != c["harness_faults"]:
+            c = dict(c, harness_faults=kept, failure=dict(c["failure"], message=routing.fault_reason(kept)))
+        cells.append(c)
+    return json.dumps(dict(routed, cells=cells), indent=1, sort_keys=True)
+
+
 def test_raises_that_propagate_into_vllm_end_as_harness_faults(clean, vllm_env, tmp_path_factory):
     """A planted raise that goes on into vLLM, as a broken piece's own would: the first stand-in that answers a
     Humming device query during post-load (in vLLM's call path), and the first probe's bookkeeping around a
@@ -138,6 +155,9 @@ def test_raises_that_propagate_into_vllm_end_as_harness_faults(clean, vllm_env, 
     stand_in = next(p for p in ran if p.startswith("humming device info"))
     probe = next(p for p in ran if p.startswith("probe moe."))
     run = _run(vllm_env, tmp_path_factory, "fence-propagate", [key], plant={stand_in, probe})
+    again = _run(vllm_env, tmp_path_factory, "fence-propagate-again", [key], plant={stand_in, probe})
+    assert json.dumps(run["routing"], sort_keys=True) == json.dumps(again["routing"], sort_keys=True), \
+        "two runs of the same planted faults routed differently"
     cell = run["cells"][key]
     pieces = {f["piece"] for f in cell["harness_faults"]}
     # the stand-in's fence records its own raise; the wrapper reports its bookkeeping's (":before") as a probe error

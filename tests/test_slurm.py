@@ -128,7 +128,8 @@ def test_refused_and_cancelled_jobs_become_incomplete_and_no_wait_renders_later(
     ledger = beside.read_bytes()
     text = ledger.decode()
     assert "**INCOMPLETE:** 3 cell(s)" in text and "INCOMPLETE RUN (cells-missing)" in text
-    assert f"Slurm job {victim} ended CANCELLED" in text
+    # the job's id stays in jobs.json: the routing names no run's own numbers
+    assert "its Slurm job (jobs.json names it) ended CANCELLED" in text and f"job {victim}" not in text
     assert "sbatch refused the job" in text and "Invalid feature specification" in text
     routing = json.loads((beside.parent / "routing.json").read_text())
     status = {(c["system"], c["layout"]): c["status"] for c in routing["cells"]}

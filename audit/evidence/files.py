@@ -51,6 +51,32 @@ class EvidenceFile:
         return list(cached[2].get(kind, ()))
 
 
+#: record kinds about the whole cell (how far it got, its environment, the simulation), not one of its models
+CELL_WIDE = frozenset({"stage", "job", "config", "platform", "distributed", "simulated", "fingerprint", "availability",
+                       "availability_why", "standin_fit", "fence", "contract", "dispatch-stage"})
+#: per-layer records a draft numbers by its own modules (counted from 0), renumbered by vLLM's names for its layers
+_MODULE_NUMBERED = ("module", "postload-step", "postload-module")
+
+
+def model_view(f: EvidenceFile, model: str, numbering: dict[int, int] | None = None) -> EvidenceFile:
+    """The records of one model of a cell (``target``, or a speculative ``draft``): those that say they are about
+    it (a record that names no role is the target's), with the cell-wide kinds. *numbering*: module layer ->
+    vLLM's number for that layer, applied to the records counted by module (a draft's), so each of the model's
+    rows names the layer as vLLM serves it."""
+    kept = []
+    for r in f.records:
+        role = r.get("role", "target")
+        if role != model and not (r.get("kind") in CELL_WIDE and "role" not in r):
+            continue
+        if numbering and r.get("kind") in _MODULE_NUMBERED:
+            r = dict(r)
+            for key in ("layer", "in_layer"):
+                if isinstance(r.get(key), int) and r[key] in numbering:
+                    r[key] = numbering[r[key]]
+        kept.append(r)
+    return EvidenceFile(path=f.path, header=f.header, records=kept, damage=f.damage, final=f.final)
+
+
 def read_file(path: str | Path) -> EvidenceFile:
     path = Path(path)
     try:

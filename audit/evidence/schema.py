@@ -31,6 +31,8 @@ KINDS: dict[str, dict[str, str]] = {
     "distributed": {"world_size": "int"},
     "job": {"argv": "list", "system": "dict", "layout": "dict"},
     "model": {"cls": "str"},
+    # a speculative draft beside its target: how vLLM numbers its layers, which target modules it holds
+    "draft": {"cls": "str", "numbering": "dict", "shares": "list"},
     "warm_imports": {},
     "shared_parent": {},
     "probes": {"installed": "bool"},

@@ -47,7 +47,7 @@ DEEPSEEK_V3 = Profile(
         Lane("mla.prefill", "MLA prefill", "mla", "prefill", (
             Source("construct", _MLA, ("attrs.prefill_backend",)),
         )),
-        Lane("dense", "Dense MLP linears (layers 0-2)", "dense", "all", (
+        Lane("dense", "Dense MLP linears", "dense", "all", (
             Source("module", r"\.mlp\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
         )),
         Lane("shared", "Shared-expert linears", "moe", "all", (

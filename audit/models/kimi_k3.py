@@ -291,7 +291,7 @@ KIMI_K3 = Profile(
         Lane("attention", "Draft attention (plain multi-head: an EAGLE3 draft's)", "attention", "all", (
             Source("construct", "scope.attention", ("attrs.attn_backend",)),
         )),
-        Lane("dense", "Dense MLP linears (layer 0)", "dense", "all", (
+        Lane("dense", "Dense MLP linears", "dense", "all", (
             Source("module", r"\.mlp\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),
         )),
         Lane("shared", "Shared-expert linears", "moe", "all", (

@@ -23,6 +23,7 @@ availability   an answer of vLLM's optional-package checks
 package        an installed package's version
 dispatch       a per-call choice at some batch sizes
 standin        how a stand-in fitted the release
+draft          a speculative draft's class and layer numbers, and the target modules it holds
 verdict        a claim's most severe verdict in a cell (the gate asks about these through its findings)
 =============  ===========================================================================================
 
@@ -175,6 +176,11 @@ RULES: tuple[Rule, ...] = (
     Rule(("dispatch",), "information", "vLLM raises on these batches in both builds; only its message differs",
          lambda r: bool(_a(r).get("refused")) and bool(_b(r).get("refused"))),
     Rule(("dispatch",), "tier", "a per-call choice moved", lambda r: True),
+    # a speculative draft beside the target
+    Rule(("draft",), "path", "the speculative draft vLLM builds is another class or numbers its layers otherwise",
+         lambda r: r.get("name") == "draft class"),
+    Rule(("draft",), "information", "the target modules the draft holds as its own (what it serves shows in its "
+                                    "lane rows)", lambda r: True),
     Rule(("verdict",), "verdict", "a claim's verdict moved: a finding if it fails now (the gate's second question)",
          lambda r: True),
 )

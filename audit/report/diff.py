@@ -14,7 +14,7 @@ from pathlib import Path
 
 from audit import standinfit
 from audit.errors import RenderError, UsageError
-from audit.lanevalue import cut, identity, is_inactive, text
+from audit.lanevalue import cut, identity, is_inactive, short, text
 from audit.profiles import MOE_LANE
 from audit.report import changes as classes
 from audit.report import dispatch
@@ -113,27 +113,40 @@ def _same(ta: str, da: dict, tb: str, db: dict) -> bool:
     return ta == tb and da.get("state") == db.get("state") and da.get("identity") == db.get("identity")
 
 
+def _draft_lanes(cell: dict) -> dict:
+    return (cell.get("draft") or {}).get("lanes") or {}
+
+
 def lane_facts(p: Pair):
-    """A lane's value per layer, where it differs; ``unchanged`` counts the (cell, lane) pairs that do not."""
+    """A lane's value per layer, where it differs (the target's lanes, then a speculative draft's, its own rows);
+    ``unchanged`` counts the (cell, lane) pairs that do not."""
     for cell in p.common:
         a, b = p.a[cell], p.b[cell]
-        for lane in sorted(set(a["lanes"]) | set(b["lanes"])):
-            before, blank_a, miss_a = _lane_side(a, a["lanes"].get(lane, []), lane, p.read_after[0])
-            after, blank_b, miss_b = _lane_side(b, b["lanes"].get(lane, []), lane, p.read_after[1])
-            moved: dict[tuple, set] = defaultdict(set)
-            sides: dict[tuple, tuple] = {}
-            for layer in sorted(set(before) | set(after)):
-                ta, da = _describe(before[layer]) if layer in before else (blank_a, miss_a)
-                tb, db = _describe(after[layer]) if layer in after else (blank_b, miss_b)
-                if not _same(ta, da, tb, db):
-                    k = (ta, tb, json.dumps(da, sort_keys=True), json.dumps(db, sort_keys=True))
-                    moved[k].add(layer)
-                    sides[k] = (da, db)
-            yield {"facet": "_compared", "changed": bool(moved)}
-            for k, layers in moved.items():
-                da, db = sides[k]
-                yield _fact("lane", lane, p.titles.get(lane, lane), k[0], k[1], da, db, cell, layers,
-                            experts_lane=lane == MOE_LANE, judged=lane in p.judged)
+        for model, la, lb in (("target", a["lanes"], b["lanes"]), ("draft", _draft_lanes(a), _draft_lanes(b))):
+            yield from _model_lane_facts(p, cell, model, la, lb)
+
+
+def _model_lane_facts(p: Pair, cell, model: str, la: dict, lb: dict):
+    a, b = p.a[cell], p.b[cell]
+    for lane in sorted(set(la) | set(lb)):
+        before, blank_a, miss_a = _lane_side(a, la.get(lane, []), lane, p.read_after[0])
+        after, blank_b, miss_b = _lane_side(b, lb.get(lane, []), lane, p.read_after[1])
+        moved: dict[tuple, set] = defaultdict(set)
+        sides: dict[tuple, tuple] = {}
+        for layer in sorted(set(before) | set(after)):
+            ta, da = _describe(before[layer]) if layer in before else (blank_a, miss_a)
+            tb, db = _describe(after[layer]) if layer in after else (blank_b, miss_b)
+            if not _same(ta, da, tb, db):
+                k = (ta, tb, json.dumps(da, sort_keys=True), json.dumps(db, sort_keys=True))
+                moved[k].add(layer)
+                sides[k] = (da, db)
+        yield {"facet": "_compared", "changed": bool(moved)}
+        for k, layers in moved.items():
+            da, db = sides[k]
+            draft = model != "target"
+            yield _fact("lane", lane, p.titles.get(lane, lane) + (" (speculative draft)" if draft else ""), k[0],
+                        k[1], da, db, cell, layers, experts_lane=lane == MOE_LANE,
+                        judged=lane in p.judged and not draft, role=model)
 
 
 def _tried_text(tried: list[dict]) -> str:
@@ -247,7 +260,29 @@ def cell_facts(p: Pair):
         for name in la:
             if la[name] != lb[name]:
                 yield _fact("probe", name, name, _text(la[name]), _text(lb[name]), {}, {}, cell)
+        yield from _draft_facts(a, b, cell)
         yield from _answers(a, b, cell)
+
+
+def _draft_side(c: dict) -> tuple[str, str]:
+    """(class and layers, shared modules) of a cell's speculative draft, in words; "—" where it built none."""
+    d = c.get("draft")
+    if not d:
+        return "—", "—"
+    layers = _ranges(d.get("layers") or []) or "none"
+    return (f"{short(d.get('cls'))} (layers {layers})",
+            ", ".join(f"{x} = target {y}" for x, y in d.get("shares") or []) or "none")
+
+
+def _draft_facts(a: dict, b: dict, cell):
+    """A speculative draft that is another class, numbers its layers otherwise, or holds other target modules."""
+    if a.get("status") != "COMPLETE" or b.get("status") != "COMPLETE":
+        return  # how far construction went is its own row
+    (ca, sa), (cb, sb) = _draft_side(a), _draft_side(b)
+    if ca != cb:
+        yield _fact("draft", "draft class", "speculative draft", ca, cb, {}, {}, cell)
+    if sa != sb:
+        yield _fact("draft", "draft shares", "target modules the draft holds", sa, sb, {}, {}, cell)
 
 
 def _answers(a: dict, b: dict, cell):

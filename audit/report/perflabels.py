@@ -108,26 +108,32 @@ def build_labels(routing: dict, profile, label_map: dict[str, str] | None = None
             skipped.append({"system": system, "layout": layout, "why": refused})
             continue
         sysobj = SYSTEMS.get(system)
+        draft = cell.get("draft") or {}
         for judged in profile.judged:
             lane, perf_lane, phase = judged.lane, judged.perf_lane, judged.phase
-            for g in cell.get("lanes", {}).get(lane, []):
+            # the target's rows, then a speculative draft's (its own rows: its class, its layers as vLLM numbers
+            # them; its per-call choices are the dispatch section's, so it carries none here)
+            for model, g in [*(("target", g) for g in cell.get("lanes", {}).get(lane, [])),
+                             *(("draft", g) for g in (draft.get("lanes") or {}).get(lane, []))]:
                 if is_inactive(g.get("value")):
-                    skipped.append({"system": system, "layout": layout, "lane": lane, "why": text(g)})
+                    skipped.append({"system": system, "layout": layout, "lane": lane, "model": model, "why": text(g)})
                     continue
                 label, family, how = derive(profile, lane, g, label_map or {})
                 plane = perf_lane or moe_perf_lane(profile, g)
                 row = {"system": system, "sm": sm_family(sysobj) if sysobj else "", "layout": layout,
-                       "lane": plane, "harness_lane": lane, "phase": g.get("phase", phase),
+                       "model": model, "lane": plane, "harness_lane": lane, "phase": g.get("phase", phase),
                        "tokens": "all", "layers": g["ranges"], "kernel_source": label, "backend": family,
                        "kernel": g["value"].get("kernel", ""),
                        "how": how if plane != "unknown" else _UNKNOWN_PRECISION,
                        "value": text(g), "evidence": g.get("evidence", cell.get("evidence", "none"))}
-                tiers = _tiers(cell, judged, g["layers"])
+                if model == "draft":
+                    row["draft_class"] = draft.get("cls", "")
+                tiers = _tiers(cell, judged, g["layers"]) if model == "target" else {}
                 if tiers:
                     row["dispatch"] = tiers
                     row["by_tokens"] = _by_tokens(profile, cell, judged, g, label_map or {})
                 rows.append(row)
-    rows.sort(key=lambda r: (r["lane"], r["system"], r["layout"], r["phase"], r["layers"]))
+    rows.sort(key=lambda r: (r["lane"], r["system"], r["layout"], r["phase"], r["model"] != "target", r["layers"]))
     return {"schema": LABELS_SCHEMA, "model": profile.name, "architecture": routing.get("architecture"),
             "pin": {k: routing.get("pin", {}).get(k) for k in ("name", "vllm_version", "wheel_sha256")},
             "vocabulary": {"lanes": sorted(set(profile.perf_lanes)),

@@ -288,18 +288,27 @@ def _details(routing: dict, cells: list[dict], systems, layouts, lane_ids, profi
             c = by.get((s.name, layout.name))
             if c is None:
                 continue
-            lanes = []
-            for lane in lane_ids:
-                mark = dispatch.serving_mark(c, lane, profile)
-                for g in c["lanes"].get(lane, []):
-                    lanes.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"],
-                                  "value": _shown({k: v for k, v in g.items() if k != "evidence"}) + mark,
-                                  "family": _family(g),
-                                  "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g
-                                  else (f"{c['evidence']}, {g['level']}" if g.get("level") else c["evidence"])})
-            entries.append({"layout": layout, "cell": c, "lanes": lanes})
+            lanes = _lane_rows(c, c["lanes"], lane_ids, lane_titles,
+                               lambda lane: dispatch.serving_mark(c, lane, profile))
+            draft = c.get("draft")
+            if draft:  # a speculative draft's rows are its own, never under a target layer
+                draft = {**draft, "rows": _lane_rows(c, draft.get("lanes") or {}, lane_ids, lane_titles, lambda _: "")}
+            entries.append({"layout": layout, "cell": c, "lanes": lanes, "draft": draft})
         out.append({"system": s, "entries": entries})
     return out
+
+
+def _lane_rows(c: dict, lanes: dict, lane_ids, lane_titles: dict, mark) -> list[dict]:
+    """One model's lane groups as table rows (title, layers, value, family, evidence)."""
+    rows = []
+    for lane in lane_ids:
+        for g in lanes.get(lane, []):
+            rows.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"],
+                         "value": _shown({k: v for k, v in g.items() if k != "evidence"}) + mark(lane),
+                         "family": _family(g),
+                         "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g
+                         else (f"{c['evidence']}, {g['level']}" if g.get("level") else c["evidence"])})
+    return rows
 
 
 def _across(cells: list[dict], key, each) -> list[dict]:

@@ -12,7 +12,7 @@ from probes.core.stages import stop_rule
 
 from audit.report.corroborate import corroborate
 from audit.report.dispatch import cell_tiers as dispatch_tiers
-from audit.evidence.files import EvidenceFile
+from audit.evidence.files import EvidenceFile, model_view
 from audit.report.layers import format_ranges
 from audit.report.observed import merge as merge_observed
 from audit.profiles import MOE_LANE, Lane, Profile
@@ -330,11 +330,7 @@ def _postload(f: EvidenceFile, profile: Profile) -> dict | None:
         if r.get("step") in MODEL_STEPS:
             role = r.get("role", "target")
             model_worst[role] = max(model_worst.get(role, 0), _WORST[r.get("outcome", "ok")])
-    per_layer: dict[int, int] = {}
-    for r in steps:
-        layer = r.get("layer")
-        if layer is not None:
-            per_layer[layer] = max(per_layer.get(layer, 0), _WORST[r.get("outcome", "ok")])
+    per_layer = _layer_worst([r for r in steps if r.get("role", "target") == "target"])
     first = next((r for r in steps if r.get("outcome") == "refused"), None)
     refused_at = None
     if first is not None:
@@ -350,7 +346,7 @@ def _postload(f: EvidenceFile, profile: Profile) -> dict | None:
             if not stage.get("ok") else None, "steps": len(steps), **counts,
             "refusals": list(refusals.values()), "limits": sorted(limits.values(), key=lambda g: -g["count"]),
             "refused_at": refused_at, "model_worst": model_worst,
-            "layer_worst": {str(k): v for k, v in sorted(per_layer.items())},
+            "layer_worst": per_layer,
             # what the model's worker builds once the weights are loaded (its profile's ``model_state``), if anything
             **({state.key: {"requested": spec.get(state.requested_field), "built": spec.get(state.built_field),
                             "config": spec.get(state.config_field),
@@ -365,8 +361,19 @@ def _postload(f: EvidenceFile, profile: Profile) -> dict | None:
                        "ran": format_ranges(r.get("ran") or []), "carried": format_ranges(r.get("carried") or []),
                        "carried_count": len(r.get("carried") or []), "check": r.get("check"),
                        "notes": r.get("notes") or []} for r in f.of_kind("postload-carry")],
-            "_modules": f.of_kind("postload-module"),
-            "_activation_checks": f.of_kind("activation_check")}
+            # the target's own readings (a speculative draft's are read from its records: _draft)
+            "_modules": [r for r in f.of_kind("postload-module") if r.get("role", "target") == "target"],
+            "_activation_checks": [r for r in f.of_kind("activation_check") if r.get("role", "target") == "target"]}
+
+
+def _layer_worst(steps: list[dict]) -> dict[str, int]:
+    """Per layer, the worst outcome of its own post-load steps."""
+    per_layer: dict[int, int] = {}
+    for r in steps:
+        layer = r.get("layer")
+        if layer is not None:
+            per_layer[layer] = max(per_layer.get(layer, 0), _WORST[_rejudged(r).get("outcome", "ok")])
+    return {str(k): v for k, v in sorted(per_layer.items())}
 
 
 def _postload_level(post: dict, layer: int, role: str = "target") -> str:
@@ -590,16 +597,17 @@ def _one(f: EvidenceFile, kind: str) -> dict:
     return {k: v for k, v in recs[-1].items() if k not in ("kind", "seq")}
 
 
-def build_cell(f: EvidenceFile, profile: Profile) -> dict:
-    system, layout = f.cell or ("?", "?")
-    stages, deepest, failure = _stages(f)
+def _model_lanes(f: EvidenceFile, profile: Profile, post: dict | None, state) -> tuple[dict, dict]:
+    """One model's lanes (per lane, its layer groups, each with how far the simulation went for it) and the
+    candidates vLLM tried, from that model's records (*f*: a view, audit.evidence.files.model_view)."""
     lanes, candidates = {}, {}
-    kinds = _layer_kinds(f, profile)
-    post = _postload(f, profile)
     readings = {**POSTLOAD_READINGS, **profile.postload_readings}
     kernels = profile.backend_labels.kernels if profile.backend_labels is not None else {}
+    wide = profile.model_state.key if profile.model_state is not None else None
     for lane in profile.lanes:
-        per_layer = _lane_values(f, lane, post, readings, profile.model_state, kernels.get(lane.id))
+        if state is None and any(s.kind == "postload" and s.target == wide for s in lane.sources):
+            continue  # the model state is the target's (its worker builds it once): no lane of a draft
+        per_layer = _lane_values(f, lane, post, readings, state, kernels.get(lane.id))
         levels = {k: v.get("level", lane.level) for k, v in per_layer.items()}
         groups = collapse({k: (v["value"], levels[k]) for k, v in per_layer.items()},
                           raw={k: {"source": v.get("source", ""), "fields": v["raw"]} for k, v in per_layer.items()})
@@ -610,6 +618,53 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         lanes[lane.id] = groups
         if lane.candidates_target:
             candidates[lane.id] = _candidates(f, lane.candidates_target)
+    return lanes, candidates
+
+
+def _numbering(rec: dict) -> tuple[dict[int, int], str]:
+    """A draft record's module layer -> vLLM layer numbers, and what is wrong with them ("" when nothing)."""
+    out: dict[int, int] = {}
+    for k, v in (rec.get("numbering") or {}).items():
+        if not (isinstance(k, str) and k.isdigit() and isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return {}, f"the draft record numbers module layer {k!r} as {v!r}"
+        out[int(k)] = v
+    shares = rec.get("shares") or []
+    if not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in shares):
+        return {}, "the draft record's shared modules are not [draft module, target module] pairs"
+    return out, ""
+
+
+def _draft(f: EvidenceFile, profile: Profile, post: dict | None) -> tuple[dict | None, str]:
+    """A speculative draft's own account beside its target, or None where the cell built none: its class, the
+    numbers vLLM serves its layers under (its modules count from 0), the target modules it holds, its layer kinds,
+    lanes and candidates (never under a target layer). With what is wrong with the record, if anything."""
+    rec = _one(f, "draft")
+    model = next((r for r in f.of_kind("model") if r.get("role") == "draft"), None)
+    if not rec and model is None and not any(r.get("role") == "draft" for r in f.records):
+        return None, ""
+    numbering, wrong = _numbering(rec)
+    view = model_view(f, "draft", numbering)
+    dpost = None if post is None else {
+        **post, "layer_worst": _layer_worst(view.of_kind("postload-step")),
+        "_modules": view.of_kind("postload-module"), "_activation_checks": view.of_kind("activation_check")}
+    lanes, candidates = _model_lanes(view, profile, dpost, None)
+    kinds = _layer_kinds(view, profile)
+    layers = sorted(set(numbering.values()) | {n for ns in kinds.values() for n in ns})
+    return {"cls": rec.get("cls") or (model or {}).get("cls", ""), "described": bool(rec), "layers": layers,
+            "numbering": {str(k): v for k, v in sorted(numbering.items()) if k != v},
+            "shares": [list(p) for p in rec.get("shares") or []] if not wrong else [],
+            "layer_kinds": kinds, "lanes": {k: v for k, v in lanes.items() if v},
+            "candidates": {k: v for k, v in candidates.items() if v}}, wrong
+
+
+def build_cell(f: EvidenceFile, profile: Profile) -> dict:
+    system, layout = f.cell or ("?", "?")
+    stages, deepest, failure = _stages(f)
+    target = model_view(f, "target")  # a speculative draft's records are its own rows (_draft)
+    kinds = _layer_kinds(target, profile)
+    post = _postload(f, profile)
+    lanes, candidates = _model_lanes(target, profile, post, profile.model_state)
+    draft, draft_wrong = _draft(f, profile, post)
     if post is not None and post.get("refused_at"):  # which kind of layer vLLM refused to load
         post["refused_at"]["kind"] = _module_kind(f, profile, post["refused_at"].get("module", ""))
     if post is not None:  # read into the lanes above; not kept in routing.json
@@ -643,7 +698,8 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "layer_kinds": kinds,
         "lanes": lanes,
         "candidates": candidates,
-        "attention_candidates": _attention_candidates(f),
+        "attention_candidates": _attention_candidates(target),
+        "draft": draft,
         "postload": post,
         "load_refused": (post or {}).get("refused_at"),
         "raises": raises,
@@ -662,10 +718,17 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "fence": _fence(f),
         "standin_fit": _one(f, "standin_fit").get("items", {}),
         # a stop in a cell whose own harness code faulted is that fault's doing: not asked about as a limit
-        "harness_faults": harness_faults(f) or _undeclared_stops(failure, post, _one(f, "fingerprint")),
+        "harness_faults": harness_faults(f) or _draft_fault(draft_wrong, system, layout)
+        or _undeclared_stops(failure, post, _one(f, "fingerprint")),
         # --- dispatch tiers (audit/report/dispatch.py): per-call choices by token count, None if not resolved ---
         "dispatch": dispatch_tiers(f, profile),
     }
+
+
+def _draft_fault(wrong: str, system: str, layout: str) -> list[dict]:
+    """A draft record that says what no draft record can (the probes wrote it): a harness fault, never routing."""
+    return [{"piece": "probe draft description", "where": f"{system}/{layout}", "type": "malformed evidence",
+             "traceback": [], "message": wrong}] if wrong else []
 
 
 UNDECLARED = "simulation limit not declared"
@@ -780,7 +843,7 @@ def _observed_raw(row: dict, profile) -> dict:
 
 def observed_cell(system: str, layout: str, observed: dict, profile) -> dict:
     """A cell known only from observe-mode processes: its lanes are the kernel paths that ran."""
-    cell = incomplete_cell(system, layout, reason="", log_tail="")
+    cell = incomplete_cell(system, layout, reason="", log="")
     lanes: dict[str, list] = {}
     for row in observed["rows"]:
         lanes.setdefault(row["lane"], []).append({
@@ -791,11 +854,12 @@ def observed_cell(system: str, layout: str, observed: dict, profile) -> dict:
     return cell
 
 
-def incomplete_cell(system: str, layout: str, *, reason: str, log_tail: str) -> dict:
-    """A cell for which no evidence exists (its process died or never ran)."""
+def incomplete_cell(system: str, layout: str, *, reason: str, log: str) -> dict:
+    """A cell for which no evidence exists (its process died or never ran). *log*: where its process's output is,
+    relative to the run directory ("" where none is kept); never its text, which differs from run to run."""
     return {"system": system, "layout": layout, "evidence": "none", "status": "INCOMPLETE", "stages": [],
             "depth": "", "failure": {"stage": "process", "type": "", "message": reason, "where": ""},
-            "log_tail": log_tail, "layer_kinds": {}, "lanes": {}, "candidates": {}, "attention_candidates": None,
+            "log": log, "layer_kinds": {}, "lanes": {}, "candidates": {}, "attention_candidates": None,
             "postload": None, "load_refused": None,
             "raises": [], "probe_errors": [], "drift": [], "not_reached": [], "not_applicable": [], "config": {},
             "argv": [],
@@ -849,10 +913,10 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
                                "harness's doing (a stand-in or probe that changed), not a limit of resolve mode"})
             unjudgeable = _unjudgeable(f, cell)
             if unjudgeable:  # what every built cell records is missing: nothing in it could be judged
-                cells.append(incomplete_cell(system, layout, reason=unjudgeable, log_tail=""))
+                cells.append(incomplete_cell(system, layout, reason=unjudgeable, log=""))
                 continue
             if cell["harness_faults"]:  # never vLLM's decision: the cell is INCOMPLETE, its fault named
-                faulty = incomplete_cell(system, layout, reason=fault_reason(cell["harness_faults"]), log_tail="")
+                faulty = incomplete_cell(system, layout, reason=fault_reason(cell["harness_faults"]), log="")
                 for key in ("harness_faults", "fence", "standin_fit", "availability", "availability_why",
                             "fingerprint"):
                     faulty[key] = cell[key]
@@ -866,11 +930,11 @@ def build_routing(files: list[EvidenceFile], profile: Profile, *, pin: dict, exp
             cells.append(observed_cell(system, layout, _observed(seen), profile))
         elif (system, layout) in damaged:
             cells.append(incomplete_cell(system, layout, reason="evidence damaged: " + "; ".join(damaged[(system, layout)]),
-                                         log_tail=""))
+                                         log=""))
         else:
             info = (missing or {}).get((system, layout), {})
             cells.append(incomplete_cell(system, layout, reason=info.get("reason", "no evidence was written"),
-                                         log_tail=info.get("log_tail", "")))
+                                         log=info.get("log", "")))
     cells = scrub_paths(cells, dict(sorted((scrub or {}).items(), key=lambda kv: -len(kv[0]))))
     # how each stand-in's target fitted the release is a fact of the release, not of a cell: a cell's process
     # checks a target when its module is imported, which an SM process's warm imports (a speed-up that depends on

@@ -37,7 +37,7 @@ def _label_points(labels: dict) -> dict[tuple, dict[str, tuple]]:
     has no per-batch split."""
     out: dict[tuple, dict[str, tuple]] = defaultdict(dict)
     for r in labels["rows"]:
-        k = (r["system"], r["layout"], r["harness_lane"])
+        k = (r["system"], r["layout"], r["harness_lane"], r.get("model", "target"))  # a draft's row is its own
         out[k]["all"] = (r["lane"], r["backend"], r["kernel_source"], r.get("kernel", ""))
         for t in r.get("by_tokens") or []:
             out[k][t["tokens"]] = (r["lane"], t.get("backend", "unknown"), t.get("kernel_source", "unknown"),
@@ -59,13 +59,13 @@ def label_changes(old: dict, new: dict, profile) -> list[dict]:
             before, after = pa.get(t, pa.get("all")), pb.get(t, pb.get("all"))
             if before is None or after is None or before == after:
                 continue
-            per = moved.setdefault((k[2], before, after), {}).setdefault(k[1], {"systems": set(), "batches": set()})
+            per = moved.setdefault((k[2], k[3], before, after), {}).setdefault(k[1], {"systems": set(), "batches": set()})
             per["systems"].add(k[0])
             per["batches"].add(t)
     out = []
-    for (lane, before, after), layouts in sorted(moved.items()):
+    for (lane, model, before, after), layouts in sorted(moved.items()):
         perf = after[0] if after[0] != "unknown" else before[0]
-        out.append({"harness_lane": lane, "perf_lane": perf, "before": before, "after": after,
+        out.append({"harness_lane": lane, "model": model, "perf_lane": perf, "before": before, "after": after,
                     "layouts": {lay: {"systems": sorted(v["systems"]), "batches": sorted(v["batches"], key=workload_order)}
                                 for lay, v in layouts.items()},
                     "rows": sum(len(v["systems"]) * len(v["batches"]) for v in layouts.values())})
@@ -355,11 +355,12 @@ def _perf_lane(v: View, m: dict) -> str:
     """The perf-db lane of a moved label: its lane now; where the harness cannot name that (a backend whose
     activation precision its scheme has no rule for), the row it was measured in before, saying so."""
     now, was = m["after"][0], m["before"][0]
+    draft = " (the speculative draft's)" if m.get("model", "target") != "target" else ""
     if now != "unknown":
-        return f"`{now}`"
+        return f"`{now}`{draft}"
     if was != "unknown":
-        return f"`{was}` (the row it was measured in; the harness cannot name the new kernel's precision lane)"
-    return f"{v.title(m['harness_lane'])} (no perf-db lane the harness can name)"
+        return f"`{was}`{draft} (the row it was measured in; the harness cannot name the new kernel's precision lane)"
+    return f"{v.title(m['harness_lane'])}{draft} (no perf-db lane the harness can name)"
 
 
 def _perf_block(v: View) -> list[str]:

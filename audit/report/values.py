@@ -17,7 +17,8 @@ def finish(routing: dict, profile, label_map: dict[str, str] | None = None) -> d
 
     for cell in routing.get("cells", []):
         refused = bool(cell_refused(cell))
-        for lane, groups in (cell.get("lanes") or {}).items():
+        models = [cell.get("lanes") or {}, ((cell.get("draft") or {}).get("lanes")) or {}]  # a draft's rows too
+        for lane, groups in (x for lanes in models for x in lanes.items()):
             for g in groups:
                 value = g.get("value")
                 if not isinstance(value, dict):

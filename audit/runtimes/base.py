@@ -75,7 +75,8 @@ class RunRequest:
 @dataclass
 class RunResult:
     evidence_dir: Path
-    #: (system, layout) -> {"reason": ..., "log_tail": ...} for cells without evidence
+    #: (system, layout) -> {"reason": ..., "log": ...} for cells without evidence; "log" names the cell's process
+    #: log relative to the run directory (its tail carries pids and timings, so it stays out of the routing)
     missing: dict[tuple[str, str], dict] = field(default_factory=dict)
     #: runtime facts for the provenance block (runtime, python, mode, date, ...)
     info: dict = field(default_factory=dict)
@@ -433,19 +434,47 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def run_relative(run_dir: Path, path: Path | None) -> str:
+    """*path* relative to the run directory where it lies inside it and exists ("" otherwise): what an INCOMPLETE
+    routing names for a log, the same in every run of the same cells."""
+    if path is None or not path.exists():
+        return ""
+    try:
+        return path.resolve().relative_to(run_dir.resolve()).as_posix()
+    except ValueError:
+        return ""
+
+
+#: a cell directory's line on why its process ended (``probes.resolve.agent.ENDED_FILE``)
+ENDED_FILE = "ended.txt"
+
+
+def ended_line(cell_dir: Path) -> str:
+    """Why a cell's process ended without evidence, as the agent that saw it end wrote it (one short line, no
+    pid); "" where it wrote none or what it wrote is not such a line."""
+    try:
+        line = (cell_dir / ENDED_FILE).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return line if line and "\n" not in line and len(line) <= 200 and line.isprintable() else ""
+
+
+def ended_reason(cell_dir: Path) -> str:
+    why = ended_line(cell_dir)
+    return "the cell's process ended without writing evidence" + (f" ({why})" if why else "")
+
+
 def collect_missing(request: RunRequest, *, fallback_log: Path | None = None) -> dict[tuple[str, str], dict]:
-    """Cells whose process left no evidence file, with the tail of their log."""
+    """Cells whose process left no evidence file, each with where its log is (relative to the run directory)."""
     missing = {}
     for system, layout in request.cells:
         d = request.evidence_dir / cell_dir_name(system.name, layout.name)
         if any(d.glob("evidence-*.jsonl")):
             continue
         log = d / "agent.log"
-        tail = log_tail(log) if log.exists() else (log_tail(fallback_log) if fallback_log else "")
         missing[(system.name, layout.name)] = {
-            "reason": "the cell's process ended without writing evidence" if log.exists()
-            else "the cell never started (the agent failed before it)",
-            "log_tail": tail,
+            "reason": ended_reason(d) if log.exists() else "the cell never started (the agent failed before it)",
+            "log": run_relative(request.run_dir, log if log.exists() else fallback_log),
         }
     return missing
 

@@ -35,7 +35,8 @@ from audit.errors import EnvironmentBuildError, RuntimeUnsupportedError, UsageEr
 from audit.fsutil import cache_root
 from audit.pins.lock import Pin
 from audit.runtimes.base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, RuntimeDefaults, agent_env,
-                                 cell_dir_name, log_tail, observe_env, stage_probes, timed_out, write_model_dirs, write_plan)
+                                 cell_dir_name, ended_line, log_tail, observe_env, run_relative, stage_probes, timed_out,
+                                 write_model_dirs, write_plan)
 
 JOBS_FILE = "jobs.json"
 #: Slurm job states after which a job will not run again
@@ -382,7 +383,7 @@ def cancel(jobs: dict) -> list[str]:
 
 
 def missing_cells(run_dir: Path, jobs: dict) -> dict[tuple[str, str], dict]:
-    """Cells without evidence, each with its job's Slurm state and log tail."""
+    """Cells without evidence, each with its job's Slurm state and where its log is (relative to the run)."""
     out = {}
     for cell, e in jobs.items():
         d = run_dir / "evidence" / cell
@@ -390,14 +391,17 @@ def missing_cells(run_dir: Path, jobs: dict) -> dict[tuple[str, str], dict]:
             continue
         if "job_id" not in e:
             reason = f"sbatch refused the job: {e.get('submit_error', '?')}"
-            tail = e.get("submit_error", "")
+            log = ""
         else:
-            reason = (f"Slurm job {e['job_id']} ended {e.get('state', 'in an unknown state')}"
+            # the job's id stays in jobs.json: the routing says the same of the same fault in every run
+            reason = (f"its Slurm job (jobs.json names it) ended {e.get('state', 'in an unknown state')}"
                       + (f" (exit {e['exit_code']})" if e.get("exit_code") else "")
                       + (f", reason {e['reason']}" if e.get("reason") not in (None, "", "None") else "")
-                      + " without writing evidence")
-            tail = log_tail(Path(e["log"])) or log_tail(d / "agent.log")
-        out[(e["system"], e["layout"])] = {"reason": reason, "log_tail": tail}
+                      + " without writing evidence"
+                      + (f" ({ended_line(d)})" if ended_line(d) else ""))
+            log = run_relative(run_dir, Path(e["log"])) if log_tail(Path(e["log"])) else ""
+            log = log or run_relative(run_dir, d / "agent.log")
+        out[(e["system"], e["layout"])] = {"reason": reason, "log": log}
     return out
 
 

@@ -113,6 +113,12 @@ class Recorder:
             self._seq += 1
             self._records.append({"kind": kind, "seq": self._seq, **fields})
 
+    def about(self, model: str):
+        """A context in which every record emitted says it is about *model* (``role``: a speculative draft, beside
+        the target that records name none), unless it names one itself. Applied when the context ends, so the hot
+        path pays nothing."""
+        return _About(self, model)
+
     def records(self) -> list[dict]:
         with self._lock:
             return [self._header, *self._records]
@@ -135,3 +141,22 @@ class Recorder:
                 fh.write("\n".join(lines) + "\n")
             os.replace(tmp, self.path)
             return self.path
+
+
+class _About:
+    """``Recorder.about``: remembers where the records stood, and tags the ones emitted since when it ends."""
+
+    def __init__(self, rec: "Recorder", model: str):
+        self.rec, self.model, self.start = rec, model, 0
+
+    def __enter__(self):
+        with self.rec._lock:
+            self.start = self.rec._seq
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        with self.rec._lock:
+            for r in self.rec._records:
+                if r["seq"] > self.start:
+                    r.setdefault("role", self.model)
+        return False

@@ -85,6 +85,21 @@ def _note(path: str, text: str) -> None:
         pass
 
 
+#: a cell directory's one line on why its process ended without evidence, written by the process that saw it end
+#: (no pid or time in it: the host names it in the INCOMPLETE routing, which two runs of the same fault render alike)
+ENDED_FILE = "ended.txt"
+
+
+def _ended(out: str, who: str, pid: int, code: int) -> None:
+    """Say why a cell's process ended: a line in its log (with the pid) and the cell's ``ended.txt`` (without)."""
+    _note(os.path.join(out, "agent.log"), f"{who} (pid {pid}) ended: {describe_exit(code)}")
+    try:
+        with open(os.path.join(out, ENDED_FILE), "w", encoding="utf-8") as fh:
+            fh.write(f"{who} ended: {describe_exit(code)}\n")
+    except OSError:
+        pass
+
+
 def run_group(plan: dict, cells: list[dict], shared: dict) -> int:
     """One SM: set its SKU, install probes and platform (unless the shared parent did), import vLLM, then one
     forked process per cell."""
@@ -103,7 +118,7 @@ def run_group(plan: dict, cells: list[dict], shared: dict) -> int:
         code = _wait(pid)
         if code != 0:
             failed += 1
-            _note(os.path.join(out, "agent.log"), f"the cell's process (pid {pid}) ended: {describe_exit(code)}")
+            _ended(out, "the cell's process", pid, code)
         if warm.get("error") is None:
             warm_up(_read_imported(out))
             _freeze()
@@ -293,9 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[serving-truth agent] the SM process for {groups_of.get(pid)} (pid {pid}) ended: "
                   f"{describe_exit(code)}", file=sys.stderr, flush=True)
             for cell in cells_of.get(pid, []):
-                log = os.path.join(cell_dir(plan, cell), "agent.log")
                 if not any(n.startswith("evidence-") for n in _listdir(cell_dir(plan, cell))):
-                    _note(log, f"the SM process that runs this cell (pid {pid}) ended: {describe_exit(code)}")
+                    _ended(cell_dir(plan, cell), "the SM process that runs this cell", pid, code)
         return pid, int(code != 0)
 
     queues = plan_slots(groups, parallel)

@@ -293,7 +293,7 @@ def _run_stages(plan, cell, rec, Stage) -> None:
     draft = draft_config = None
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None and getattr(spec, "draft_model_config", None) is not None:
-        with Stage(rec, "construct-draft"):
+        with Stage(rec, "construct-draft"), rec.about("draft"):  # every choice made building it is the draft's
             if getattr(spec, "method", None) != "mtp":  # EAGLE3, DSpark: the speculator's own loader builds it
                 draft, draft_config = _draft_by_speculator(model, vllm_config, create_with=get_model_loader,
                                                            simulate=simulate)
@@ -305,7 +305,9 @@ def _run_stages(plan, cell, rec, Stage) -> None:
     with Stage(rec, "inspect"):
         inspect_model(model, rec)
         if draft is not None:
-            inspect_model(draft, rec)
+            with rec.about("draft"):
+                inspect_model(draft, rec)
+                describe_draft(draft, model, rec)
 
     if plan.get("postload", True):
         # after construction's evidence is recorded: post-load changes the modules it reads
@@ -557,6 +559,27 @@ def _init_fake_distributed(vllm_config, rec) -> None:
             "vLLM's own init_workspace_manager, on the meta device (the GPU worker calls it before it builds the "
             "model runner): scratch buffers get their shapes, nothing is allocated")
     rec.emit("distributed", world_size=world)
+
+
+def describe_draft(draft, target, rec) -> None:
+    """What a speculative draft is beside its target, as vLLM built it: its class; how vLLM numbers its layers
+    (a draft's modules count from 0, while vLLM names its attention layers after the target's, e.g. EAGLE3's
+    ``model.layers.0`` serves as ``model.layers.93``: read from each attention module's ``layer_name``, the name
+    vLLM registers it under); and the target modules it holds as its own (the very objects, topmost only)."""
+    numbering: dict[str, int] = {}
+    for name, module in draft.named_modules():
+        own = _LAYER_RE.search(name)
+        registered = getattr(module, "layer_name", None)
+        served = _LAYER_RE.search(registered) if own and isinstance(registered, str) else None
+        if served:
+            numbering.setdefault(own.group(1), int(served.group(1)))
+    target_names = {id(m): name for name, m in target.named_modules()}
+    shares: list[list[str]] = []
+    for name, module in draft.named_modules():
+        if id(module) in target_names and not any(name.startswith(d + ".") for d, _ in shares):
+            shares.append([name, target_names[id(module)]])
+    rec.emit("draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}", numbering=numbering,
+             shares=shares)
 
 
 def inspect_model(model, rec) -> None:

@@ -30,9 +30,9 @@ def _audit(reports, cache, *extra):
 def test_a_repeated_audit_reuses_the_evidence_and_routes_the_same(vllm_env, tmp_path):
     cache = tmp_path / "evcache"
     rt, _, env = vllm_env
-    runs_before = set((rt.root / "runs").glob("*"))
-    first, ledger1, _ = _audit(tmp_path / "a", cache)
-    new_runs = set((rt.root / "runs").glob("*")) - runs_before
+    first, ledger1, r = _audit(tmp_path / "a", cache)
+    # the run this audit made (its path on stderr; other audits may run beside it)
+    new_runs = {Path(l.split("evidence: ", 1)[1]) for l in r.stderr.splitlines() if l.startswith("evidence: ")}
     assert first["run"]["cache"] == {"hits": [], "ran": 1, "discarded": [], "used": True} and "evidence cache |" not in ledger1
     assert len(list(cache.iterdir())) == 1
     # the agent's bytecode went to the environment's runtime cache, none into the environment (whose files stay

@@ -65,9 +65,19 @@ def test_the_dspark_draft_is_built_and_its_rows_are_its_one_pass(dspark):
     MLA layers and dense MLPs after the target's 93), and its MLA rows are one pass of 4 query tokens per request."""
     assert dspark["status"] == "COMPLETE" and not dspark["harness_faults"]
     assert '"model": "<model-dir>/draft"' in " ".join(dspark["argv"])
-    assert dspark["layer_kinds"]["mla"][-2:] == [93, 94] and dspark["layer_kinds"]["dense"][-2:] == [93, 94]
+    # the draft is named apart from the target: its class, its layers as vLLM numbers them (its modules count from
+    # 0), the target's embedding and head it holds; no draft layer is filed under a target layer
+    draft = dspark["draft"]
+    assert draft["cls"] == "vllm.models.kimi_k3.nvidia.dspark_mla:K3DSparkForCausalLM"
+    assert draft["layers"] == [93, 94] and draft["numbering"] == {"0": 93, "1": 94}
+    assert draft["layer_kinds"]["mla"] == [93, 94] and draft["layer_kinds"]["dense"] == [93, 94]
+    assert ["lm_head", "language_model.lm_head"] in draft["shares"]
+    assert max(dspark["layer_kinds"]["mla"]) == 92 and dspark["layer_kinds"]["dense"] == [0]
+    assert [g["ranges"] for g in draft["lanes"]["dense"]] == ["93-94"] and [g["ranges"] for g in dspark["lanes"]["dense"]] == ["0"]
+    assert "UnquantizedLinearMethod" in text(draft["lanes"]["dense"][0]) and "93" not in dspark["lanes"]["mla.decode"][-1]["ranges"]
     for lane in ("mla", "mla_kv_cache"):
         (rows,) = _draft_rows(dspark, lane)
+        assert rows["layers"] == [93, 94] and rows["draft"] == "K3DSparkForCausalLM"
         assert rows["tiers"]["decode 8"].startswith("draft pass (8x4): ")
         assert rows["tiers"]["prefill 2048"].startswith("draft pass (1x4): ")
         assert rows["tiers"]["verify 320 (64x5)"].startswith("draft pass (64x4): ")
@@ -156,7 +166,7 @@ def eagle3_planted(vllm_env, tmp_path_factory):
 
 
 def _attention(cell):
-    return [(text(g), g["ranges"]) for g in cell["lanes"]["attention"]]
+    return [(text(g), g["ranges"]) for g in cell["draft"]["lanes"]["attention"]]
 
 
 def test_the_eagle3_draft_has_plain_attention_chosen_per_sm_and_shares_the_target_head(eagle3):
@@ -166,7 +176,10 @@ def test_the_eagle3_draft_has_plain_attention_chosen_per_sm_and_shares_the_targe
     b200, h200 = eagle3["b200_sxm"], eagle3["h200_sxm"]
     assert not b200["harness_faults"] and not h200["harness_faults"]
     assert _attention(b200) == [("FlashInferBackend", "93")] and _attention(h200) == [("FlashAttentionBackend", "93")]
-    assert b200["layer_kinds"]["attention"] == [93] and 93 not in b200["layer_kinds"]["mla"]
+    assert b200["draft"]["layer_kinds"] == {"attention": [93]} and "attention" not in b200["layer_kinds"]
+    assert b200["draft"]["cls"] == "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
+    assert b200["draft"]["numbering"] == {"0": 93} and [g["ranges"] for g in b200["draft"]["lanes"]["dense"]] == ["93"]
+    assert ["lm_head", "language_model.lm_head"] in b200["draft"]["shares"]
     (head,) = _draft_rows(b200, "lm_head")
     assert head["tiers"]["decode 8"].startswith("M=8: ") and head["tiers"]["verify 4 (1x4)"].startswith("M=1: ")
 
@@ -179,8 +192,9 @@ def test_a_planted_backend_order_moves_only_the_draft_attention(eagle3, eagle3_p
     (Without the cubin package the same plant turned the step eager.)"""
     before = eagle3["h200_sxm"]
     assert _attention(eagle3_planted) == [("FlashInferBackend", "93")]
-    moved = {lane for lane in set(before["lanes"]) | set(eagle3_planted["lanes"])
-             if before["lanes"].get(lane) != eagle3_planted["lanes"].get(lane)}
+    assert before["lanes"] == eagle3_planted["lanes"]  # no lane of the target moves
+    draft_before, draft_after = before["draft"]["lanes"], eagle3_planted["draft"]["lanes"]
+    moved = {lane for lane in set(draft_before) | set(draft_after) if draft_before.get(lane) != draft_after.get(lane)}
     assert moved == {"attention"}
     lanes_before, lanes_after = before["dispatch"]["lanes"], eagle3_planted["dispatch"]["lanes"]
     moved = {lane for lane in lanes_before if lanes_before[lane] != lanes_after.get(lane)}

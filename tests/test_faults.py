@@ -71,8 +71,10 @@ def wait_for(predicate, timeout: float, step: float = 0.2):
     return predicate()
 
 
-def newest_run(cache: Path, before: set) -> Path | None:
-    runs = [p for p in (cache / "runs").glob("v0.33.0-*") if p not in before]
+def newest_run(cache: Path, before: set, pid: int) -> Path | None:
+    """The run directory the audit process *pid* made (its name ends in the harness's pid: another audit running
+    beside this test's, from another test process, makes its own)."""
+    runs = [p for p in (cache / "runs").glob(f"v0.33.0-*-{pid}") if p not in before]
     return max(runs, key=lambda p: p.stat().st_mtime) if runs else None
 
 
@@ -125,7 +127,7 @@ def _kill_in_a_cell(argv: list[str], cache_root: Path, victims_of) -> tuple[subp
     proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *argv, "--no-cache"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
+        run = wait_for(lambda: newest_run(cache_root, before_runs, proc.pid), 120)
         assert run is not None, "the audit never created its run directory"
         log = run / "evidence" / "b200_sxm--tp8" / "agent.log"
         cells = wait_for(lambda: log.exists() and pids_writing(log), 300)
@@ -192,7 +194,7 @@ def test_sigkill_of_the_harness_takes_every_agent_process_with_it(audited, tmp_p
     proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(tmp_path / "r"), "--no-cache"],
                             cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
+    run = wait_for(lambda: newest_run(cache_root, before_runs, proc.pid), 120)
     assert run is not None
     started = wait_for(lambda: len(agents_of(run)) >= 2 and agents_of(run), 300)  # the agent and an SM process
     assert started, "the agent never forked"
@@ -208,7 +210,7 @@ def test_sigkill_of_the_agent_ends_its_sm_processes_and_fails_the_run(audited, r
     before = snapshot(report_copy)
     proc = subprocess.Popen([*CLI, "audit", "v0.33.0", *CELLS, "--reports", str(report_copy), "--no-cache"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run = wait_for(lambda: newest_run(cache_root, before_runs), 120)
+    run = wait_for(lambda: newest_run(cache_root, before_runs, proc.pid), 120)
     assert run is not None
     pids = wait_for(lambda: len(agents_of(run)) >= 2 and agents_of(run), 300)
     assert pids, "the agent never forked"

@@ -202,10 +202,14 @@ def test_mtp_draft_layer_and_spec_verify(probed_run):
     last = k3_layers()["moe"][-1]
     assert mtp["status"] == "COMPLETE"
     assert [s["stage"] for s in mtp["stages"]][-2:] == ["construct-draft", "inspect"]
-    assert mtp["layer_kinds"]["mtp"] == [last + 1]
-    assert last + 1 in mtp["layer_kinds"]["mla"] and last + 1 in mtp["layer_kinds"]["moe"]
-    covered = lambda cell, lane: sorted(l for g in cell["lanes"][lane] for l in g["layers"])
-    assert covered(mtp, "moe") == k3_layers()["moe"] + [last + 1]
+    # the draft's layer is its own: its class named, its rows apart from the target's (never "MoE 1-93")
+    draft = mtp["draft"]
+    assert draft["cls"] == "vllm.models.kimi_k3.nvidia.mtp:KimiK3MTP" and draft["layers"] == [last + 1]
+    assert draft["layer_kinds"]["mtp"] == [last + 1] and draft["numbering"] == {}
+    assert last + 1 in draft["layer_kinds"]["mla"] and last + 1 in draft["layer_kinds"]["moe"]
+    assert "mtp" not in mtp["layer_kinds"] and max(mtp["layer_kinds"]["moe"]) == last
+    covered = lambda lanes, lane: sorted(l for g in lanes[lane] for l in g["layers"])
+    assert covered(mtp["lanes"], "moe") == k3_layers()["moe"] and covered(draft["lanes"], "moe") == [last + 1]
     spec = [g["value"] for g in mtp["lanes"]["kda.spec_verify"]]
     assert spec and not any(is_inactive(v) for v in spec)
     assert all(is_inactive(g["value"]) and text(g).startswith("not exercised")

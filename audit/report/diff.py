@@ -30,8 +30,8 @@ NOT_READ = "— (not read in this audit: construction stopped before the built m
 POSTLOAD_RAN = "ran to the end"
 POSTLOAD_REFUSED = "refused at"
 #: the facets in the order the diff's tables list rows of one rank
-FACET_ORDER = ("standin", "lane", "candidates", "attention", "construction", "post-load", "probe", "availability",
-               "dispatch", "evidence", "package")
+FACET_ORDER = ("standin", "lane", "draft", "candidates", "attention", "construction", "post-load", "probe",
+               "availability", "dispatch", "evidence", "package")
 
 
 class Pair:
@@ -144,8 +144,8 @@ def _model_lane_facts(p: Pair, cell, model: str, la: dict, lb: dict):
         for k, layers in moved.items():
             da, db = sides[k]
             draft = model != "target"
-            yield _fact("lane", lane, p.titles.get(lane, lane) + (" (speculative draft)" if draft else ""), k[0],
-                        k[1], da, db, cell, layers, experts_lane=lane == MOE_LANE,
+            title = p.titles.get(lane, lane) + (f" (speculative draft {_draft_class(a, b)})" if draft else "")
+            yield _fact("lane", lane, title, k[0], k[1], da, db, cell, layers, experts_lane=lane == MOE_LANE,
                         judged=lane in p.judged and not draft, role=model)
 
 
@@ -262,6 +262,12 @@ def cell_facts(p: Pair):
                 yield _fact("probe", name, name, _text(la[name]), _text(lb[name]), {}, {}, cell)
         yield from _draft_facts(a, b, cell)
         yield from _answers(a, b, cell)
+
+
+def _draft_class(a: dict, b: dict) -> str:
+    """The class of a cell's speculative draft, short (the newer side's where both built one)."""
+    names = [short((c.get("draft") or {}).get("cls")) for c in (b, a)]
+    return next((n for n in names if n), "")
 
 
 def _draft_side(c: dict) -> tuple[str, str]:

@@ -126,9 +126,10 @@ def ledger_tables(cells: list[dict], profile) -> list[dict]:
                 t["columns"].update(g["tiers"])
                 t["levels"].add(g["level"])
                 t["sources"].add(g["source"])
-                key = (g["role"], g["group"], g["ranges"], tuple(sorted(g["tiers"].items())))
-                row = t["rows"].setdefault(key, {"role": g["role"], "group": g["group"], "ranges": g["ranges"],
-                                                 "tiers": g["tiers"], "level": g["level"], "cells": []})
+                key = (g["role"], g.get("draft", ""), g["group"], g["ranges"], tuple(sorted(g["tiers"].items())))
+                row = t["rows"].setdefault(key, {"role": g["role"], "draft": g.get("draft", ""), "group": g["group"],
+                                                 "ranges": g["ranges"], "tiers": g["tiers"], "level": g["level"],
+                                                 "cells": []})
                 if name not in row["cells"]:
                     row["cells"].append(name)
     out, titles, notes = [], lane_titles(profile), lane_notes(profile)

@@ -251,7 +251,11 @@ def _matrices(routing: dict, cells: list[dict], systems, layouts, lane_ids, prof
             rows.append(["Weights load (post-load)"] + [
                 _load_summary(by.get((s.name, layout.name))) if layout.applies_to(s) else f"n/a ({layout.scope})"
                 for s in systems])
+        here = [c for c in (by.get((s.name, layout.name)) for s in systems) if c is not None]
         for lane in lane_ids:
+            if not any(c["lanes"].get(lane) for c in here) and any(
+                    ((c.get("draft") or {}).get("lanes") or {}).get(lane) for c in here):
+                continue  # only this layout's draft has the lane: its draft row says it
             level = lane_levels.get(lane, "construction")
             row = [lane_titles.get(lane, lane) + ("" if level == "construction" else f" ({level})")]
             for s in systems:
@@ -264,10 +268,36 @@ def _matrices(routing: dict, cells: list[dict], systems, layouts, lane_ids, prof
                     row.append(_lane_summary(c["lanes"].get(lane, []), c, lane in read_after)
                                + dispatch.serving_mark(c, lane, profile))
             rows.append(row)
+        rows += _draft_matrix_rows(by, systems, layout, lane_ids, lane_titles, read_after)
         levels = sorted(set().union(*[_levels(by[(s.name, layout.name)]) for s in systems
                                       if (s.name, layout.name) in by]))
         out.append({"layout": layout, "rows": rows, "levels": levels})
     return out
+
+
+def _draft_matrix_rows(by: dict, systems, layout, lane_ids, lane_titles: dict, read_after) -> list[list[str]]:
+    """A layout's speculative draft rows (its own, never under a target lane): its class, then each lane it has."""
+    cells = {s.name: by.get((s.name, layout.name)) for s in systems}
+    drafts = {n: c.get("draft") for n, c in cells.items() if c is not None and c.get("draft")}
+    if not drafts:
+        return []
+
+    def cell(s, what) -> str:
+        c = cells[s.name]
+        if c is None:
+            return f"n/a ({layout.scope})" if not layout.applies_to(s) else "not audited"
+        if c["status"] == "INCOMPLETE":
+            return "INCOMPLETE"
+        return what(c.get("draft") or {})
+
+    rows = [["Speculative draft (class, its layers)"] + [cell(s, lambda d: f"{short(d['cls'])} ({format_ranges(d['layers'])})"
+                                                      if d else "— (none built)") for s in systems]]
+    for lane in lane_ids:
+        if any((d.get("lanes") or {}).get(lane) for d in drafts.values()):
+            rows.append([f"{lane_titles.get(lane, lane)} (draft)"] + [
+                cell(s, lambda d, lane=lane: _lane_summary((d.get("lanes") or {}).get(lane, []), cells[s.name],
+                                                           lane in read_after)) for s in systems])
+    return rows
 
 
 def _family(group: dict) -> str:

@@ -721,8 +721,25 @@ def build_cell(f: EvidenceFile, profile: Profile) -> dict:
         "harness_faults": harness_faults(f) or _draft_fault(draft_wrong, system, layout)
         or _undeclared_stops(failure, post, _one(f, "fingerprint")),
         # --- dispatch tiers (audit/report/dispatch.py): per-call choices by token count, None if not resolved ---
-        "dispatch": dispatch_tiers(f, profile),
+        "dispatch": _draft_tiers(dispatch_tiers(f, profile), draft),
     }
+
+
+def _draft_tiers(tiers: dict | None, draft: dict | None) -> dict | None:
+    """The cell's dispatch tiers with a speculative draft's rows naming its class and its layers as vLLM numbers
+    them (the dispatch probe counts a draft's modules from 0, like its other per-module records)."""
+    if not tiers or not draft:
+        return tiers
+    numbering = {int(k): v for k, v in draft.get("numbering", {}).items()}
+    for rows in tiers["lanes"].values():
+        for g in rows:
+            if g["role"] == "target":
+                continue
+            g["draft"] = short(draft.get("cls", ""))
+            if numbering and g["layers"]:
+                g["layers"] = [numbering.get(n, n) for n in g["layers"]]
+                g["ranges"] = format_ranges(g["layers"])
+    return tiers
 
 
 def _draft_fault(wrong: str, system: str, layout: str) -> list[dict]:

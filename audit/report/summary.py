@@ -223,6 +223,8 @@ def _change_line(v: View, rows: list[dict]) -> str:
     r = rows[0]
     word = classes.KINDS[r["class"]].word
     name = v.title(r["lane"]) if r["lane"] else r["field"]
+    if r["facet"] == "lane":
+        name = _row_name(v, r)  # a speculative draft's own row names the draft's class
     if r["facet"] == "dispatch":
         name = r["title"].rsplit(" at ", 1)[0].split(" (")[0].split(" · ")[0]
         where = v.where({tuple(c) for x in rows for c in x["cells"]})
@@ -242,8 +244,13 @@ def _change_line(v: View, rows: list[dict]) -> str:
     if r["facet"] == "lane" and fa != fb and (fa or fb):
         fam = f" ({fa or '—'} → {fb or '—'})"
     also = [x for x in rows[1:] if x.get("_also")]
-    more = f"; the same move in {', '.join(dict.fromkeys(v.title(x['lane']) for x in also))}" if also else ""
+    more = f"; the same move in {', '.join(dict.fromkeys(_row_name(v, x) for x in also))}" if also else ""
     return head + f": {_short(before)} → {_short(after)}{fam}{more}" + _tag(rows)
+
+
+def _row_name(v: View, r: dict) -> str:
+    """A lane row's name: its lane's title; a speculative draft's row, its title (which names the draft's class)."""
+    return r["title"] if r.get("role", "target") != "target" else v.title(r["lane"])
 
 
 def _kernels(r: dict) -> tuple:
@@ -313,7 +320,7 @@ def _changes_block(v: View, tight: bool) -> list[str]:
     for r in sorted(v.serving, key=classes.order_key):
         if r in handover:
             continue
-        name = r["lane"] or r["field"]
+        name = (r["lane"] or r["field"], r.get("role", "target"))  # a draft's rows never fold into the target's
         if r["facet"] == "dispatch":
             k = (r["class"], r["facet"], name)
         elif tight:

@@ -133,10 +133,9 @@ def test_the_gpt_oss_ledger_renders_from_its_routing_and_fits():
     # a wider table row is one of short cells only (a cell under 80 characters is never moved to a footnote)
     assert all(len(r) <= 400 or all(len(c.strip()) < 80 or "[^" in c for c in _cells(r)) for r in rows)
     assert max(len(c.strip()) for l in lines if l.startswith("|") and l.rstrip().endswith("|") for c in _cells(l)) <= 250
-    # the committed report is this routing, rendered by this code
+    # the committed report is this routing (tests/test_reproduce.py renders it, with its changes since v0.32.0)
     committed = ROOT / "reports" / "gpt-oss-120b" / "v0.33.0"
     assert (committed / "routing.json").read_text() == GPT_ROUTING.read_text()
-    assert (committed / "ledger.md").read_text(encoding="utf-8") == text
 
 
 def test_the_cli_lists_the_models_and_refuses_an_unknown_one_before_any_work():

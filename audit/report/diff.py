@@ -144,9 +144,10 @@ def _model_lane_facts(p: Pair, cell, model: str, la: dict, lb: dict):
         for k, layers in moved.items():
             da, db = sides[k]
             draft = model != "target"
-            title = p.titles.get(lane, lane) + (f" (speculative draft {_draft_class(a, b)})" if draft else "")
+            extra = {"draft_class": _draft_class(a, b)} if draft else {}
+            title = p.titles.get(lane, lane) + (f" (speculative draft {extra['draft_class']})" if draft else "")
             yield _fact("lane", lane, title, k[0], k[1], da, db, cell, layers, experts_lane=lane == MOE_LANE,
-                        judged=lane in p.judged and not draft, role=model)
+                        judged=lane in p.judged and not draft, role=model, **extra)
 
 
 def _tried_text(tried: list[dict]) -> str:
@@ -329,11 +330,12 @@ def dispatch_facts(p: Pair):
             db = {"workloads": da.get("workloads", []), "lanes": {}, "absent": NOT_BUILT}
         for m in dispatch.diff_cells(da, db, p.profile):
             group = f" · `{m['group']}`" if m["group"] else ""
-            draft = " (draft)" if m["role"] != "target" else ""
+            cls = _draft_class(p.a[cell], p.b[cell]) if m["role"] != "target" else ""
+            draft = f" (speculative draft {cls})" if m["role"] != "target" else ""
             yield _fact("dispatch", m["lane"], f"{titles.get(m['lane'], m['lane'])}{group}{draft} at {m['span']}",
                         m["before"], m["after"], _tier_side(m["before"], p.profile.step_path, p.a[cell]),
                         _tier_side(m["after"], p.profile.step_path, p.b[cell]), cell, m["layers"], role=m["role"],
-                        workloads=m["workloads"])
+                        workloads=m["workloads"], **({"draft_class": cls} if cls else {}))
 
 
 def standin_facts(p: Pair):

@@ -226,7 +226,7 @@ def _change_line(v: View, rows: list[dict]) -> str:
     if r["facet"] == "lane":
         name = _row_name(v, r)  # a speculative draft's own row names the draft's class
     if r["facet"] == "dispatch":
-        name = r["title"].rsplit(" at ", 1)[0].split(" (")[0].split(" · ")[0]
+        name = r["title"].rsplit(" at ", 1)[0].split(" (")[0].split(" · ")[0] + _drafts(r)
         where = v.where({tuple(c) for x in rows for c in x["cells"]})
         example = f": e.g. {_short(r['before'], 6)} → {_short(r['after'], 8)}" if not v.tight else ""
         return f"- *{word}*: {name}, {where}, at {_spans(rows)}{example}{_tag(rows)}"
@@ -248,9 +248,14 @@ def _change_line(v: View, rows: list[dict]) -> str:
     return head + f": {_short(before)} → {_short(after)}{fam}{more}" + _tag(rows)
 
 
+def _drafts(r: dict) -> str:
+    """" (speculative draft <class>)" for a row of a speculative draft (the diff's facts carry its class), else ""."""
+    return f" (speculative draft {r.get('draft_class') or '?'})" if r.get("role", "target") != "target" else ""
+
+
 def _row_name(v: View, r: dict) -> str:
-    """A lane row's name: its lane's title; a speculative draft's row, its title (which names the draft's class)."""
-    return r["title"] if r.get("role", "target") != "target" else v.title(r["lane"])
+    """A lane row's name: its lane's title, and a speculative draft's class where the row is the draft's."""
+    return v.title(r["lane"]) + _drafts(r)
 
 
 def _kernels(r: dict) -> tuple:
@@ -320,7 +325,8 @@ def _changes_block(v: View, tight: bool) -> list[str]:
     for r in sorted(v.serving, key=classes.order_key):
         if r in handover:
             continue
-        name = (r["lane"] or r["field"], r.get("role", "target"))  # a draft's rows never fold into the target's
+        # a draft's rows never fold into the target's, nor one draft's into another's
+        name = (r["lane"] or r["field"], r.get("role", "target"), r.get("draft_class", ""))
         if r["facet"] == "dispatch":
             k = (r["class"], r["facet"], name)
         elif tight:

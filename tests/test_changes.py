@@ -65,6 +65,7 @@ CASES = [
          {"state": "active", "choice": "vLLM raises: F", "refused": True}), "information", "in both builds"),
     (row("dispatch", {"state": "active", "choice": "T0"}, {"state": "active", "choice": "T1"}), "tier",
      "per-call choice moved"),
+    (row("draft", name="draft not recorded apart"), "information", "predates drafts named apart"),
     (row("draft", name="draft class"), "path", "another class"),
     (row("draft", name="draft shares"), "information", "target modules the draft holds"),
     (row("verdict"), "verdict", "verdict moved"),

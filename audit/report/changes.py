@@ -177,6 +177,9 @@ RULES: tuple[Rule, ...] = (
          lambda r: bool(_a(r).get("refused")) and bool(_b(r).get("refused"))),
     Rule(("dispatch",), "tier", "a per-call choice moved", lambda r: True),
     # a speculative draft beside the target
+    Rule(("draft",), "information", "one routing predates drafts named apart (its draft's rows sit under target "
+                                    "layers): the target is compared without the draft's layers, the draft not at all",
+         lambda r: r.get("name") == "draft not recorded apart"),
     Rule(("draft",), "path", "the speculative draft vLLM builds is another class or numbers its layers otherwise",
          lambda r: r.get("name") == "draft class"),
     Rule(("draft",), "information", "the target modules the draft holds as its own (what it serves shows in its "

@@ -122,8 +122,47 @@ def lane_facts(p: Pair):
     ``unchanged`` counts the (cell, lane) pairs that do not."""
     for cell in p.common:
         a, b = p.a[cell], p.b[cell]
+        older = _predates_drafts(a, b)
+        if older is not None:  # its target lanes hold the draft's layers: compared without them, the draft not at all
+            drafted = set(older[1].get("layers") or [])
+            la, lb = (_without_layers(c["lanes"], drafted) for c in (a, b))
+            yield from _model_lane_facts(p, cell, "target", la, lb)
+            yield _fact("draft", "draft not recorded apart", "speculative draft", *(
+                ("filed under target layers", _draft_side(b)[0]) if older[0] is a else
+                (_draft_side(a)[0], "filed under target layers")), {}, {}, cell)
+            continue
         for model, la, lb in (("target", a["lanes"], b["lanes"]), ("draft", _draft_lanes(a), _draft_lanes(b))):
             yield from _model_lane_facts(p, cell, model, la, lb)
+
+
+def _targets_only(d: dict | None) -> dict | None:
+    """A cell's dispatch tiers without a speculative draft's rows."""
+    if not d:
+        return d
+    return {**d, "lanes": {k: [g for g in v if g.get("role", "target") == "target"] for k, v in d["lanes"].items()}}
+
+
+def _predates_drafts(a: dict, b: dict) -> tuple[dict, dict] | None:
+    """(the side whose routing predates drafts named apart, the other side's draft) where one side of a cell records
+    a draft and the other has no ``draft`` entry at all (a routing written before: its draft's rows sit in the
+    target's lanes), else None."""
+    for old, new in ((a, b), (b, a)):
+        if "draft" not in old and new.get("draft") and old.get("status") != "INCOMPLETE":
+            return old, new["draft"]
+    return None
+
+
+def _without_layers(lanes: dict, layers: set) -> dict:
+    """*lanes* with the groups' *layers* left out (a group left with none goes)."""
+    out = {}
+    for lane, groups in lanes.items():
+        kept = []
+        for g in groups:
+            rest = [n for n in g["layers"] if n not in layers]
+            if rest:
+                kept.append(g if len(rest) == len(g["layers"]) else {**g, "layers": rest})
+        out[lane] = kept
+    return out
 
 
 def _model_lane_facts(p: Pair, cell, model: str, la: dict, lb: dict):
@@ -160,24 +199,40 @@ def _chosen(tried: list[dict]) -> str:
 
 
 def candidate_facts(p: Pair):
+    """The candidates vLLM's oracle tried, per layer, where they differ: the target's, then a speculative draft's."""
     for cell in p.common:
         a, b = p.a[cell], p.b[cell]
-        blank_a = NOT_BUILT if a.get("status") != "COMPLETE" else "—"
-        blank_b = NOT_BUILT if b.get("status") != "COMPLETE" else "—"
-        for lane in sorted(set(a.get("candidates", {})) | set(b.get("candidates", {}))):
-            sides = [{layer: g["value"] for g in c.get("candidates", {}).get(lane, []) for layer in g["layers"]}
-                     for c in (a, b)]
-            moved: dict[tuple, set] = defaultdict(set)
-            for layer in sorted(set(sides[0]) | set(sides[1])):
-                ta = _tried_text(sides[0][layer]) if layer in sides[0] else blank_a
-                tb = _tried_text(sides[1][layer]) if layer in sides[1] else blank_b
-                if ta != tb:
-                    ca = _chosen(sides[0].get(layer, []))
-                    cb = _chosen(sides[1].get(layer, []))
-                    moved[(ta, tb, ca, cb)].add(layer)
-            for (ta, tb, ca, cb), layers in moved.items():
-                yield _fact("candidates", lane, p.titles.get(lane, lane) + " (candidates tried)", ta, tb,
-                            {"chosen": ca}, {"chosen": cb}, cell, layers, judged=lane in p.judged)
+        older = _predates_drafts(a, b)
+        if older is not None:  # compared without the draft's layers (lane_facts says so)
+            drafted = set(older[1].get("layers") or [])
+            models = [("target", *(_without_layers(c.get("candidates", {}), drafted) for c in (a, b)))]
+        else:
+            models = [("target", a.get("candidates", {}), b.get("candidates", {})),
+                      ("draft", *((c.get("draft") or {}).get("candidates") or {} for c in (a, b)))]
+        for model, ca_, cb_ in models:
+            yield from _candidate_facts(p, cell, model, ca_, cb_)
+
+
+def _candidate_facts(p: Pair, cell, model: str, cands_a: dict, cands_b: dict):
+    a, b = p.a[cell], p.b[cell]
+    blank_a = NOT_BUILT if a.get("status") != "COMPLETE" else "—"
+    blank_b = NOT_BUILT if b.get("status") != "COMPLETE" else "—"
+    draft = model != "target"
+    extra = {"role": model, "draft_class": _draft_class(a, b)} if draft else {}
+    for lane in sorted(set(cands_a) | set(cands_b)):
+        sides = [{layer: g["value"] for g in c.get(lane, []) for layer in g["layers"]} for c in (cands_a, cands_b)]
+        moved: dict[tuple, set] = defaultdict(set)
+        for layer in sorted(set(sides[0]) | set(sides[1])):
+            ta = _tried_text(sides[0][layer]) if layer in sides[0] else blank_a
+            tb = _tried_text(sides[1][layer]) if layer in sides[1] else blank_b
+            if ta != tb:
+                ca = _chosen(sides[0].get(layer, []))
+                cb = _chosen(sides[1].get(layer, []))
+                moved[(ta, tb, ca, cb)].add(layer)
+        for (ta, tb, ca, cb), layers in moved.items():
+            title = p.titles.get(lane, lane) + (f" (speculative draft {extra['draft_class']})" if draft else "")
+            yield _fact("candidates", lane, title + " (candidates tried)", ta, tb, {"chosen": ca}, {"chosen": cb},
+                        cell, layers, judged=lane in p.judged and not draft, **extra)
 
 
 def _construction(c: dict) -> str:
@@ -261,7 +316,8 @@ def cell_facts(p: Pair):
         for name in la:
             if la[name] != lb[name]:
                 yield _fact("probe", name, name, _text(la[name]), _text(lb[name]), {}, {}, cell)
-        yield from _draft_facts(a, b, cell)
+        if _predates_drafts(a, b) is None:  # else lane_facts says the draft is not compared
+            yield from _draft_facts(a, b, cell)
         yield from _answers(a, b, cell)
 
 
@@ -324,6 +380,8 @@ def dispatch_facts(p: Pair):
     has = [any(c.get("dispatch") for c in r.get("cells", [])) for r in (p.old, p.new)]
     for cell in p.common:
         da, db = p.a[cell].get("dispatch"), p.b[cell].get("dispatch")
+        if _predates_drafts(p.a[cell], p.b[cell]) is not None:  # the older side numbers its draft rows otherwise
+            da, db = (_targets_only(x) for x in (da, db))
         if da is None and db and p.a[cell].get("status") != "COMPLETE" and has[0]:
             da = {"workloads": db.get("workloads", []), "lanes": {}, "absent": NOT_BUILT}
         if db is None and da and p.b[cell].get("status") != "COMPLETE" and has[1]:

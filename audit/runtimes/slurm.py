@@ -35,7 +35,7 @@ from audit.errors import EnvironmentBuildError, RuntimeUnsupportedError, UsageEr
 from audit.fsutil import cache_root
 from audit.pins.lock import Pin
 from audit.runtimes.base import (CONTAINER_CACHES, Progress, RunRequest, RunResult, RuntimeDefaults, agent_env,
-                                 cell_dir_name, ended_line, log_tail, observe_env, run_relative, stage_probes, timed_out,
+                                 cell_dir_name, ended_line, observe_env, run_relative, stage_probes, timed_out,
                                  write_model_dirs, write_plan)
 
 JOBS_FILE = "jobs.json"
@@ -394,13 +394,15 @@ def missing_cells(run_dir: Path, jobs: dict) -> dict[tuple[str, str], dict]:
             log = ""
         else:
             # the job's id stays in jobs.json: the routing says the same of the same fault in every run
+            why = ended_line(d)
             reason = (f"its Slurm job (jobs.json names it) ended {e.get('state', 'in an unknown state')}"
                       + (f" (exit {e['exit_code']})" if e.get("exit_code") else "")
                       + (f", reason {e['reason']}" if e.get("reason") not in (None, "", "None") else "")
                       + " without writing evidence"
-                      + (f" ({ended_line(d)})" if ended_line(d) else ""))
-            log = run_relative(run_dir, Path(e["log"])) if log_tail(Path(e["log"])) else ""
-            log = log or run_relative(run_dir, d / "agent.log")
+                      + (f" ({why})" if why else ""))
+            job_log = Path(e["log"])
+            written = job_log.is_file() and job_log.stat().st_size > 0  # Slurm creates it when the job starts
+            log = (run_relative(run_dir, job_log) if written else "") or run_relative(run_dir, d / "agent.log")
         out[(e["system"], e["layout"])] = {"reason": reason, "log": log}
     return out
 

@@ -17,6 +17,8 @@ BASELINE ?=
 ACCEPTED ?=
 REPORTS ?= reports
 REPLACE ?=
+# the engine of the reports `make reports` / `make verify-pins` work on (vllm, sglang); `make audit` takes the pin's
+ENGINE ?=
 CACHE   ?= 1
 FROM    ?=
 BIN     := $(VENV)/bin
@@ -24,7 +26,7 @@ BIN     := $(VENV)/bin
 # a pin named "x; rm -rf y", which images.lock then refuses; nothing is run)
 q = '$(subst ','\'',$(1))'
 
-.PHONY: setup env envs audit render accept diff test bench pins models clean clean-containers test-image summary lock-resolve lock-add selftest-gpu verify-pins
+.PHONY: setup env envs audit render accept diff compare test bench pins models clean clean-containers test-image summary lock-resolve lock-add selftest-gpu verify-pins
 
 setup: $(VENV)/.installed
 
@@ -110,6 +112,11 @@ accept: setup
 diff: setup
 	$(BIN)/serving-truth diff $(call q,$(FROM)) $(call q,$(TO)) $(if $(MODEL),--model $(call q,$(MODEL))) --reports $(call q,$(REPORTS))
 
+# One model on two engines, side by side: make compare PIN=v0.33.0 WITH=sglang-0.5.23 (both pins' committed reports;
+# writes reports/compare/<PIN>..<WITH>.md and .json)
+compare: setup
+	$(BIN)/serving-truth compare $(call q,$(PIN)) $(call q,$(WITH)) $(if $(MODEL),--model $(call q,$(MODEL))) --lock $(call q,$(LOCK)) --reports $(call q,$(REPORTS))
+
 # Re-audit every pin with a wheel in release order and rewrite reports/ and reports/diffs/ (the committed
 # reports are exactly what this writes). Builds one environment at a time and drops it after use.
 # FROM_RUNS=1 audits nothing: it renders every pin again from its newest full run (expectations,
@@ -120,11 +127,11 @@ FROM_RUNS ?=
 FROM_REPORTS ?=
 # Check the harness against every pinned release (fences, stand-in fit, availability): make reports runs it first.
 verify-pins: setup
-	$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(PINS),--pins $(call q,$(PINS))) $(if $(MODEL),--model $(call q,$(MODEL)))
+	$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(PINS),--pins $(call q,$(PINS))) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(ENGINE),--engine $(call q,$(ENGINE)))
 
 reports: setup
-	$(if $(filter 1,$(FROM_RUNS) $(FROM_REPORTS)),,$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))))
-	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(filter 1,$(FROM_RUNS)),--from-runs) $(if $(filter 1,$(FROM_REPORTS)),--from-reports)
+	$(if $(filter 1,$(FROM_RUNS) $(FROM_REPORTS)),,$(BIN)/serving-truth verify-pins --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(ENGINE),--engine $(call q,$(ENGINE))))
+	$(BIN)/serving-truth regenerate --lock $(call q,$(LOCK)) $(if $(MODEL),--model $(call q,$(MODEL))) $(if $(ENGINE),--engine $(call q,$(ENGINE))) $(if $(filter 1,$(FROM_RUNS)),--from-runs) $(if $(filter 1,$(FROM_REPORTS)),--from-reports)
 
 pins: setup
 	$(BIN)/serving-truth pins --lock $(call q,$(LOCK))

@@ -9,7 +9,15 @@ from audit import __version__
 from audit.errors import AuditError, ExitCode, Interrupted
 
 
+def _engine_help() -> str:
+    from audit import engines
+
+    return (f"whose reports: {' or '.join(engines.ENGINES)} (default: the engine of the pins named in images.lock, "
+            f"else {engines.DEFAULT})")
+
+
 def _parser() -> argparse.ArgumentParser:
+    ENGINE_HELP = _engine_help()
     p = argparse.ArgumentParser(prog="serving-truth", description="Audit which kernel path every layer of a model "
                                 "takes when vLLM serves it from a pinned environment.")
     p.add_argument("--version", action="version", version=f"serving-truth {__version__}")
@@ -104,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("to_pin")
     d.add_argument("--model", default=default_model, help=f"whose reports (default: {default_model})")
     d.add_argument("--reports", default="reports")
+    d.add_argument("--engine", default=None, help=ENGINE_HELP)
 
     sm = sub.add_parser("summary", help="print the pull-request summary of a pin bump (markdown, about 250 words, "
                                         "from two audited pins' routing.json; the top of their diff)")
@@ -111,6 +120,15 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("to_pin")
     sm.add_argument("--model", default=default_model, help=f"whose reports (default: {default_model})")
     sm.add_argument("--reports", default="reports")
+    sm.add_argument("--engine", default=None, help=ENGINE_HELP)
+
+    cp = sub.add_parser("compare", help="one model on two engines side by side: reports/compare/<pin>..<pin>.md from "
+                                        "two pins' committed reports, of two engines (see `serving-truth pins`)")
+    cp.add_argument("pin")
+    cp.add_argument("with_pin", metavar="with")
+    cp.add_argument("--model", default=default_model, help=f"whose reports (default: {default_model})")
+    cp.add_argument("--lock", default="images.lock")
+    cp.add_argument("--reports", default="reports")
 
     pp = sub.add_parser("pins", help="list the pins in images.lock")
     pp.add_argument("--lock", default="images.lock")
@@ -159,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     rg.add_argument("--pins", default="", help="comma list (default: every pin with a wheel)")
     rg.add_argument("--lock", default="images.lock")
     rg.add_argument("--reports", default="reports")
+    rg.add_argument("--engine", default=None, help=ENGINE_HELP)
     rg.add_argument("--model", default=default_model, help=f"whose reports (default: {default_model})")
     rg.add_argument("--drop-envs", action="store_true",
                     help="remove each pin's environment after its audit (~9 GB each), except --keep-envs")
@@ -179,6 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     vp.add_argument("--pins", default="", help="comma list (default: every pin with a wheel)")
     vp.add_argument("--lock", default="images.lock")
     vp.add_argument("--model", default=default_model, help=f"whose probes to check (default: {default_model})")
+    vp.add_argument("--engine", default=None, help=ENGINE_HELP)
 
     e = sub.add_parser("env", help="build (once, cached) the local environment holding a pin's vLLM wheel")
     e.add_argument("pin")
@@ -198,11 +218,18 @@ def _verify_pins(args, out, err) -> int:
     from audit import models
     from audit.pincheck import verify_pins
 
+    from audit import engines
+
     pins = [p.strip() for p in args.pins.split(",") if p.strip()]
-    profile = models.get(args.model)  # an unknown model is bad input before any work
+    if args.engine or pins:
+        profiles = [_profile(args, *pins)]  # an unknown model is bad input before any work
+    else:  # every engine the model is audited on
+        profiles = [models.get(args.model, e) for e in engines.ENGINES if args.model in models.BY_ENGINE.get(e, {})]
+    checks = []
     with err.status("verifying pins") as status:
-        checks = verify_pins(profile, lock_path=args.lock, pins=pins or None,
-                             progress=lambda event, **f: status.update(f.get("text", event)))
+        for profile in profiles:
+            checks += verify_pins(profile, lock_path=args.lock, pins=pins or None,
+                                  progress=lambda event, **f: status.update(f.get("text", event)))
     for c in checks:
         out.print(f"{c.pin}: {'ok' if c.ok else 'FAILED'} ({len(c.cells)} cell(s): {', '.join(c.cells)})")
         for title, rows in (("harness fault", c.faults), ("cell did not finish", c.unfinished),
@@ -222,6 +249,24 @@ def _verify_pins(args, out, err) -> int:
         return ExitCode.RUN_FAILED
     err.print(f"verify-pins: all {len(checks)} pin(s) passed")
     return ExitCode.OK
+
+
+def _profile(args, *pins: str):
+    """The model's profile on the engine asked for (``--engine``), else on the engine of the first pin named that
+    images.lock holds, else on the first engine."""
+    from audit import engines, models
+
+    engine = getattr(args, "engine", None)
+    if not engine and pins:
+        from audit.pins.lock import load
+
+        try:
+            lock = load(getattr(args, "lock", "images.lock"))
+        except Exception:  # no readable lock: the reports themselves are read; the first engine's are meant
+            lock = None
+        held = [lock.pins[p] for p in pins if lock is not None and p in lock.pins]
+        engine = held[0].engine if held else None
+    return models.get(args.model, engine or engines.DEFAULT)
 
 
 def _seconds(text: str) -> float:
@@ -270,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             from audit import models
             from audit.report.diff import write_diff
 
-            profile = models.get(args.model)
+            profile = _profile(args, args.to_pin, args.from_pin)
             md, _, d = write_diff(models.reports_root(args.reports, profile), args.from_pin, args.to_pin, profile)
             err.print("no change" if d["empty"] else f"{len(d['changes'])} change row(s)")
             out.print(str(md))
@@ -279,10 +324,22 @@ def main(argv: list[str] | None = None) -> int:
             from audit import models
             from audit.report.diff import diff_routings, load_routing
 
-            profile = models.get(args.model)
+            profile = _profile(args, args.to_pin, args.from_pin)
             root = models.reports_root(args.reports, profile)
             d = diff_routings(load_routing(root, args.from_pin), load_routing(root, args.to_pin), profile)
             out.print(d["summary"], markup=False, highlight=False, soft_wrap=True)
+            return ExitCode.OK
+        if args.command == "compare":
+            from audit import models
+            from audit.pins.lock import load
+            from audit.report.compare import write_compare
+
+            lock = load(args.lock)
+            left, right = lock.get(args.pin), lock.get(args.with_pin)  # unknown pins are bad input
+            md, data = write_compare(args.reports, left.name, models.for_pin(args.model, left), right.name,
+                                     models.for_pin(args.model, right))
+            err.print(f"{len(data['tables'])} table(s), {data['differ']} row(s) read differently")
+            out.print(str(md))
             return ExitCode.OK
         if args.command == "accept":
             from audit.core import accept_findings
@@ -290,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             from audit import models
 
             path, n = accept_findings(args.pin, reports_dir=args.reports, lock_path=args.lock, accepted=args.accepted,
-                                      profile=models.get(args.model))
+                                      profile=_profile(args, args.pin))
             err.print(f"{n} finding(s) of {args.pin} accepted in {path}; the gate against a baseline now fails "
                       "only on findings not listed there")
             out.print(str(path))
@@ -307,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             from audit import models
 
             pins = [p.strip() for p in args.pins.split(",") if p.strip()]
-            profile = models.get(args.model)
+            profile = _profile(args, *pins)
             with err.status("regenerating reports") as status:
                 done = regenerate_reports(lock_path=args.lock, reports_dir=args.reports, pins=pins or None,
                                           drop_envs=args.drop_envs, cache=args.cache, from_runs=args.from_runs,
@@ -409,13 +466,17 @@ def _escape(text: str) -> str:
 
 
 def _models(out) -> int:
-    """One line per model the registry holds: name, architecture, layouts, judged lanes, where its reports go."""
-    from audit import models
+    """One line per model and engine the registry holds: name, architecture, layouts, judged lanes, where its reports
+    go."""
+    from audit import engines, models
 
-    for name, p in models.PROFILES.items():
-        out.print(f"{name}{' (default)' if name == models.DEFAULT else ''}  {p.architecture}  layouts: "
-                  f"{', '.join(n + (' (option)' if l.opt_in else '') for n, l in p.layouts.items())}  judged: {', '.join(j.lane for j in p.judged)}  reports: "
-                  f"{models.reports_root('reports', p)}/<pin>/", soft_wrap=True, markup=False, highlight=False)
+    for engine, profiles in models.BY_ENGINE.items():
+        for name, p in profiles.items():
+            default = " (default)" if name == models.DEFAULT and engine == engines.DEFAULT else ""
+            out.print(f"{name}{default} on {engines.get(engine).title}  {p.architecture}  layouts: "
+                      f"{', '.join(n + (' (option)' if l.opt_in else '') for n, l in p.layouts.items())}  judged: "
+                      f"{', '.join(j.lane for j in p.judged)}  reports: {models.reports_root('reports', p)}/<pin>/",
+                      soft_wrap=True, markup=False, highlight=False)
     return ExitCode.OK
 
 
@@ -433,7 +494,7 @@ def _pins(args, out) -> int:
         return ExitCode.OK
     t = Table("pin", "vLLM", "runtimes", "wheel sha256 / image", "from")
     for pin in sorted_pins(lock):  # release order; builds from branches without a release tag last
-        t.add_row(pin.name, pin.vllm_version, ", ".join(pin.runtimes),
+        t.add_row(pin.name, pin.version, ", ".join(pin.runtimes),
                   (pin.wheel_sha256[:16] + "…") if pin.wheel_sha256 else pin.image,
                   _pin_source(pin))
     out.print(t)
@@ -504,7 +565,7 @@ def _env(args, out, err) -> int:
     pin = load(args.lock).get(args.pin)
     rt = LocalRuntime()
     rt.check(pin)
-    with err.status(f"preparing the vLLM {pin.vllm_version} environment") as status:
+    with err.status(f"preparing the vLLM {pin.version} environment") as status:
         env = rt.ensure_env(pin, lambda event, **f: status.update(f.get("text", "")))
         stub = rt.ensure_stub(env)
     out.print(str(env))
@@ -527,7 +588,8 @@ def _audit(args, out, err) -> int:
         _positive(args.parallel, "parallel")
     from audit.errors import UsageError
 
-    profile = models.get(args.model)  # an unknown model is bad input before any work
+    # an unknown pin or model is bad input before any work; the pin's engine picks the model's profile
+    profile = models.for_pin(args.model, load(args.lock).get(args.pin))
 
     if args.runtime == "auto":  # the runtime follows the pin: its wheel locally, else its image under docker
         from audit.pins.lock import default_runtime

@@ -15,7 +15,7 @@ from audit.pins import hosts
 from audit.report import routing as routingmod
 from audit.errors import AuditError, EvidenceError, HarnessFaultError, ReportWriteError, RunAborted, RunIncomplete, \
     JudgmentShrank, StandinMisfitError, UsageError
-from audit import models, standinfit
+from audit import engines, models, standinfit
 from audit.profiles import Profile
 from audit.fsutil import DirLock, cache_root, read_regular, replace_dir, report_dir_for, write_atomic
 from audit.report.render import report_files
@@ -145,6 +145,10 @@ def run_audit(pin_name: str, options: AuditOptions, *,
         raise UsageError(f"--parallel must be at least 1, got {parallel!r}")
     lock = lockmod.load(o.lock_path)
     pin = lock.get(pin_name)
+    if profile.engine != pin.engine:
+        raise UsageError(f"{pin.name} is a {pin.engine_contract.title} pin; the profile given is {profile.title} on "
+                         f"{engines.get(profile.engine).title}",
+                         hint=f"audit it with the model's {pin.engine_contract.title} profile (models.for_pin)")
     host = _host(pin, o)
     # this model's reports under this host's (the default model on the image host: reports/)
     root = models.reports_root(hosts.report_root(o.reports_dir, host.name), profile)
@@ -182,6 +186,9 @@ def run_audit(pin_name: str, options: AuditOptions, *,
     run_dir = new_run_dir(pin, root=rt.run_root, prefix=models.run_prefix(profile, pin.name))
     if o.mode not in ("resolve", "observe"):
         raise UsageError(f"unknown mode {o.mode!r}", hint="resolve (no GPU) or observe (serves on real GPUs)")
+    if o.mode == "observe" and not pin.engine_contract.observe_agent:
+        raise UsageError(f"observe mode is not built for {pin.engine_contract.title}: {pin.name} can be audited in "
+                         "resolve mode only", hint="drop MODE=observe (resolve mode needs no GPU)")
     if o.slice_name and o.mode != "observe":
         raise UsageError(f"--slice {o.slice_name} serves a model slice, which only observe mode does",
                          hint="resolve mode always builds every layer: drop --slice, or add --mode observe")
@@ -218,7 +225,7 @@ def run_audit(pin_name: str, options: AuditOptions, *,
         exc.incomplete_ledger = _render_aborted(exc, request, pin=pin, profile=profile, lock_path=o.lock_path,
                                                 reproduce=reproduce, expectations=o.expectations)
         raise
-    run_info = {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": reproduce}
+    run_info = {**result.info, pin.engine_contract.commit_key: pin.commit, "reproduce": reproduce}
     if o.mode == "resolve" and (o.runtime != "docker" or host.name != "undeclared"):
         # the host resolve mode arranged; docker runs the image itself (nothing arranged), whose facts only a
         # declaration in images.lock states
@@ -305,6 +312,8 @@ def _write_run_json(request: RunRequest, profile: Profile, run_info: dict, missi
     meta = {"pin": request.pin.name, "profile": profile.name, "run": run_info,
             "cells": [[s.name, l.name] for s, l in request.cells],
             "missing": [[k[0], k[1], v] for k, v in sorted(missing.items())]}
+    if profile.engine != engines.DEFAULT:  # the first engine's runs name none (they are read as its)
+        meta["engine"] = profile.engine
     write_atomic(request.run_dir / "run.json", json.dumps(meta, indent=1, sort_keys=True))
 
 
@@ -322,7 +331,7 @@ def _render_aborted(exc: RunAborted, request: RunRequest, *, pin, profile: Profi
     for (s, l), info in missing.items():
         info["reason"] = f"{exc.summary}; {info.get('reason', '')}".rstrip("; ")
         info["log"] = info.get("log") or log
-    run_info = {**(partial.info if partial else {}), "vllm_commit": pin.vllm_commit, "reproduce": reproduce,
+    run_info = {**(partial.info if partial else {}), pin.engine_contract.commit_key: pin.commit, "reproduce": reproduce,
                 "aborted": {"kind": exc.kind, "message": exc.summary, "returncode": exc.returncode, "log": log}}
     _write_run_json(request, profile, run_info, missing)
     try:
@@ -372,8 +381,8 @@ def load_expectations(spec: str | None, *, lock_path, profile: Profile):
 
     if spec in (None, "none", ""):
         return None, ""
-    if spec == "auto":
-        rel = Path("expectations") / f"{profile.name}.toml"
+    if spec == "auto":  # another engine's claims are in its own folder (expectations/<engine>/)
+        rel = Path("expectations") / engines.get(profile.engine).reports_folder / f"{profile.name}.toml"
         places = list(dict.fromkeys([Path(lock_path).resolve().parent / rel, Path.cwd().resolve() / rel]))
         path = next((p for p in places if p.is_file()), None)
         if path is None:
@@ -382,7 +391,8 @@ def load_expectations(spec: str | None, *, lock_path, profile: Profile):
         exp, shown = load(path), _display(path)
     else:
         exp, shown = load(spec), str(spec)
-    for key, want in (("model", profile.name), ("architecture", profile.architecture)):
+    for key, want in (("model", profile.name), ("architecture", profile.architecture),
+                      ("framework", engines.get(profile.engine).framework)):
         if getattr(exp, key) != want:
             raise ExpectationsError(f"claims are about {key} {getattr(exp, key)!r}, this audit is of {want!r}",
                                     path=str(exp.path), hint=f"use the expectations file written for {want}")
@@ -573,6 +583,10 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
     lock = lockmod.load(lock_path)
     pin = lock.get(meta["pin"])
     profile = models.named_in(meta, what="run.json", path=str(run_dir / "run.json"), key="profile")
+    if profile.engine != pin.engine:
+        raise EvidenceError(f"run.json is of {engines.get(profile.engine).title}, and images.lock says {pin.name} is "
+                            f"a {pin.engine_contract.title} pin", path=str(run_dir / "run.json"),
+                            hint="the run directory does not belong to this pin: audit the pin again")
     host_name = ((meta["run"].get("host") or {}).get("name")) or hosts.DEFAULT
     image_root = models.reports_root(reports_dir, profile)  # the same pin on its image's host (a host diff's base)
     reports_dir = models.reports_root(hosts.report_root(reports_dir, host_name), profile)
@@ -846,11 +860,17 @@ def regenerate_reports(*, lock_path: str | Path = "images.lock", reports_dir: st
     from audit.runtimes.local import LocalRuntime
 
     lock = lockmod.load(lock_path)
-    chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and (not pins or p.name in pins)]
+    # the profile's engine's pins only: another engine's releases are audited with its own profile
+    chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and p.engine == profile.engine
+              and (not pins or p.name in pins)]
     unknown = sorted(set(pins or ()) - {p.name for p in chosen})
     if unknown:
         for name in unknown:
-            lock.get(name)  # an unknown name: UnknownPinError
+            other = lock.get(name)  # an unknown name: UnknownPinError
+            if other.engine != profile.engine:
+                raise UsageError(f"{name} is a {other.engine_contract.title} pin; this regenerates "
+                                 f"{engines.get(profile.engine).title} reports",
+                                 hint=f"regenerate it with --engine {other.engine}")
         raise UsageError(f"pins without a wheel cannot be regenerated locally: {', '.join(unknown)}")
     outcomes = []
     root = models.reports_root(reports_dir, profile)

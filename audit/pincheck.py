@@ -196,11 +196,18 @@ def host_problems(pin, routing: dict) -> list[str]:
 
 def verify_pins(profile: Profile, *, lock_path: str | Path = "images.lock", pins: list[str] | None = None,
                 progress: Progress = lambda *a, **k: None) -> list[PinCheck]:
-    """:func:`check_pin` of *profile*'s model for each pin with a wheel (or those named), in release order."""
+    """:func:`check_pin` of *profile*'s model for each pin of its engine with a wheel (or those named), in release
+    order."""
     lock = lockmod.load(lock_path)
-    chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and (not pins or p.name in pins)]
+    chosen = [p for p in lockmod.sorted_pins(lock) if p.has_wheel and p.engine == profile.engine
+              and (not pins or p.name in pins)]
     for name in sorted(set(pins or ()) - {p.name for p in chosen}):
-        lock.get(name)  # an unknown name: UnknownPinError
+        other = lock.get(name)  # an unknown name: UnknownPinError
+        if other.engine != profile.engine:
+            from audit.errors import UsageError
+
+            raise UsageError(f"{name} is a {other.engine_contract.title} pin, not one of the profile's engine",
+                             hint=f"verify it with --engine {other.engine}")
     out = []
     for pin in chosen:
         progress("stage", text=f"verifying the harness against {pin.name}")

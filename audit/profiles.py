@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from audit import engines
+
 
 @dataclass(frozen=True)
 class Source:
@@ -211,6 +213,9 @@ class Profile:
     #: families and the perf database's precision lanes for its experts (added to ``perf_lanes``, naming the
     #: routed experts lane)
     schemes: tuple[str, ...] = ()
+    #: the serving engine this profile audits the model on (``audit/engines``): its flags, probe targets and
+    #: vocabulary are that engine's
+    engine: str = engines.DEFAULT
 
     def __post_init__(self):
         check_profile(self)

@@ -74,7 +74,7 @@ CASES = [
 
 @pytest.mark.parametrize("case,kind,word", CASES, ids=[f"{i}-{c[1]}" for i, c in enumerate(CASES)])
 def test_each_rule(case, kind, word):
-    got, reason = changes.classify(case)
+    got, reason = changes.classify(case, "vLLM")
     assert got == kind and word in reason, (got, reason)
     assert changes.KINDS[got].gates == (kind in changes.GATING)
 
@@ -90,9 +90,9 @@ def test_every_rule_of_the_table_is_exercised_and_each_case_stops_at_its_own_rul
 def test_every_facet_ends_in_a_catch_all_and_an_unknown_facet_is_an_error():
     facets = {f for rule in changes.RULES for f in rule.facets}
     for facet in facets:
-        assert changes.classify(row(facet))[0] in changes.KINDS
+        assert changes.classify(row(facet), "vLLM")[0] in changes.KINDS
     with pytest.raises(ValueError, match="no classification rule"):
-        changes.classify(row("nonsense"))
+        changes.classify(row("nonsense"), "vLLM")
 
 
 def test_the_ranks_put_experts_and_paths_before_refusals_before_kernels_before_tiers_before_information():
@@ -106,7 +106,7 @@ def test_counts_come_from_the_classed_rows_in_one_unit():
     rows = changes.classify_all([row("lane", ACTIVE, OTHER, experts_lane=True), row("package"),
                                  {**row("availability"), "cells": [["b200_sxm", "tp8"]]},
                                  {**row("dispatch", {"state": "active", "choice": "a"},
-                                        {"state": "active", "choice": "b"}), "cells": [["l40s", "tp8"]]}])
+                                        {"state": "active", "choice": "b"}), "cells": [["l40s", "tp8"]]}], "vLLM")
     t = changes.tally(rows)
     assert t["serving_changes"] == 3 and t["serving_cells"] == 2  # the availability answer sits beside the experts
     assert t["by_class"]["experts"] == 1 and t["by_class"]["availability"] == 1 and t["by_class"]["tier"] == 1

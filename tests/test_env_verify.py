@@ -27,7 +27,7 @@ def fake_env(tmp_path):
     root = tmp_path / "cache"
     wheel = make_wheel(root / "wheels", VERSION, commit="abcdef012",
                        files={"vllm/engine.py": b"ENGINE = 1\n", "vllm/_C.abi3.so": b"\x7fELF fake\n"})
-    pin = lockmod.Pin(name="nightly", vllm_version=VERSION, wheel=wheel.name, wheel_sha256=sha256_of(wheel))
+    pin = lockmod.Pin(name="nightly", version=VERSION, wheel=wheel.name, wheel_sha256=sha256_of(wheel))
     rt = LocalRuntime(root=root)
     env = rt.env_dir(pin)
     subprocess.run([find_python(pin.python), "-m", "venv", "--without-pip", str(env)], check=True)
@@ -122,7 +122,7 @@ def test_a_hostile_version_never_deletes_or_runs_outside_the_cache(tmp_path):
     (outside / "bin" / "python").chmod(0o755)
     sha = "a" * 64
     (outside / ENV_MARKER).write_text(json.dumps({"wheel_sha256": sha}))
-    pin = lockmod.Pin(name="evil", vllm_version="0.33.0-cp312-x/../../../x", wheel="vllm-0.33.0-cp38-abi3-x.whl",
+    pin = lockmod.Pin(name="evil", version="0.33.0-cp312-x/../../../x", wheel="vllm-0.33.0-cp38-abi3-x.whl",
                       wheel_sha256=sha)
     rt = LocalRuntime(root=root)
     for call in (lambda: rt.ensure_env(pin, NOP), lambda: rt.wheel_path(pin, NOP)):
@@ -130,7 +130,7 @@ def test_a_hostile_version_never_deletes_or_runs_outside_the_cache(tmp_path):
             call()
         assert e.value.field == "vllm_version" and e.value.exit_code == ExitCode.ENVIRONMENT
     assert (outside / ENV_MARKER).exists() and not sentinel.exists()
-    bad_wheel = lockmod.Pin(name="evil", vllm_version="0.33.0", wheel="../../x/vllm-0.33.0-cp38-abi3-x.whl",
+    bad_wheel = lockmod.Pin(name="evil", version="0.33.0", wheel="../../x/vllm-0.33.0-cp38-abi3-x.whl",
                             wheel_sha256=sha)
     with pytest.raises(UnsafeLockPath, match="wheel"):
         rt.wheel_path(bad_wheel, NOP)
@@ -138,7 +138,7 @@ def test_a_hostile_version_never_deletes_or_runs_outside_the_cache(tmp_path):
 
 def test_an_environment_that_is_a_link_out_of_the_cache_is_refused(tmp_path):
     root = tmp_path / "cache"
-    pin = lockmod.Pin(name="p", vllm_version="0.33.0", wheel="vllm-0.33.0-cp38-abi3-x.whl", wheel_sha256="b" * 64)
+    pin = lockmod.Pin(name="p", version="0.33.0", wheel="vllm-0.33.0-cp38-abi3-x.whl", wheel_sha256="b" * 64)
     rt = LocalRuntime(root=root)
     target = tmp_path / "elsewhere"
     target.mkdir()
@@ -236,7 +236,8 @@ def test_every_pinned_wheel_ships_its_resolution_and_it_pins_every_package():
         assert pin.wheel in text.splitlines()[0] and pin.wheel_sha256 in text.splitlines()[0]
         pins = [l for l in text.splitlines() if l and not l.startswith("#")]
         assert pins == sorted(pins) and all("==" in l for l in pins) and len(pins) > 150, pin.name
-        assert not any(l.startswith("vllm==") for l in pins) and any(l.startswith("torch==") for l in pins)
+        assert not any(l.startswith(f"{pin.engine_contract.package}==") for l in pins)
+        assert any(l.startswith("torch==") for l in pins)
 
 
 def test_a_resolution_is_written_from_pips_report_without_vllm_itself():
@@ -305,7 +306,7 @@ def test_environments_are_listed_with_their_pins_and_pruned_only_inside_the_cach
     import os
 
     rt, pin, env, site = fake_env
-    other = lockmod.Pin(name="elsewhere", vllm_version=VERSION, wheel=pin.wheel, wheel_sha256="b" * 64)
+    other = lockmod.Pin(name="elsewhere", version=VERSION, wheel=pin.wheel, wheel_sha256="b" * 64)
     dead = rt.env_dir(other)  # a build that died: the directory without a marker
     (dead / "bin").mkdir(parents=True)
     (dead / "bin" / "python").write_text("x")
@@ -339,7 +340,7 @@ def test_an_edit_through_one_environment_is_refused_in_every_environment_sharing
     version2 = "0.34.0rc1.dev6+gfedcba987"
     wheel2 = make_wheel(rt.root / "wheels", version2, commit="fedcba987",
                         files={"vllm/engine.py": b"ENGINE = 1\n", "vllm/_C.abi3.so": b"\x7fELF fake\n"})
-    pin2 = lockmod.Pin(name="other", vllm_version=version2, wheel=wheel2.name, wheel_sha256=sha256_of(wheel2))
+    pin2 = lockmod.Pin(name="other", version=version2, wheel=wheel2.name, wheel_sha256=sha256_of(wheel2))
     env2 = rt.env_dir(pin2)
     subprocess.run([find_python(pin2.python), "-m", "venv", "--without-pip", str(env2)], check=True)
     site2 = rt.site_packages(env2)

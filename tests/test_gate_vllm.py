@@ -88,7 +88,7 @@ def _run(vllm_env, tmp_path_factory, name, plants=()):
                      run_dir=run_dir, parallel=2)
     result = rt.run(req, lambda *a, **k: None)
     assert result.missing == {}, result.missing
-    _write_run_json(req, KIMI_K3, {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": "test"}, {})
+    _write_run_json(req, KIMI_K3, {**result.info, "vllm_commit": pin.commit, "reproduce": "test"}, {})
     return run_dir
 
 

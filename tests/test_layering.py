@@ -174,6 +174,34 @@ def test_the_shared_host_code_names_no_model():
     assert found == []
 
 
+#: the second engine's words (its name, its package, its probes package)
+_SECOND_ENGINE_WORDS = re.compile(r"sglang|SGLang|sgl_kernel|sgl-kernel", re.IGNORECASE)
+
+
+def test_the_shared_code_names_no_second_engine():
+    """Issue 47: adding SGLang left no SGLang name in the shared host code (audit/ but its engine registry and the
+    engine's own model profiles), its templates, or the shared probes (every probes package but the engine's own):
+    what differs by engine is read from its contract (audit/engines)."""
+    found = []
+    for path in sorted((ROOT / "audit").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[:2] in (("audit", "engines"), ("audit", "models")):
+            continue
+        found += [(str(rel), line, text) for line, text in _code_strings(path) if _SECOND_ENGINE_WORDS.search(text)]
+        found += [(str(rel), n, line) for n, line in enumerate(path.read_text().splitlines(), 1)
+                  if line.lstrip().startswith(("import ", "from ")) and _SECOND_ENGINE_WORDS.search(line)]
+    for path in sorted((ROOT / "audit" / "report" / "templates").glob("*.j2")):
+        found += [(str(path.relative_to(ROOT)), n, line) for n, line in enumerate(path.read_text().splitlines(), 1)
+                  if _SECOND_ENGINE_WORDS.search(line)]
+    for path in sorted((ROOT / "probes").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[:2] == ("probes", "engines"):
+            continue
+        found += [(str(rel), n, line) for n, line in enumerate(path.read_text().splitlines(), 1)
+                  if _SECOND_ENGINE_WORDS.search(line)]
+    assert found == []
+
+
 def test_the_model_name_check_sees_a_named_class(tmp_path):
     path = tmp_path / "m.py"
     path.write_text('"""Kimi-K3 in a docstring is an example."""\nX = "vllm.models.kimi_k3.nvidia.kda:KimiK3DeltaAttention"\n')
@@ -187,7 +215,7 @@ def test_the_model_name_check_sees_a_named_class(tmp_path):
 #: cli -> core -> report output -> runtimes -> routing/evidence -> pins and the shared base)
 AUDIT_LAYERS = [
     ("base", ("audit", "audit.errors", "audit.fsutil", "audit.tomlpos", "audit.systems", "audit.profiles",
-              "audit.models", "audit.lanevalue", "audit.standinfit")),
+              "audit.models", "audit.lanevalue", "audit.standinfit", "audit.engines")),
     ("pins", ("audit.pins",)),
     ("evidence and routing", ("audit.evidence", "audit.report.routing", "audit.report.dispatch",
                               "audit.report.observed", "audit.report.corroborate", "audit.report.layers")),

@@ -30,7 +30,7 @@ def test_shipped_lock_has_verified_release_pins():
     for name in ("v0.27.0", "v0.30.0", "v0.33.0"):
         pin = lk.get(name)
         assert re.fullmatch(r"[0-9a-f]{64}", pin.wheel_sha256)
-        assert pin.wheel == f"vllm-{pin.vllm_version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+        assert pin.wheel == f"vllm-{pin.version}-cp38-abi3-manylinux_2_28_x86_64.whl"
         assert pin.runtimes[0] == "local"
     preview = lk.get("k3-preview")
     assert preview.image.endswith("e90e2603b2781936651ba019804137714367c69e10a7b25a2e57b46995225616")

@@ -56,7 +56,7 @@ def _planted(model: str, vllm_env, tmp_path, *, seen: list | None = None, plant:
 def test_a_moved_stand_in_target_stops_the_audit_naming_it(model, vllm_env, tmp_path):
     rt, pin, profile, piece, req = _planted(model, vllm_env, tmp_path)
     result = rt.run(req, lambda *a, **k: None)
-    _write_run_json(req, profile, {**result.info, "vllm_commit": pin.vllm_commit, "reproduce": "test"}, result.missing)
+    _write_run_json(req, profile, {**result.info, "vllm_commit": pin.commit, "reproduce": "test"}, result.missing)
     reports = tmp_path / "reports"
     with pytest.raises(StandinMisfitError) as err:
         render_run(req.run_dir, reports_dir=reports, expectations="none")

@@ -84,7 +84,7 @@ def test_lock_add_commit_picks_the_platform_wheel_and_writes_only_checked_facts(
     assert text.startswith(before.rstrip("\n"))  # appended; nothing else touched
     pin = lockmod.load(lock_copy).get("nightly-0731")
     name = f"vllm-{DEV}-cp38-abi3-manylinux_2_28_x86_64.whl"
-    assert pin.wheel == name and pin.vllm_version == DEV and pin.vllm_commit == COMMIT
+    assert pin.wheel == name and pin.version == DEV and pin.commit == COMMIT
     assert pin.wheel_sha256 == sha256_of(index.wheel)
     assert pin.wheel_url == f"{index.url}/{COMMIT}/vllm-0.34.0rc1.dev123%2Bg{COMMIT[:9]}-cp38-abi3-manylinux_2_28_x86_64.whl"
     assert "default variant, x86_64" in pin.note
@@ -176,7 +176,7 @@ def test_lock_add_with_an_image_tag_resolves_it_through_the_registry(index, lock
     assert pin.image_tag == tag and pin.wheel_url == fields["wheel_url"]
     assert pin.runtimes == ["local", "docker"] and lockmod.default_runtime(pin) == "local"
     only = lockmod.load(lock_copy).get("nightly-image")
-    assert only.runtimes == ["docker"] and only.vllm_version == DEV and "as given to lock add" in image_only["note"]
+    assert only.runtimes == ["docker"] and only.version == DEV and "as given to lock add" in image_only["note"]
 
 
 # -- bad cases: a clear error, images.lock byte-identical, nothing left in the cache --------------------------
@@ -326,7 +326,7 @@ def test_lock_add_bad_input_exits_2(args, fragment, lock_copy, cli_env, tmp_path
 
 # -- the local runtime fetches a URL pin's wheel the way it fetches a PyPI one ---------------------------------
 def _url_pin(index, sha=None) -> lockmod.Pin:
-    return lockmod.Pin(name="n", vllm_version=DEV, wheel=index.wheel.name, wheel_sha256=sha or sha256_of(index.wheel),
+    return lockmod.Pin(name="n", version=DEV, wheel=index.wheel.name, wheel_sha256=sha or sha256_of(index.wheel),
                        wheel_url=f"{index.url}/{COMMIT}/" + index.wheel.name.replace("+", "%2B"))
 
 
@@ -350,11 +350,11 @@ def test_same_wheel_bytes_share_one_environment(tmp_path):
     """Environments are keyed by the wheel's bytes (and Python), not by the pin: a nightly pin of a wheel
     already pinned elsewhere reuses that environment."""
     rt = LocalRuntime(root=tmp_path)
-    a = lockmod.Pin(name="v0.33.0", vllm_version="0.33.0", wheel="vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+    a = lockmod.Pin(name="v0.33.0", version="0.33.0", wheel="vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
                     wheel_sha256="4" * 64)
-    b = lockmod.Pin(name="nightly-0731", vllm_version="0.33.0", wheel=a.wheel, wheel_sha256="4" * 64,
+    b = lockmod.Pin(name="nightly-0731", version="0.33.0", wheel=a.wheel, wheel_sha256="4" * 64,
                     wheel_url="http://127.0.0.1:1/x/" + a.wheel)
-    c = lockmod.Pin(name="v0.33.0", vllm_version="0.33.0", wheel=a.wheel, wheel_sha256="5" * 64)
+    c = lockmod.Pin(name="v0.33.0", version="0.33.0", wheel=a.wheel, wheel_sha256="5" * 64)
     assert rt.env_dir(a) == rt.env_dir(b) != rt.env_dir(c)
 
 
@@ -408,7 +408,7 @@ def test_nightly_flow_on_the_real_wheel_ends_in_a_ledger_naming_url_hash_commit(
         assert r.returncode == 0, r.stderr
         url = f"{srv.url}/{commit}/{wheel.name}"
     nightly = lockmod.load(lock_copy).get("nightly-0731")
-    assert (nightly.wheel_url, nightly.wheel_sha256, nightly.vllm_commit) == (url, pin.wheel_sha256, commit)
+    assert (nightly.wheel_url, nightly.wheel_sha256, nightly.commit) == (url, pin.wheel_sha256, commit)
     # the index is gone: the audit needs nothing from it (the verified wheel is cached)
     reports = tmp_path / "reports"
     r = cli("audit", "nightly-0731", "--systems", "h100_sxm", "--layouts", "tp8", "--lock", str(lock_copy),

@@ -67,7 +67,7 @@ def _run(env030, tmp_path_factory, name, cells, *, plant=None, **kw):
     result = rt.run(req, lambda *a, **k: None)
     assert result.missing == {}
     files = evidence.read_dir(result.evidence_dir)
-    pin_info = {"name": PIN, "vllm_version": pin.vllm_version, "wheel": pin.wheel, "wheel_sha256": pin.wheel_sha256,
+    pin_info = {"name": PIN, "vllm_version": pin.version, "wheel": pin.wheel, "wheel_sha256": pin.wheel_sha256,
                 "image": "", "platform_digests": {}, "vllm_commit": "", "python": pin.python}
     r = routing.build_routing(files, KIMI_K3, pin=pin_info, expected=list(cells))
     verdicts.attach(r, expectations.load(ROOT / "expectations" / "kimi-k3.toml"), KIMI_K3, display_path="kimi-k3.toml")

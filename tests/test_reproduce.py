@@ -21,6 +21,7 @@ from tests.conftest import ROOT
 
 REPORTS = ROOT / "reports"
 LOCK = lockmod.load(ROOT / "images.lock")
+#: the first engine's pins with a committed report of the default model
 PINS = [p.name for p in LOCK.pins.values() if (REPORTS / p.name / "routing.json").is_file()]
 #: cell fields that depend on when and where the audit ran, not on what vLLM decided
 VOLATILE = ("argv",)
@@ -31,7 +32,14 @@ def _routing(pin: str) -> dict:
 
 
 def test_reports_exist_for_every_pin_with_a_wheel():
-    assert PINS == [p.name for p in LOCK.pins.values() if p.wheel], "run `make reports` to regenerate reports/"
+    """Every engine's pins: the default model's report is committed under that engine's reports folder."""
+    from audit import models
+
+    for engine, profiles in models.BY_ENGINE.items():
+        root = models.reports_root(REPORTS, profiles[models.DEFAULT])
+        want = [p.name for p in LOCK.pins.values() if p.wheel and p.engine == engine]
+        have = [p for p in want if (root / p / "routing.json").is_file()]
+        assert have == want, f"run `make reports ENGINE={engine}` to regenerate {root}/"
 
 
 def _model_pins(with_hosts: bool = False):
@@ -39,10 +47,10 @@ def _model_pins(with_hosts: bool = False):
     from audit.pins import hosts
 
     for host in (hosts.HOSTS if with_hosts else [hosts.DEFAULT]):
-        for profile in models.PROFILES.values():
+        for profile in (p for profiles in models.BY_ENGINE.values() for p in profiles.values()):
             root = models.reports_root(hosts.report_root(REPORTS, host), profile)
             for p in LOCK.pins.values():
-                if (root / p.name / "routing.json").is_file():
+                if p.engine == profile.engine and (root / p.name / "routing.json").is_file():
                     yield pytest.param(profile, root, p.name, host,
                                        id=f"{profile.name}-{p.name}" + ("" if host == hosts.DEFAULT else f"@{host}"))
 
@@ -80,7 +88,7 @@ def test_the_third_model_is_committed_for_every_pin():
     # the pip host's report and its diff against the image's host, for K3 and DeepSeek-V3 (issue 48)
     hosted = {p.id for p in _model_pins(with_hosts=True)} - ids
     assert {"kimi-k3-v0.33.0@pip", f"{DEEPSEEK_V3.name}-v0.33.0@pip"} <= hosted
-    assert {f"{DEEPSEEK_V3.name}-{p.name}" for p in LOCK.pins.values() if p.wheel} <= ids
+    assert {f"{DEEPSEEK_V3.name}-{p.name}" for p in LOCK.pins.values() if p.wheel and p.engine == DEEPSEEK_V3.engine} <= ids
     # a pin bump that moved nothing says so, never an empty table (0.33.0 changes no DeepSeek-V3 lane)
     text = (REPORTS / DEEPSEEK_V3.name / "v0.33.0" / "ledger.md").read_text(encoding="utf-8")
     assert "0 serving change row(s)" in text and "Below: nothing." in text

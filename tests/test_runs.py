@@ -17,7 +17,7 @@ def test_prune_keeps_newest_and_ignores_pins_sharing_a_prefix(tmp_path):
         old = time.time() - 2 * 3600
         os.utime(runs / name, (old, old))
     os.utime(runs / mine[0], None)  # touched just now: maybe another audit's, kept whatever its name says
-    prune_runs(Pin(name="v0.33.0", vllm_version="0.33.0"), keep=5, root=tmp_path, layouts=KIMI_K3.layouts)
+    prune_runs(Pin(name="v0.33.0", version="0.33.0"), keep=5, root=tmp_path, layouts=KIMI_K3.layouts)
     left = sorted(p.name for p in runs.iterdir())
     assert left == sorted([mine[0]] + mine[2:] + other)
 
@@ -41,7 +41,7 @@ def test_from_runs_takes_the_newest_run_of_every_cell_and_nothing_less(tmp_path)
                                                 "run": {"mode": "resolve", **info}}))
         return d
 
-    pin = Pin(name="v0.33.0", vllm_version="0.33.0")
+    pin = Pin(name="v0.33.0", version="0.33.0")
     assert newest_full_run(pin, root=tmp_path, layouts=KIMI_K3.layouts) is None
     full = run("v0.33.0-20261201T100000Z-1")
     run("v0.33.0-20261202T100000Z-2", cells=every[:3])                        # a subset audit
@@ -74,7 +74,7 @@ def test_prune_never_removes_the_newest_run_of_every_cell(tmp_path):
         (runs / name / "run.json").write_text(json.dumps({"pin": "v0.33.0", "cells": cells, "missing": [],
                                                            "run": {"mode": "resolve"}}))
         os.utime(runs / name, (old, old))
-    pin = Pin(name="v0.33.0", vllm_version="0.33.0")
+    pin = Pin(name="v0.33.0", version="0.33.0")
     prune_runs(pin, keep=3, root=tmp_path, layouts=KIMI_K3.layouts)
     assert sorted(p.name for p in runs.iterdir()) == sorted([names[1]] + names[-3:])
     assert newest_full_run(pin, root=tmp_path, layouts=KIMI_K3.layouts) == runs / names[1]

@@ -35,7 +35,7 @@ def _run(vllm_env, tmp_path_factory, name, listing):
         result = rt.run(req, lambda *a, **k: None)
     assert result.missing == {}
     files = evidence.read_dir(result.evidence_dir)
-    r = routing.build_routing(files, KIMI_K3, pin={"name": pin.name, "vllm_version": pin.vllm_version},
+    r = routing.build_routing(files, KIMI_K3, pin={"name": pin.name, "vllm_version": pin.version},
                               expected=list(CELLS))
     return {"cells": {(c["system"], c["layout"]): c for c in r["cells"]}, "files": files,
             "log": (run_dir / "agent.log").read_text(encoding="utf-8", errors="replace"),

@@ -235,7 +235,7 @@ def test_pyxis_command_lines_for_a_digest_and_a_squashfs(tmp_path):
     assert gb200[2] == f"--container-image={sqsh}"
     # with per-platform digests, an arm64 system pulls its own manifest
     arm = "sha256:" + "b" * 64
-    multi = lock.Pin(name="m", vllm_version="0", image=pin.image, platform_digests={"linux/arm64": arm})
+    multi = lock.Pin(name="m", version="0", image=pin.image, platform_digests={"linux/arm64": arm})
     assert enroot_uri(multi.image_for("linux/arm64")) == f"registry-1.docker.io#vllm/vllm-openai:{arm}"
     assert enroot_uri(multi.image_for("linux/amd64")) == f"registry-1.docker.io#vllm/vllm-openai:{digest}"
 

@@ -62,7 +62,7 @@ def _run(vllm_env, tmp_path_factory, name, cells, *, plants=(), **kw):
     result = rt.run(req, lambda *a, **k: None)
     assert result.missing == {}
     files = evidence.read_dir(result.evidence_dir)
-    pin_info = {"name": pin.name, "vllm_version": pin.vllm_version, "wheel": pin.wheel,
+    pin_info = {"name": pin.name, "vllm_version": pin.version, "wheel": pin.wheel,
                 "wheel_sha256": pin.wheel_sha256, "image": "", "platform_digests": {}, "vllm_commit": "",
                 "python": pin.python}
     r = routing.build_routing(files, KIMI_K3, pin=pin_info, expected=list(cells))

@@ -83,7 +83,7 @@ def host_for(pin, name: str = DEFAULT) -> Host:
     if name not in HOSTS:
         raise ValueError(name)
     if name == "pip":
-        return Host("pip", f"pip install vllm=={pin.vllm_version}, no CUDA toolkit",
+        return Host("pip", f"pip install vllm=={pin.version}, no CUDA toolkit",
                     {"nvcc": False, "ninja": True, "flashinfer_cubin": False, "flashinfer_jit_cache": False, "cuda": ""},
                     "the wheel's own dependencies (its METADATA requires flashinfer-python and ninja, no cubin or "
                     "JIT-cache package); a machine with no CUDA toolkit")

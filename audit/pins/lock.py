@@ -59,6 +59,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from audit import engines
 from audit.errors import LockError, UnknownPinError, UnsafeLockPath
 from audit.tomlpos import header_lines, key_line, read_toml
 
@@ -69,9 +70,10 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*\Z")
 _PY = re.compile(r"^3\.\d{1,2}\Z")
 _PLATFORMS = ("linux/amd64", "linux/arm64")
+#: keys every pin may carry; an engine's own version and commit keys (audit/engines) are known on its pins only
 _KNOWN_KEYS = {
-    "name", "vllm_version", "python", "wheel", "wheel_sha256", "image", "platform_digests",
-    "vllm_commit", "note", "image_config_digest", "image_tarball", "image_tag", "wheel_url", "host",
+    "name", "python", "wheel", "wheel_sha256", "image", "platform_digests", "engine", "overrides", "overrides_why",
+    "note", "image_config_digest", "image_tarball", "image_tag", "wheel_url", "host",
 }
 #: PEP 440 (public version plus optional local label); nothing else, so a version is always one safe path part
 _VERSION = re.compile(
@@ -84,6 +86,7 @@ _VERSION = re.compile(
 _WHEEL = re.compile(r"^(?P<dist>[A-Za-z0-9_.]+?)-(?P<version>[A-Za-z0-9_.+!]+)(?:-(?P<build>\d[A-Za-z0-9_]*))?"
                     r"-(?P<py>[A-Za-z0-9_.]+)-(?P<abi>[A-Za-z0-9_.]+)-(?P<plat>[A-Za-z0-9_.]+)\.whl\Z")
 _COMMIT = re.compile(r"^g?[0-9a-f]{7,40}\Z")
+_REQUIREMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9._+!]+\Z")
 _URL_SCHEMES = ("https", "http", "file")
 
 
@@ -127,13 +130,15 @@ def is_placed(version: str) -> bool:
 @dataclass(frozen=True)
 class Pin:
     name: str
-    vllm_version: str
+    #: the engine's release version (images.lock's ``<engine>_version``: ``vllm_version`` for a vLLM pin)
+    version: str
     python: str = "3.12"
     wheel: str = ""
     wheel_sha256: str = ""
     image: str = ""
     platform_digests: dict[str, str] = field(default_factory=dict)
-    vllm_commit: str = ""
+    #: the build's git sha (images.lock's ``<engine>_commit``)
+    commit: str = ""
     note: str = ""
     image_config_digest: str = ""
     image_tarball: str = ""
@@ -142,6 +147,12 @@ class Pin:
     line: int = 0
     #: the official image's host facts (``[pin.host]``: audit/pins/hosts.py), {} where none are declared
     host: dict = field(default_factory=dict, compare=False, hash=False)
+    #: the serving engine the pin is a release of (``audit/engines``); images.lock's ``engine``, vLLM where absent
+    engine: str = engines.DEFAULT
+    #: requirements that replace one the wheel declares, where the declared one cannot be installed from PyPI
+    #: (images.lock's ``overrides``, each ``name==version``, with ``overrides_why`` saying why); () for most pins
+    overrides: tuple[str, ...] = ()
+    overrides_why: str = ""
 
     @property
     def has_wheel(self) -> bool:
@@ -180,23 +191,33 @@ class Pin:
     @property
     def placed(self) -> bool:
         """Whether the pin's version says where it sits among releases (see :func:`is_placed`)."""
-        return is_placed(self.vllm_version)
+        return is_placed(self.version)
+
+    @property
+    def engine_contract(self) -> engines.Engine:
+        """The pin's engine (:mod:`audit.engines`)."""
+        return engines.get(self.engine)
 
     def as_provenance(self) -> dict:
+        e = self.engine_contract
         out = {
             "name": self.name,
-            "vllm_version": self.vllm_version,
+            e.version_key: self.version,
             "python": self.python,
             "wheel": self.wheel,
             "wheel_sha256": self.wheel_sha256,
             "image": self.image,
             "platform_digests": dict(sorted(self.platform_digests.items())),
-            "vllm_commit": self.vllm_commit,
+            e.commit_key: self.commit,
             "image_config_digest": self.image_config_digest,
             "image_tarball": self.image_tarball,
         }
         if self.wheel_url:  # only when set, so the routing of PyPI pins stays byte-identical
             out["wheel_url"] = self.wheel_url
+        if self.engine != engines.DEFAULT or self.overrides:  # likewise: the first engine's pins name none
+            out["engine"] = self.engine
+            out["overrides"] = list(self.overrides)
+            out["overrides_why"] = self.overrides_why
         return out
 
 
@@ -249,16 +270,28 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
     def err(msg: str, key: str | None = None, hint: str | None = None) -> LockError:
         return LockError(msg, path=path, line=key_line(text, (line or 0) + 1, key) if key else line, hint=hint)
 
-    unknown = sorted(set(raw) - _KNOWN_KEYS)
+    engine_name = raw.get("engine", engines.DEFAULT)
+    if not isinstance(engine_name, str) or engine_name not in engines.ENGINES:
+        raise err(f"unknown engine {engine_name!r}", "engine", hint="known engines: " + ", ".join(engines.ENGINES))
+    engine = engines.get(engine_name)
+    known = _KNOWN_KEYS | {engine.version_key, engine.commit_key}
+    unknown = sorted(set(raw) - known)
     if unknown:
-        raise err(f"unknown key {unknown[0]!r} in [[pin]]", unknown[0],
-                  hint="known keys: " + ", ".join(sorted(_KNOWN_KEYS)))
+        other = unknown[0] in engines.version_keys()
+        raise err(f"unknown key {unknown[0]!r} in [[pin]]" + (f" of the engine {engine.name!r}" if other else ""),
+                  unknown[0], hint=(f"a {engine.title} pin states {engine.version_key} and {engine.commit_key} "
+                                    "(engine = \"...\" names another engine)") if other else
+                  "known keys: " + ", ".join(sorted(known)))
     for key, value in raw.items():
         if key == "host":
             continue  # checked below, as a table
         if key == "platform_digests":
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise err("platform_digests must be a table of strings", key)
+        elif key == "overrides":
+            if not isinstance(value, list) or not all(isinstance(v, str) and _REQUIREMENT.match(v) for v in value):
+                raise err("overrides must be a list of exact requirements (\"name==version\")", key,
+                          hint='e.g. overrides = ["cuda-tile==1.6.0rc7"], with overrides_why saying why')
         elif not isinstance(value, str):
             raise err(f"{key} must be a string, got {type(value).__name__}", key)
     name = raw.get("name", "")
@@ -271,14 +304,15 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
         raise err(f"pin name {name!r} is reserved: {reserved[name.lower()]}, so a report of this pin would be "
                   "written into it", "name", hint="rename the pin (e.g. add a version or date to it)")
     ctx = f"pin {name!r}: "
-    version = raw.get("vllm_version", "")
+    vkey, ckey = engine.version_key, engine.commit_key
+    version = raw.get(vkey, "")
     if not version:
-        raise err(ctx + "vllm_version is required (the version the build reports)", "name")
+        raise err(ctx + f"{vkey} is required (the version the build reports)", "name")
     if not _VERSION.match(version.lower()):
-        raise err(ctx + f"vllm_version {version!r} is not a PEP 440 version", "vllm_version",
+        raise err(ctx + f"{vkey} {version!r} is not a PEP 440 version", vkey,
                   hint="the version the build reports, e.g. 0.33.0, 0.34.0rc1 or 0.34.0rc1.dev123+gabcdef012; "
                        "it names directories under the cache, so nothing else is accepted")
-    python = raw.get("python", "3.12")
+    python = raw.get("python", engine.python)
     if not _PY.match(python):
         raise err(ctx + f"python must look like '3.12', got {python!r}", "python")
     wheel, sha = raw.get("wheel", ""), raw.get("wheel_sha256", "")
@@ -295,9 +329,9 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
             raise err(ctx + f"wheel {wheel!r} is not a plain wheel file name", "wheel",
                       hint="{distribution}-{version}-{python}-{abi}-{platform}.whl, no directories; it names a "
                            "file in the cache")
-        if parts["dist"].lower() != "vllm" or parts["version"] != version:
-            raise err(ctx + f"wheel {wheel!r} is not vLLM {version}", "wheel",
-                      hint="the file name's distribution must be vllm and its version the pin's vllm_version")
+        if parts["dist"].lower() != engine.package or parts["version"] != version:
+            raise err(ctx + f"wheel {wheel!r} is not {engine.title} {version}", "wheel",
+                      hint=f"the file name's distribution must be {engine.package} and its version the pin's {vkey}")
     url = raw.get("wheel_url", "")
     if url:
         if not wheel:
@@ -307,10 +341,14 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
         problem = wheel_url_problem(url, wheel)
         if problem:
             raise err(ctx + f"wheel_url {url!r} {problem}", "wheel_url")
-    commit = raw.get("vllm_commit", "")
+    commit = raw.get(ckey, "")
     if commit and not _COMMIT.match(commit):
-        raise err(ctx + f"vllm_commit {commit!r} is not a git sha", "vllm_commit",
+        raise err(ctx + f"{ckey} {commit!r} is not a git sha", ckey,
                   hint="7 to 40 lower-case hex digits, optionally prefixed with g as vLLM's builds report it")
+    overrides = tuple(raw.get("overrides", ()))
+    if overrides and not raw.get("overrides_why"):
+        raise err(ctx + "overrides need overrides_why", "overrides",
+                  hint="say why each declared requirement of the wheel cannot be installed as declared")
     image = raw.get("image", "")
     if image and not _IMAGE.match(image):
         hint = "pin the image by digest: repo@sha256:<64 hex>; tags move, digests do not"
@@ -353,10 +391,11 @@ def _parse_pin(raw: dict, *, text: str, line: int | None, path: str) -> Pin:
             raise LockError(ctx + problem, path=path, line=at,
                             hint="declare every fact of audit/pins/hosts.py (FACTS) with its type, and the source")
     return Pin(
-        name=name, vllm_version=version, python=python, wheel=wheel, wheel_sha256=sha, wheel_url=url,
-        image=image, platform_digests=dict(digests), vllm_commit=raw.get("vllm_commit", ""),
+        name=name, version=version, python=python, wheel=wheel, wheel_sha256=sha, wheel_url=url,
+        image=image, platform_digests=dict(digests), commit=commit,
         note=raw.get("note", ""), image_config_digest=config_digest, image_tarball=tarball, image_tag=tag,
-        line=line or 0, host=dict(sorted(host.items())) if host else {},
+        line=line or 0, host=dict(sorted(host.items())) if host else {}, engine=engine.name, overrides=overrides,
+        overrides_why=raw.get("overrides_why", ""),
     )
 
 
@@ -381,7 +420,8 @@ def wheel_url_problem(url: str, wheel: str) -> str:
 
 #: folders under reports/ that are not a pin's report
 RESERVED_REPORT_FOLDERS = {"diffs": "reports/diffs/ holds the diffs between pins",
-                           "hosts": "reports/hosts/ holds the reports of audits on another host than the image's"}
+                           "hosts": "reports/hosts/ holds the reports of audits on another host than the image's",
+                           "compare": "reports/compare/ holds the side-by-side tables of two engines"}
 
 
 def reserved_names() -> dict[str, str]:
@@ -392,6 +432,8 @@ def reserved_names() -> dict[str, str]:
     out = dict(RESERVED_REPORT_FOLDERS)
     out.update({m.lower(): f"it is the name of the model {m!r} (a model other than the default keeps its reports in "
                            f"reports/<model>/)" for m in PROFILES})
+    out.update({e.reports_folder.lower(): f"it is the folder of the engine {e.title}'s reports (reports/"
+                                          f"{e.reports_folder}/)" for e in engines.ENGINES.values() if e.reports_folder})
     return out
 
 
@@ -402,8 +444,8 @@ def unsafe_path_field(pin: Pin) -> tuple[str, str] | None:
     which the local runtime repeats before it names, deletes or runs anything under the cache."""
     if not _NAME.match(pin.name):
         return "name", pin.name
-    if not _VERSION.match(pin.vllm_version.lower()):
-        return "vllm_version", pin.vllm_version
+    if not _VERSION.match(pin.version.lower()):
+        return pin.engine_contract.version_key, pin.version
     if not _PY.match(pin.python):
         return "python", pin.python
     if pin.wheel and parse_wheel_name(pin.wheel) is None:
@@ -437,7 +479,7 @@ def default_runtime(pin: Pin) -> str:
 
 
 def _pin_order(pin: Pin) -> tuple:
-    return (0, version_key(pin.vllm_version)) if pin.placed else (1,)
+    return (0, version_key(pin.version)) if pin.placed else (1,)
 
 
 def sorted_pins(lock: Lock) -> list[Pin]:
@@ -447,7 +489,7 @@ def sorted_pins(lock: Lock) -> list[Pin]:
 
 
 def previous_pin(lock: Lock, name: str, *, releases_only: bool = False) -> Pin | None:
-    """The pin that precedes *name* in release order: among the pins whose vLLM version is strictly lower
+    """The pin that precedes *name* in release order: among the pins of its engine whose version is strictly lower
     than its own, those with the highest version, and of those the first in the lock file.
 
     A pin of the same version earlier in the file comes first: it is the build this one replaces (a wheel
@@ -465,22 +507,25 @@ def previous_pin(lock: Lock, name: str, *, releases_only: bool = False) -> Pin |
     pin = lock.get(name)
     if not pin.placed:
         return None
-    mine = version_key(pin.vllm_version)
+    mine = version_key(pin.version)
+    # only a release of the same engine precedes a pin (another engine's versions are another sequence)
+    same = {n: p for n, p in lock.pins.items() if p.engine == pin.engine}
+    lock = Lock(path=lock.path, pins=same)
     if not releases_only:
         # a build of the same version pinned earlier in the file is the one this build replaces (a rebuilt
         # wheel, a patched image): that is what a release owner compares it with
         order = list(lock.pins)
         earlier = [p for p in order[:order.index(name)]
-                   if lock.pins[p].placed and version_key(lock.pins[p].vllm_version) == mine]
+                   if lock.pins[p].placed and version_key(lock.pins[p].version) == mine]
         if earlier:
             return lock.pins[earlier[-1]]
     best: Pin | None = None
     for other in lock.pins.values():  # file order: the first of equal versions wins
         if other.name == name or not other.placed:
             continue
-        key = version_key(other.vllm_version)
+        key = version_key(other.version)
         if releases_only and (key[1] != (2,) or key[3] != (1,)):
             continue
-        if key < mine and (best is None or key > version_key(best.vllm_version)):
+        if key < mine and (best is None or key > version_key(best.version)):
             best = other
     return best

@@ -47,7 +47,7 @@ class WheelCache:
     def store(self, path: Path, filename: str, sha256: str) -> Path:
         """Keep a verified download (*sha256* already computed from its bytes) where :meth:`find` looks,
         unless a file with those bytes is cached already."""
-        incoming = Pin(name="incoming", vllm_version="0", wheel=filename, wheel_sha256=sha256)
+        incoming = Pin(name="incoming", version="0", wheel=filename, wheel_sha256=sha256)
         existing = self.find(incoming)
         if existing:
             return existing

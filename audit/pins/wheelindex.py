@@ -441,7 +441,7 @@ def add_pin(lock_path: str | Path, name: str, *, commit: str | None = None, as_o
                          "any repository (give --commit SHA to check it)")
         for other in lk.pins.values():
             if other.wheel_sha256 and other.wheel_sha256 != digest and (
-                    other.wheel == filename or other.vllm_version == parts["version"]):
+                    other.wheel == filename or other.version == parts["version"]):
                 same = "file name and version" if other.wheel == filename else "vLLM version"
                 warning = (f"same {same} as pin {other.name} ({other.wheel_sha256[:12]}), different bytes: a "
                            "different build")

@@ -116,7 +116,7 @@ REFUSAL_FACETS = ("construction", "post-load") + LANE_FACETS
 #: the classification table: the first rule that holds for a row decides its kind and reason
 RULES: tuple[Rule, ...] = (
     Rule(("standin",), "standin", "a stand-in does not fit its release on one side (and nothing declares the misfit "
-                                  "harmless there): what the simulation ran past it may not be vLLM's code as released",
+                                  "harmless there): what the simulation ran past it may not be {E}'s code as released",
          lambda r: "misfit" in (_a(r).get("state"), _b(r).get("state"))),
     Rule(("standin",), "information", "the stand-in's fit is stated for another release; it fits both, or its misfit "
                                       "is declared to change nothing there (audit/standinfit.py), or one audit did not "
@@ -135,7 +135,7 @@ RULES: tuple[Rule, ...] = (
          lambda r: _lane_state(_a(r)) == "absent" and _lane_state(_b(r)) == "inactive"),
     Rule(("lane",), "information", "a lane no longer read that took nothing",
          lambda r: _lane_state(_a(r)) == "inactive" and _lane_state(_b(r)) == "absent"),
-    Rule(("lane", "dispatch"), "refusal", "vLLM refused to build the deployment on one side: what it runs where it "
+    Rule(("lane", "dispatch"), "refusal", "{E} refused to build the deployment on one side: what it runs where it "
                                           "is built", lambda r: _hidden_by(r, "refusal")),
     Rule(("lane", "dispatch"), "stop", "the simulation could not build the deployment on one side: what it runs "
                                        "where it is built", lambda r: _hidden_by(r, "stop")),
@@ -145,17 +145,17 @@ RULES: tuple[Rule, ...] = (
     # what vLLM chose among
     Rule(("candidates",), "information", "the same candidate chosen; only the others or their reasons differ",
          lambda r: bool(_a(r).get("chosen")) and _a(r).get("chosen") == _b(r).get("chosen")),
-    Rule(("candidates",), "kernel", "vLLM chose another candidate", lambda r: True),
+    Rule(("candidates",), "kernel", "{E} chose another candidate", lambda r: True),
     Rule(("attention",), "information", "the same valid backends in the same order; only the rejected ones or their "
                                         "reasons differ",
          lambda r: bool(_a(r).get("valid")) and _a(r).get("valid") == _b(r).get("valid")),
-    Rule(("attention",), "kernel", "the attention backends vLLM may choose from changed", lambda r: True),
+    Rule(("attention",), "kernel", "the attention backends {E} may choose from changed", lambda r: True),
     # how far a cell went
-    Rule(("construction",), "refusal", "vLLM refuses to build the deployment on one side only", _refused_on_one_side),
-    Rule(("construction",), "stop", "how far construction got changed (not a refusal by vLLM)", lambda r: True),
+    Rule(("construction",), "refusal", "{E} refuses to build the deployment on one side only", _refused_on_one_side),
+    Rule(("construction",), "stop", "how far construction got changed (not a refusal by {E})", lambda r: True),
     Rule(("post-load",), "information", "the count of post-load steps only",
          lambda r: _a(r).get("state") == _b(r).get("state") == "ran"),
-    Rule(("post-load",), "refusal", "vLLM refuses to load the deployment on one side only", _refused_on_one_side),
+    Rule(("post-load",), "refusal", "{E} refuses to load the deployment on one side only", _refused_on_one_side),
     Rule(("post-load",), "stop", "post-load reaches a simulation limit on one side: what lies past it is not known",
          lambda r: True),
     Rule(("evidence",), "information", "the evidence level (the ledger says which)", lambda r: True),
@@ -172,15 +172,15 @@ RULES: tuple[Rule, ...] = (
          lambda r: _b(r).get("annotates") is not None and _b(r).get("annotates") == _a(r).get("choice")),
     Rule(("dispatch",), "path", "the model's own step path takes these steps on one side only",
          lambda r: bool(_a(r).get("step_path")) != bool(_b(r).get("step_path"))),
-    Rule(("dispatch",), "refusal", "vLLM raises on these batches on one side only", _refused_on_one_side),
-    Rule(("dispatch",), "information", "vLLM raises on these batches in both builds; only its message differs",
+    Rule(("dispatch",), "refusal", "{E} raises on these batches on one side only", _refused_on_one_side),
+    Rule(("dispatch",), "information", "{E} raises on these batches in both builds; only its message differs",
          lambda r: bool(_a(r).get("refused")) and bool(_b(r).get("refused"))),
     Rule(("dispatch",), "tier", "a per-call choice moved", lambda r: True),
     # a speculative draft beside the target
     Rule(("draft",), "information", "one routing predates drafts named apart (its draft's rows sit under target "
                                     "layers): the target is compared without the draft's layers, the draft not at all",
          lambda r: r.get("name") == "draft not recorded apart"),
-    Rule(("draft",), "path", "the speculative draft vLLM builds is another class or numbers its layers otherwise",
+    Rule(("draft",), "path", "the speculative draft {E} builds is another class or numbers its layers otherwise",
          lambda r: r.get("name") == "draft class"),
     Rule(("draft",), "information", "the target modules the draft holds as its own (what it serves shows in its "
                                     "lane rows)", lambda r: True),
@@ -189,19 +189,19 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def classify(row: dict) -> tuple[str, str]:
-    """(kind, reason) of a diff row: the first rule of the table that holds for it."""
+def classify(row: dict, engine: str) -> tuple[str, str]:
+    """(kind, reason) of a diff row: the first rule of the table that holds for it (its reason in *engine*'s name)."""
     for rule in RULES:
         if row["facet"] in rule.facets and rule.holds(row):
-            return rule.kind, rule.reason
+            return rule.kind, rule.reason.replace("{E}", engine)
     raise ValueError(f"no classification rule covers a {row['facet']!r} row")  # every facet ends in a catch-all
 
 
-def classify_all(rows: list[dict]) -> list[dict]:
+def classify_all(rows: list[dict], engine: str) -> list[dict]:
     """Class every row, in place: availability answers last (they gate only beside a serving change of another
     facet in one of their cells). Each row gets ``class``, ``reason``, ``rank`` and ``serving``."""
     def put(row: dict) -> None:
-        kind, reason = classify(row)
+        kind, reason = classify(row, engine)
         row.update({"class": kind, "reason": reason, "rank": KINDS[kind].rank, "serving": KINDS[kind].gates,
                     "information": "" if KINDS[kind].gates else reason})
 

@@ -8,6 +8,8 @@ information) and whether the gate fails on it is decided by the classification t
 """
 from __future__ import annotations
 
+from audit import engines
+
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -494,7 +496,7 @@ def verdict_rows(p: Pair, served_cells: set) -> list[dict]:
                      "systems": sorted({c[0] for c in cells}), "layouts": sorted({c[1] for c in cells}),
                      "at": {lay: sorted(ws, key=dispatch.workload_order) for lay, ws in sorted(g["at"].items())}})
     _turns(rows, served_cells)
-    return classes.classify_all(rows)
+    return classes.classify_all(rows, engines.get(p.profile.engine).title)
 
 
 def _turns(rows: list[dict], served_cells: set) -> None:
@@ -534,13 +536,16 @@ def diff_routings(old: dict, new: dict, profile) -> dict:
     p = Pair(old, new, profile)
     facts = [*standin_facts(p), *lane_facts(p), *candidate_facts(p), *cell_facts(p), *dispatch_facts(p)]
     compared = [f for f in facts if f["facet"] == "_compared"]
-    rows = classes.classify_all(group_rows([f for f in facts if f["facet"] != "_compared"], p))
+    rows = classes.classify_all(group_rows([f for f in facts if f["facet"] != "_compared"], p),
+                                engines.get(profile.engine).title)
     rows.sort(key=lambda r: (classes.order_key(r), FACET_ORDER.index(r["facet"])))
     served = {tuple(c) for r in rows if r["serving"] for c in r["cells"]}
     verdicts = verdict_rows(p, served)
     only_old = sorted(set(p.a) - set(p.b))
     only_new = sorted(set(p.b) - set(p.a))
     d = {"schema": DIFF_SCHEMA, "model": profile.name, "from": _build(old), "to": _build(new),
+         # the engine, for every engine but the first (whose diffs name none)
+         **({"engine": profile.engine} if profile.engine != engines.DEFAULT else {}),
          "changes": rows + verdicts, **classes.tally(rows),
          "newly_failing": sum(1 for c in verdicts if c["turn"] == "newly failing"),
          "no_longer_failing": sum(1 for c in verdicts if c["turn"] == "no longer failing"),
@@ -565,11 +570,13 @@ def diff_routings(old: dict, new: dict, profile) -> dict:
 
 
 def _build(routing: dict) -> dict:
-    """Which build an audit is of: the pin, its vLLM version and commit, and the wheel's (or image's) identity, so
-    two builds with the same version and file name and different bytes are told apart."""
+    """Which build an audit is of: the pin, its engine's version and commit (under the engine's own keys), and the
+    wheel's (or image's) identity, so two builds with the same version and file name and different bytes are told
+    apart."""
     pin = routing.get("pin") or {}
     host = (routing.get("run") or {}).get("host") or {}
-    return {"pin": pin.get("name"), "vllm_version": pin.get("vllm_version"), "vllm_commit": pin.get("vllm_commit", ""),
+    e = engines.of_doc(pin)
+    return {"pin": pin.get("name"), e.version_key: pin.get(e.version_key), e.commit_key: pin.get(e.commit_key, ""),
             "wheel": pin.get("wheel", ""), "wheel_sha256": pin.get("wheel_sha256", ""),
             "image_config_digest": pin.get("image_config_digest", ""),
             # the host vLLM was audited as running on (audit/pins/hosts.py); "" for an audit that recorded none
@@ -643,8 +650,9 @@ def render_diff(d: dict, profile) -> str:
         raise RenderError(f"this diff is of the model {d.get('model')!r}, not of {profile.name!r}; no report file "
                           "was changed")
     d = {"hosts": [], "labels": [side_label(d["from"], d["to"]), side_label(d["to"], d["from"])], **d}
-    return fit(_env(list(profile.layouts)).get_template("diff.md.j2").render(d=d, model_title=profile.title,
-                                                                             kinds=classes.KINDS))
+    e = engines.get(profile.engine)
+    return fit(_env(list(profile.layouts)).get_template("diff.md.j2").render(
+        d=d, model_title=profile.title, kinds=classes.KINDS, E=e.title, vkey=e.version_key, ckey=e.commit_key))
 
 
 def write_diff(reports_dir: Path, from_pin: str, to_pin: str, profile,

@@ -13,7 +13,7 @@ import jinja2
 
 from audit.pins.hosts import FACTS as HOST_FACTS
 from probes.core.stages import NO_DEVICE_CODE
-from audit import __version__
+from audit import __version__, engines
 from audit.report import dispatch
 from audit.errors import RenderError
 from audit.report.fit import fit
@@ -300,17 +300,18 @@ def _draft_matrix_rows(by: dict, systems, layout, lane_ids, lane_titles: dict, r
     return rows
 
 
-def _family(group: dict) -> str:
-    """A group's backend family (the perf database's words) with vLLM's own selector value beside it."""
+def _family(group: dict, engine: str) -> str:
+    """A group's backend family (the perf database's words) with the engine's own selector value beside it."""
     value = group.get("value") if isinstance(group.get("value"), dict) else {}
     family, backend = value.get("family") or "—", value.get("backend")
-    return f"{family} (vLLM: `{backend}`)" if backend and backend.lower() != family else family
+    return f"{family} ({engine}: `{backend}`)" if backend and backend.lower() != family else family
 
 
 def _details(routing: dict, cells: list[dict], systems, layouts, lane_ids, profile) -> list[dict]:
     """Per system, per layout: every lane group with its layers, value, family and evidence level."""
     by = {(c["system"], c["layout"]): c for c in cells}
     lane_titles = routing.get("lane_titles", {})
+    engine = engines.get(profile.engine).title
     out = []
     for s in systems:
         entries = []
@@ -319,23 +320,24 @@ def _details(routing: dict, cells: list[dict], systems, layouts, lane_ids, profi
             if c is None:
                 continue
             lanes = _lane_rows(c, c["lanes"], lane_ids, lane_titles,
-                               lambda lane: dispatch.serving_mark(c, lane, profile))
+                               lambda lane: dispatch.serving_mark(c, lane, profile), engine)
             draft = c.get("draft")
             if draft:  # a speculative draft's rows are its own, never under a target layer
-                draft = {**draft, "rows": _lane_rows(c, draft.get("lanes") or {}, lane_ids, lane_titles, lambda _: "")}
+                draft = {**draft, "rows": _lane_rows(c, draft.get("lanes") or {}, lane_ids, lane_titles, lambda _: "",
+                                                     engine)}
             entries.append({"layout": layout, "cell": c, "lanes": lanes, "draft": draft})
         out.append({"system": s, "entries": entries})
     return out
 
 
-def _lane_rows(c: dict, lanes: dict, lane_ids, lane_titles: dict, mark) -> list[dict]:
-    """One model's lane groups as table rows (title, layers, value, family, evidence)."""
+def _lane_rows(c: dict, lanes: dict, lane_ids, lane_titles: dict, mark, engine: str) -> list[dict]:
+    """One model's lane groups as table rows (title, layers, value, family with *engine*'s own value, evidence)."""
     rows = []
     for lane in lane_ids:
         for g in lanes.get(lane, []):
             rows.append({"title": lane_titles.get(lane, lane), "ranges": g["ranges"],
                          "value": _shown({k: v for k, v in g.items() if k != "evidence"}) + mark(lane),
-                         "family": _family(g),
+                         "family": _family(g, engine),
                          "evidence": f"{g['evidence']} ({g.get('phase', '?')})" if "evidence" in g
                          else (f"{c['evidence']}, {g['level']}" if g.get("level") else c["evidence"])})
     return rows
@@ -431,8 +433,13 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
     # falls back to its titles' order
     lane_ids = routing.get("lane_order") or list(lane_titles) or sorted({k for c in cells for k in c["lanes"]})
     stopped = [c for c in cells if c["status"] == "PARTIAL"]
+    engine = engines.get(profile.engine)
     return {
         "title": profile.title, "routing": routing,
+        # the engine's words: its name, the pin's version and build under the engine's own keys, its serve command
+        "E": engine.title, "pin_version": engine.version_of(routing["pin"]),
+        "run_commit": (routing.get("run") or {}).get(engine.commit_key, ""),
+        "serve": engine.serve, "serve_model": engine.serve_model,
         "pin": {"image_config_digest": "", "image_tarball": "", **routing["pin"]},
         "run": {"vllm_commit": "", "runtime": "?", "python": "", "mode": "resolve", "date": "?",
                 "cuda_toolkit": "not recorded", "aborted": None, "image": None, "architecture_note": "",
@@ -459,7 +466,7 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
         "stage_order": STAGE_ORDER, "stage_meaning": STAGE_MEANING, "reproduce": reproduce,
         **_verdict_view(routing),
         "lane_titles": lane_titles, "kind_titles": profile.kind_titles,
-        "model_notes": {"glossary": (), "layer_numbers": "Layer numbers are vLLM's 0-based module indices.",
+        "model_notes": {"glossary": (), "layer_numbers": f"Layer numbers are {engine.title}'s 0-based module indices.",
                         "candidates_of": "attention layers", "state_example": "", **profile.ledger_notes},
         # --- dispatch tiers (audit/report/dispatch.py, templates/dispatch.md.j2) ---
         "dispatch_tables": dispatch.ledger_tables(cells, profile),

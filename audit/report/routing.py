@@ -16,6 +16,7 @@ from audit.evidence.files import EvidenceFile, model_view
 from audit.report.layers import format_ranges
 from audit.report.observed import merge as merge_observed
 from audit.profiles import MOE_LANE, Lane, Profile
+from audit import engines
 from audit import lanevalue as values
 from audit import limits
 from audit.lanevalue import ROUTING_SCHEMA, cut, short
@@ -192,7 +193,7 @@ def _attention_candidates(f: EvidenceFile) -> dict | None:
     return None
 
 
-def _stages(f: EvidenceFile) -> tuple[list[dict], str, dict | None]:
+def _stages(f: EvidenceFile, engine=None) -> tuple[list[dict], str, dict | None]:
     stages, failure, deepest = [], None, ""
     for r in f.of_kind("stage"):
         if r["stage"] == POSTLOAD_STAGE:  # reported by _postload, never a construction stop
@@ -203,27 +204,30 @@ def _stages(f: EvidenceFile) -> tuple[list[dict], str, dict | None]:
         elif failure is None:
             err = r.get("error") or {}
             failure = {"stage": r["stage"], "type": err.get("type", ""), "message": err.get("message", ""),
-                       "where": _scrub_path(err.get("where", "")), **stop_outcome(err)}
+                       "where": _scrub_path(err.get("where", "")), **stop_outcome(err, engine)}
     return stages, deepest, failure
 
 
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>[^\n]+)\n(?P<src>[^\n]*)')
 
 
-def stop_outcome(err: dict) -> dict:
-    """Why a stage stopped, ``refused`` (vLLM's own check said no) or ``limit`` (the simulation could not go
-    further), by the post-load stage's rules (probes.core.stages.stop_rule) read from the recorded traceback."""
+def stop_outcome(err: dict, engine=None) -> dict:
+    """Why a stage stopped, ``refused`` (the engine's own check said no) or ``limit`` (the simulation could not go
+    further), by the post-load stage's rules (probes.core.stages.stop_rule) read from the recorded traceback.
+    *engine*: whose source files count as the engine's (``audit/engines``; the first engine where None)."""
+    engine = engine or engines.get(engines.DEFAULT)
     tb = err.get("traceback") or []
     frames = [m for m in (_FRAME.match(entry) for entry in tb) if m]
     inner = frames[-1] if frames else None
     path = (inner.group("path") if inner else (err.get("where") or "").split(":", 1)[0]).replace("\\", "/")
     chained = any("direct cause of the following exception" in e or "During handling of the above exception" in e
                   for e in tb)
-    outcome, rule = stop_rule(in_vllm="/vllm/" in path or path.startswith("vllm/"),
+    package = engine.package
+    outcome, rule = stop_rule(in_vllm=f"/{package}/" in path or path.startswith(f"{package}/"),
                               assertion=err.get("type", "").endswith(":AssertionError"),
                               raise_line=inner.group("src").strip().startswith("raise") if inner else None,
                               cause="an exception" if chained else None, message=err.get("message", ""),
-                              type_name=err.get("type", ""))
+                              type_name=err.get("type", ""), engine=engine.title)
     return {"outcome": outcome, "rule": rule}
 
 
@@ -659,7 +663,7 @@ def _draft(f: EvidenceFile, profile: Profile, post: dict | None) -> tuple[dict |
 
 def build_cell(f: EvidenceFile, profile: Profile) -> dict:
     system, layout = f.cell or ("?", "?")
-    stages, deepest, failure = _stages(f)
+    stages, deepest, failure = _stages(f, engines.get(profile.engine))
     target = model_view(f, "target")  # a speculative draft's records are its own rows (_draft)
     kinds = _layer_kinds(target, profile)
     post = _postload(f, profile)

@@ -20,6 +20,8 @@ lane and kind are grouped into one line that names each.
 """
 from __future__ import annotations
 
+from audit import engines
+
 from collections import defaultdict
 
 from audit.lanevalue import is_inactive
@@ -124,14 +126,15 @@ def _head(v: View) -> str:
     levels = sorted({str(c.get("evidence", "")).split(" ")[0] for c in v.new["cells"]} - {"", "none"})
     evidence = {"resolved": "resolved (vLLM's selection code on a simulated platform; no kernel ran)",
                 "observed": "observed (kernel entries hit on a real GPU)"}
-    pins = "" if (d["from"]["pin"], d["to"]["pin"]) == (f"v{d['from']['vllm_version']}", f"v{d['to']['vllm_version']}") \
+    vk = engines.get(v.profile.engine).version_key
+    pins = "" if (d["from"]["pin"], d["to"]["pin"]) == (f"v{d['from'][vk]}", f"v{d['to'][vk]}") \
         else f" (`{d['from']['pin']}` → `{d['to']['pin']}`)"
     systems = len({c["system"] for c in v.new["cells"]})
     layouts = len({c["layout"] for c in v.new["cells"]})
     hosted = v.hosted
-    what = (f"vLLM {d['from']['vllm_version']}, host {d['from'].get('host_title') or 'not recorded'} → "
+    what = (f"vLLM {d['from'][vk]}, host {d['from'].get('host_title') or 'not recorded'} → "
             f"{d['to'].get('host_title') or 'not recorded'}" if hosted else
-            f"vLLM {d['from']['vllm_version']} → {d['to']['vllm_version']}")
+            f"vLLM {d['from'][vk]} → {d['to'][vk]}")
     head = (f"**{v.profile.title}, {what}**{pins if not hosted else ''}: "
             f"{d['cells_compared']} cells compared (a cell: one system and one layout; {systems} systems × {layouts} "
             f"layouts, each layout where it applies); evidence {', '.join(evidence.get(x, x) for x in levels) or 'none'}. ")
@@ -509,7 +512,18 @@ def _words(blocks: list) -> int:
 
 
 def pr_summary(d: dict, old: dict, new: dict, profile) -> str:
-    """The PR summary for the diff *d* of *profile*'s routings *old* -> *new* (markdown)."""
+    """The PR summary for the diff *d* of *profile*'s routings *old* -> *new* (markdown), in the words of *profile*'s
+    engine: the summary's own sentences name the first engine, and the engine's contract gives the name and serve
+    command they take for another."""
+    text = _pr_summary(d, old, new, profile)
+    engine = engines.get(profile.engine)
+    if engine.name == engines.DEFAULT:
+        return text
+    first = engines.get(engines.DEFAULT)
+    return text.replace(f"`{first.serve} ", f"`{engine.serve} ").replace(first.title, engine.title)
+
+
+def _pr_summary(d: dict, old: dict, new: dict, profile) -> str:
     v = View(d, old, new, profile)
     diff_name = (f"{d['from']['pin']}@{d['from'].get('host')}..{d['to']['pin']}@{d['to'].get('host')}.md"
                  if d["from"].get("host") != d["to"].get("host") else f"{d['from']['pin']}..{d['to']['pin']}.md")

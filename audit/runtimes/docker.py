@@ -327,7 +327,8 @@ class DockerRuntime(RuntimeDefaults):
         kw = self._container_kwargs(request, image, ref, role="agent", mounts=mounts, with_stub=True, lifeline=True)
         started = datetime.now(timezone.utc)
         progress("stage", text=f"resolving {len(request.cells)} cells inside {ref[:60]}")
-        container = self.client.containers.create(command=["-m", "probes.resolve.agent", where(plan)], **kw)
+        container = self.client.containers.create(command=["-m", request.pin.engine_contract.resolve_agent,
+                                                            where(plan)], **kw)
         log = run_dir / "agent.log"
         code = self._run_container(container, request, progress, log)
         missing = collect_missing(request, fallback_log=log)

@@ -1,6 +1,6 @@
 """Pinned environments: a venv per pinned wheel, built once under the cache root, verified before every use.
 
-A venv holds exactly the pinned vLLM wheel (its bytes checked against images.lock) and the CUDA build of torch;
+A venv holds exactly the pinned engine wheel (its bytes checked against images.lock) and the CUDA build of torch;
 it is keyed by the wheel's sha256 and the Python version, so two pins of the same wheel share one. Before each
 use, every file the wheel installed is checked against the sha256s in the wheel's own RECORD, startup hooks
 outside the installed distributions' RECORDs are refused, and the interpreter must be the venv's own. The local
@@ -36,9 +36,6 @@ from audit.runtimes import cudastub
 from audit.runtimes.base import Progress, RunRequest, agent_env, collect_missing, timed_out
 
 ENV_MARKER = ".serving-truth-env.json"
-#: run inside a freshly built env: what it holds (torch must be a CUDA build)
-ENV_PROBE = ("import json, platform, torch, importlib.metadata as m; print(json.dumps({'torch': torch.__version__, "
-             "'cuda': torch.version.cuda, 'vllm': m.version('vllm'), 'python': platform.python_version()}))")
 #: the only PATH entries the agent sees besides the venv: the OS, not the host's toolchains
 SYSTEM_PATH = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
@@ -71,11 +68,11 @@ def find_python(version: str) -> str:
 ENV_LOCKS = Path(__file__).resolve().parent.parent / "data" / "envlocks"
 
 
-def resolution_text(report: dict, wheel: str, sha256: str) -> str:
+def resolution_text(report: dict, wheel: str, sha256: str, package: str = "vllm") -> str:
     """A resolution file from pip's installation report: a comment naming the wheel, then ``name==version`` for
-    every package but vLLM itself (installed from the wheel), sorted."""
+    every package but the engine's own (*package*, installed from the wheel), sorted."""
     pins = sorted({f"{i['metadata']['name'].lower()}=={i['metadata']['version']}" for i in report.get("install", ())
-                   if i["metadata"]["name"].lower() != "vllm"})
+                   if i["metadata"]["name"].lower() != package})
     return (f"# the packages {wheel} (sha256 {sha256}) is installed with: pip's resolution from PyPI\n"
             "# (serving-truth's environment builder; uv installs under these constraints)\n" + "\n".join(pins) + "\n")
 
@@ -99,11 +96,11 @@ class _AuditDeadline(Exception):
 
 
 def _run(cmd: list[str], *, step: str, env: dict | None = None, timeout: float = 3600,
-         remaining: float | None = None) -> str:
+         remaining: float | None = None, stdin: str | None = None) -> str:
     """Run a build step; *remaining* is what is left of the audit's --timeout (the step is stopped there)."""
     limit = timeout if remaining is None else min(timeout, remaining)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=limit, input=stdin)
     except subprocess.TimeoutExpired as exc:
         if remaining is not None and limit < timeout:
             raise _AuditDeadline(step, str(exc.stdout or "")[-3000:]) from None
@@ -151,8 +148,8 @@ class PinEnvironments:
         return None
 
     @staticmethod
-    def device_code(env: Path) -> dict:
-        """The GPU code the environment's vLLM ships, per library (read from each shared object's fatbins:
+    def device_code(env: Path, packages: tuple[str, ...] = ("vllm",)) -> dict:
+        """The GPU code the environment's engine ships, per library (read from each shared object's fatbins:
         probes/core/elfscan.py): ``{path under site-packages: {"sass": [...], "ptx": [...]}}``; a library that ships
         none is listed with ``None`` (DeepGEMM compiles its kernels at run time; it is listed with the SM majors its
         host code admits). A fact of the wheel, the same for every host."""
@@ -162,7 +159,7 @@ class PinEnvironments:
         if site is None:
             return {}
         out: dict = {}
-        for so in sorted((site / "vllm").rglob("*.so")):
+        for so in sorted(so for package in packages for so in (site / package).rglob("*.so")):
             code = device_code(so)
             rel = str(so.relative_to(site))
             if code is not None and (code["sass"] or code["ptx"]):
@@ -192,8 +189,9 @@ class PinEnvironments:
             raise UnsafeLockPath(pin=pin.name, field=bad[0], value=bad[1], root=str(self.root))
         tag = "cp" + pin.python.replace(".", "")
         envs = self.root / "envs"
-        return contained(envs / f"vllm-{pin.vllm_version}-{tag}-{pin.wheel_sha256[:12]}", envs, pin,
-                               "vllm_version", pin.vllm_version)
+        engine = pin.engine_contract
+        return contained(envs / f"{engine.package}-{pin.version}-{tag}-{pin.wheel_sha256[:12]}", envs, pin,
+                         engine.version_key, pin.version)
 
     # -- environment ---------------------------------------------------------------------------
     def wheel_path(self, pin: Pin, progress: Progress) -> Path:
@@ -218,7 +216,7 @@ class PinEnvironments:
         tmp.mkdir()
         try:
             _run([python, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                  f"vllm=={pin.vllm_version}", "-d", str(tmp)], step="download wheel")
+                  f"{pin.engine_contract.package}=={pin.version}", "-d", str(tmp)], step="download wheel")
             got = tmp / pin.wheel
             if not got.exists():
                 names = ", ".join(p.name for p in tmp.iterdir()) or "nothing"
@@ -235,13 +233,14 @@ class PinEnvironments:
 
     def ensure_env(self, pin: Pin, progress: Progress) -> Path:
         """Build (once) the venv holding the pinned wheel; verify it carries a CUDA torch. Every call checks
-        the installed vLLM against the wheel's RECORD (:meth:`verify_env`) and refuses an edited one. A disk
+        the installed engine against the wheel's RECORD (:meth:`verify_env`) and refuses an edited one. A disk
         error on the way is the environment's (exit 3), never mistaken for a report that could not be written."""
         try:
             return self._ensure_env(pin, progress)
         except _AuditDeadline as exc:
             request = self._request
-            raise timed_out(request, where=f"building the vLLM {pin.vllm_version} environment ({exc.step})",
+            raise timed_out(request, where=f"building the {pin.engine_contract.title} {pin.version} environment "
+                                           f"({exc.step})",
                             log_tail_text=exc.output, missing=collect_missing(request),
                             runtime=f"local venv ({pin.name})") from None
         except OSError as exc:
@@ -364,7 +363,7 @@ class PinEnvironments:
             return env
         # one build per environment: a second audit that needs it waits for the first, then uses what it built
         env.parent.mkdir(parents=True, exist_ok=True)
-        waiting = lambda: progress("stage", text=f"waiting for another audit building the vLLM {pin.vllm_version} "  # noqa: E731
+        waiting = lambda: progress("stage", text=f"waiting for another audit building the {pin.engine_contract.title} {pin.version} "  # noqa: E731
                                                  f"environment ({env.name})")
         with DirLock(env, on_wait=waiting):
             if self._ready(env, pin, progress):
@@ -375,7 +374,8 @@ class PinEnvironments:
         marker = env / ENV_MARKER
         wheel = self.wheel_path(pin, progress)
         python = find_python(pin.python)
-        progress("stage", text=f"building the vLLM {pin.vllm_version} environment (once; several minutes)")
+        engine = pin.engine_contract
+        progress("stage", text=f"building the {engine.title} {pin.version} environment (once; several minutes)")
         if env.exists():
             shutil.rmtree(env)  # only ever <cache>/envs/<name>: env_dir refuses anything else
         env.parent.mkdir(parents=True, exist_ok=True)
@@ -383,17 +383,18 @@ class PinEnvironments:
         _run([python, "-m", "venv", str(env)], step="create venv", remaining=left())
         py = str(env / "bin" / "python")
         resolution = self.resolution(pin, wheel, py, progress, left)
-        _run([find_uv(), "pip", "install", "--no-config", "--python", py, "--constraint", str(resolution), str(wheel)],
-             step="uv pip install vllm wheel", env=self._uv_env(), timeout=5400, remaining=left())
-        probe = _run([py, "-c", ENV_PROBE], step="check torch", env=self._env(env, None), remaining=left())
+        _run([find_uv(), "pip", "install", "--no-config", "--only-binary", ":all:", "--python", py, "--constraint",
+              str(resolution), *self._override_args(pin, env), str(wheel)],
+             step=f"uv pip install {engine.package} wheel", env=self._uv_env(), timeout=5400, remaining=left())
+        probe = _run([py, "-c", engine.env_probe], step="check torch", env=self._env(env, None), remaining=left())
         info = json.loads(probe.strip().splitlines()[-1])
         if not info.get("cuda"):
             raise EnvironmentBuildError(
-                f"torch {info.get('torch')} in {env} is a CPU build; vLLM's compiled ops need the CUDA build",
+                f"torch {info.get('torch')} in {env} is a CPU build; {engine.title}'s compiled ops need the CUDA build",
                 step="check torch", hint="a local find-links wheel shadowed PyPI's; remove it from pip's config and rebuild")
-        if info.get("vllm") != pin.vllm_version:
-            raise EnvironmentBuildError(f"installed vLLM is {info.get('vllm')}, pinned {pin.vllm_version}",
-                                        step="check vllm")
+        if info.get("engine") != pin.version:
+            raise EnvironmentBuildError(f"installed {engine.title} is {info.get('engine')}, pinned {pin.version}",
+                                        step=f"check {engine.package}")
         self.verify_env(env, pin, wheel, progress)
         marker.write_text(json.dumps({"wheel_sha256": pin.wheel_sha256, "resolution": sha256_file(resolution),
                                       **info}, sort_keys=True))
@@ -402,6 +403,15 @@ class PinEnvironments:
             log.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} built {env.name} (pin {pin.name}, "
                       f"pid {os.getpid()})\n")
         return env
+
+    def _override_args(self, pin: Pin, env: Path) -> list[str]:
+        """uv's ``--override`` for the requirements the pin declares in place of the wheel's own (images.lock's
+        ``overrides``): written into the environment's folder, so the build states what it installed under."""
+        if not pin.overrides:
+            return []
+        path = env / "overrides.txt"
+        path.write_text("".join(f"{r}\n" for r in pin.overrides), encoding="utf-8")
+        return ["--override", str(path)]
 
     def resolution_file(self, pin: Pin) -> Path | None:
         """The environment's resolution (every package ``name==version``) for *pin*'s wheel: shipped with the
@@ -421,14 +431,38 @@ class PinEnvironments:
         found = self.resolution_file(pin)
         if found is not None:
             return found
+        if pin.overrides:  # pip has no overrides: uv resolves, from PyPI's wheels alone, under the pin's
+            return self._resolve_with_overrides(pin, wheel, py, progress, left)
         progress("stage", text=f"resolving {wheel.name}'s dependencies with pip (once per wheel)")
         report = Path(py).parent.parent / "pip-resolution.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "UV_"))}
         env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
         _run([py, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed", "--only-binary", ":all:",
               "--report", str(report), str(wheel)], step="resolve dependencies (pip)", env=env, remaining=left())
-        text = resolution_text(json.loads(report.read_text(encoding="utf-8")), wheel.name, pin.wheel_sha256)
+        text = resolution_text(json.loads(report.read_text(encoding="utf-8")), wheel.name, pin.wheel_sha256,
+                               pin.engine_contract.package)
         report.unlink(missing_ok=True)
+        dest = self.root / "envlocks" / f"{pin.wheel_sha256[:16]}.txt"
+        write_atomic(dest, text)
+        return dest
+
+    def _resolve_with_overrides(self, pin: Pin, wheel: Path, py: str, progress: Progress, left) -> Path:
+        """The resolution of a wheel one of whose declared requirements cannot be installed from PyPI (the pin's
+        ``overrides`` replace it): uv's resolver, binary wheels only, from PyPI alone, once; kept under the cache
+        like pip's, with a comment naming the overrides."""
+        progress("stage", text=f"resolving {wheel.name}'s dependencies with uv under the pin's overrides (once per wheel)")
+        env_dir = Path(py).parent.parent
+        out = env_dir / "uv-resolution.txt"
+        _run([find_uv(), "pip", "compile", "--no-config", "--only-binary", ":all:", "--python", py, "--no-header",
+              "--no-annotate", "--no-emit-package", pin.engine_contract.package, *self._override_args(pin, env_dir),
+              "-o", str(out), "-"], step="resolve dependencies (uv, with overrides)", env=self._uv_env(),
+             remaining=left(), stdin=f"{wheel}\n")
+        pins = sorted(line.strip().lower() for line in out.read_text(encoding="utf-8").splitlines()
+                      if line.strip() and not line.startswith("#"))
+        text = (f"# the packages {wheel.name} (sha256 {pin.wheel_sha256}) is installed with: uv's resolution from PyPI\n"
+                f"# under the pin's overrides ({', '.join(pin.overrides)}: {pin.overrides_why})\n"
+                "# (serving-truth's environment builder; uv installs under these constraints)\n" + "\n".join(pins) + "\n")
+        out.unlink(missing_ok=True)
         dest = self.root / "envlocks" / f"{pin.wheel_sha256[:16]}.txt"
         write_atomic(dest, text)
         return dest
@@ -448,7 +482,7 @@ class PinEnvironments:
         site-packages (``*.pth``, ``sitecustomize``/``usercustomize``) is listed in some installed
         distribution's RECORD; the interpreter is the venv's own. Raises :class:`EnvironmentModified`;
         returns a summary, also kept in ``self.verified[env]`` for the run's provenance."""
-        progress("stage", text=f"verifying the installed vLLM against {wheel.name}'s RECORD")
+        progress("stage", text=f"verifying the installed {pin.engine_contract.title} against {wheel.name}'s RECORD")
         site = self.site_packages(env)
         memo_path = self.root / "runtime-cache" / env.name / "record-hashes.json"
         memo = load_memo(memo_path) if self.stat_memo else None

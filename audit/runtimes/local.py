@@ -1,4 +1,4 @@
-"""The local runtime: the probe agent in a cached venv holding exactly the pinned vLLM wheel, no GPU needed.
+"""The local runtime: the probe agent in a cached venv holding exactly the pinned engine wheel, no GPU needed.
 
 The environment itself (built once per wheel sha256 and Python, verified against the wheel's own RECORD before
 every use) is :mod:`audit.runtimes.environment`'s. The agent runs in a subprocess of that venv with a minimal,
@@ -82,9 +82,10 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
             request.preflight(self.stand_in_fit(request, env, stub, plan))
         log = request.run_dir / "agent.log"
         started = datetime.now(timezone.utc)
-        progress("stage", text=f"resolving {len(request.cells)} cells with vLLM {request.pin.vllm_version}")
+        engine = request.pin.engine_contract
+        progress("stage", text=f"resolving {len(request.cells)} cells with {engine.title} {request.pin.version}")
         with open(log, "wb") as fh:
-            proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.resolve.agent", str(plan)],
+            proc = subprocess.Popen([str(env / "bin" / "python"), "-m", engine.resolve_agent, str(plan)],
                                     stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                     env={**self._env(env, stub, request.run_dir, request.run_dir), **LIFELINE},
                                     cwd=str(request.run_dir), start_new_session=True)
@@ -110,7 +111,7 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
         return RunResult(evidence_dir=request.evidence_dir, missing=missing, info={
             "runtime": f"local venv ({env.name})", "python": py.get("python"),
             "mode": "resolve", "date": started.strftime("%Y-%m-%d"), "cuda_toolkit": self.toolkit_note(env),
-            "env_verified": self.verified[str(env)]["text"], "device_code": self.device_code(env),
+            "env_verified": self.verified[str(env)]["text"], "device_code": self.device_code(env, request.pin.engine_contract.device_code_packages),
         })
 
     def fit_cache(self, env: Path) -> Path:
@@ -138,7 +139,8 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
         out = request.run_dir / "stand-in-fit.json"
         log = request.run_dir / "stand-in-fit.log"
         with open(log, "wb") as fh:
-            proc = subprocess.Popen([str(env / "bin" / "python"), "-m", "probes.resolve.fitcheck", str(plan), str(out)],
+            proc = subprocess.Popen([str(env / "bin" / "python"), "-m", request.pin.engine_contract.fit_agent, str(plan),
+                                     str(out)],
                                     stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                     env={**self._env(env, stub, request.run_dir, request.run_dir), **LIFELINE},
                                     cwd=str(request.run_dir), start_new_session=True)
@@ -174,6 +176,9 @@ class LocalRuntime(PinEnvironments, RuntimeDefaults):
         if not cudastub.real_driver_present():
             raise EnvironmentBuildError("observe mode needs NVIDIA GPUs and their driver; none found here",
                                         step="observe", hint="resolve mode (the default) needs no GPU")
+        if not request.pin.engine_contract.observe_agent:
+            raise EnvironmentBuildError(f"observe mode is not built for {request.pin.engine_contract.title} yet",
+                                        step="observe", hint="audit this pin in resolve mode (the default)")
         env = self.ensure_env(request.pin, progress)
         write_model_dirs(request)
         stage_probes(request.run_dir)

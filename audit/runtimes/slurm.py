@@ -103,13 +103,16 @@ def enroot_uri(image_ref: str) -> str:
     return f"{registry}#{name}:{reference}"
 
 
-def agent_command_args(observe: bool, plan) -> list[str]:
-    """The agent a job runs: the resolve agent, or the observe agent serving the job's one cell."""
-    return ["-m", "probes.observe.agent", str(plan), "0"] if observe else ["-m", "probes.resolve.agent", str(plan)]
+def agent_command_args(observe: bool, plan, engine=None) -> list[str]:
+    """The agent a job runs: the engine's resolve agent, or its observe agent serving the job's one cell."""
+    from audit import engines
+
+    engine = engine or engines.get(engines.DEFAULT)
+    return ["-m", engine.observe_agent, str(plan), "0"] if observe else ["-m", engine.resolve_agent, str(plan)]
 
 
 def agent_command(request: RunRequest, plan) -> list[str]:
-    return agent_command_args(request.mode == "observe", plan)
+    return agent_command_args(request.mode == "observe", plan, request.pin.engine_contract)
 
 
 def pyxis_srun_args(*, pin: Pin, placement: Placement, run_dir: Path, plan: str, env: dict[str, str],
@@ -132,7 +135,7 @@ def pyxis_srun_args(*, pin: Pin, placement: Placement, run_dir: Path, plan: str,
         "--no-container-mount-home", "--no-container-remap-root", "--no-container-entrypoint",
         "--container-workdir=/tmp",
         f"--export={exports}",
-        "python3", *agent_command_args(observe, plan),
+        "python3", *agent_command_args(observe, plan, pin.engine_contract),
     ]
 
 

@@ -55,28 +55,31 @@ NO_DEVICE_CODE = "probes.core.fence:NoDeviceCode"
 
 
 def stop_rule(*, in_vllm: bool, assertion: bool, raise_line: bool | None, cause: str | None,
-              message: str, fed_no_weights: bool = False, raised_in: str = "", type_name: str = "") -> tuple[str, str]:
-    """(outcome, rule) for an exception that stopped a step of the simulation: ``refused`` when vLLM's own
-    code said no (an explicit ``raise`` in a vLLM source file, not an assertion, not chained from another
-    exception, not about the simulation), else ``limit``: the simulation could not go further. Shared by
+              message: str, fed_no_weights: bool = False, raised_in: str = "", type_name: str = "",
+              engine: str = "vLLM") -> tuple[str, str]:
+    """(outcome, rule) for an exception that stopped a step of the simulation: ``refused`` when the engine's own
+    code said no (an explicit ``raise`` in one of the engine's source files, not an assertion, not chained from
+    another exception, not about the simulation), else ``limit``: the simulation could not go further. Shared by
     the post-load stage (live exceptions) and the host (recorded tracebacks of construction stops);
-    *raise_line* None means the raising line is unknown, *cause* names the chained exception;
-    *fed_no_weights* says the step ran ``load_weights`` on an empty stream, where the loading's own check on
-    the tensors it received (raised by *raised_in*, a weight-loading function, or naming the checkpoint or
-    missing weights) is the simulation's doing."""
+    *in_vllm* says the raising frame is in the engine's own source (named so for the first engine, whose records
+    predate the others); *engine* names the engine in the rule's words; *raise_line* None means the raising line
+    is unknown, *cause* names the chained exception; *fed_no_weights* says the step ran ``load_weights`` on an
+    empty stream, where the loading's own check on the tensors it received (raised by *raised_in*, a
+    weight-loading function, or naming the checkpoint or missing weights) is the simulation's doing."""
+    e = engine
     if type_name == NO_DEVICE_CODE:
-        return "refused", ("the library vLLM selected carries no code for this GPU's SM (read from what it ships): "
+        return "refused", (f"the library {e} selected carries no code for this GPU's SM (read from what it ships): "
                            "on the device, loading fails here")
     if not in_vllm:
-        return "limit", "raised outside vLLM (torch, a compiled op, a library, or a stand-in)"
+        return "limit", f"raised outside {e} (torch, a compiled op, a library, or a stand-in)"
     if assertion:
-        return "limit", "an assertion in vLLM about the tensors it was given (meta tensors)"
+        return "limit", f"an assertion in {e} about the tensors it was given (meta tensors)"
     if raise_line is False:
-        return "limit", "raised by a call inside vLLM's line (an op or extension), not a vLLM check"
+        return "limit", f"raised by a call inside {e}'s line (an op or extension), not a {e} check"
     if cause is not None:
-        return "limit", f"vLLM re-raised {cause} from a call it made"
+        return "limit", f"{e} re-raised {cause} from a call it made"
     if SIMULATION_WORDS.search(message):
-        return "limit", "vLLM's message names the simulation (meta tensors, the stub driver)"
+        return "limit", f"{e}'s message names the simulation (meta tensors, the stub driver)"
     if fed_no_weights and (WEIGHT_LOADING_FUNCTION.search(raised_in) or WEIGHT_CHECK_WORDS.search(message)):
-        return "limit", "vLLM's weight loading checked the tensors it received; the simulation feeds none"
-    return "refused", "an explicit raise in vLLM's own code"
+        return "limit", f"{e}'s weight loading checked the tensors it received; the simulation feeds none"
+    return "refused", f"an explicit raise in {e}'s own code"

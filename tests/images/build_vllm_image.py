@@ -68,7 +68,7 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
     full_version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
                                   check=True, capture_output=True, text=True).stdout.strip()
     key = image_key(pin, full_version)
-    tag = f"serving-truth-test/vllm:{pin.vllm_version}-{key}"
+    tag = f"serving-truth-test/vllm:{pin.version}-{key}"
     found = find_image(client, tag)
     if found is not None:
         return {"image_id": found.id, "tag": tag, "cached": True}
@@ -133,7 +133,7 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
                  "'cuda': torch.version.cuda, 'vllm': m.version('vllm')}))"],
                 env=env, check=True, capture_output=True, text=True).stdout
             facts = json.loads(info.strip().splitlines()[-1])
-            if not facts["cuda"] or facts["vllm"] != pin.vllm_version:
+            if not facts["cuda"] or facts["vllm"] != pin.version:
                 raise SystemExit(f"the image would hold {facts}: not the pinned vLLM with a CUDA torch")
         finally:
             _umount_all(rootfs)
@@ -148,7 +148,7 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
             "ENV VIRTUAL_ENV=/opt/venv",
             "ENV LANG=C.UTF-8",
             f"LABEL {LABEL}={key}",
-            f"LABEL org.opencontainers.image.title=vllm-{pin.vllm_version}-test",
+            f"LABEL org.opencontainers.image.title=vllm-{pin.version}-test",
             'CMD ["python3"]',
         ]
         if nvcc:  # a toolkit at CUDA_HOME, as vLLM's images carry one
@@ -191,7 +191,7 @@ def lock_entry(pin: lockmod.Pin, image_id: str, tag: str) -> str:
     return (
         "[[pin]]\n"
         f'name = "{pin.name}-image"\n'
-        f'vllm_version = "{pin.vllm_version}"\n'
+        f'vllm_version = "{pin.version}"\n'
         f'python = "{pin.python}"\n'
         f'image_config_digest = "{image_id}"\n'
         f'note = "built on this machine by tests/images/build_vllm_image.py ({tag}) from {pin.wheel}"\n'

@@ -1,0 +1,83 @@
+"""Kimi-K3 on SGLang: its serving layouts in SGLang's flags, the layer classes SGLang builds, and the lanes the ledger
+reports, each read from a record of SGLang's own answer (``probes/engines/sglang/cell.py``).
+
+Where a lane is a choice of SGLang's model runner rather than of a layer (the attention backends), the value is the
+runner's, recorded on every layer of the kind SGLang built; where the layer holds it (the experts' quantization
+method and MoE runner), it is read off each built layer.
+"""
+from __future__ import annotations
+
+from audit.profiles import Lane, Profile, Source
+from audit.systems import Layout
+
+#: K3's MegaMoE on SGLang: DeepGEMM MegaMoE is an all-to-all backend (it forces the expert-parallel size to the TP
+#: size), not a runner name
+LAYOUTS: dict[str, Layout] = {l.name: l for l in (
+    Layout("tp8", "single-node TP8", ("--tp", "8"), 8),
+    Layout("tp16", "two-node TP16 (rank 0 of node 0)", ("--tp", "16", "--nnodes", "2", "--node-rank", "0",
+                                                       "--dist-init-addr", "127.0.0.1:5000"), 16),
+    Layout("dep8", "DP-attention 8 + EP8 with DeepGEMM MegaMoE (--moe-a2a-backend megamoe)",
+           ("--tp", "8", "--dp-size", "8", "--enable-dp-attention", "--moe-a2a-backend", "megamoe"), 8),
+    Layout("dp8-ep", "DP-attention 8 + EP8, no all-to-all backend (--ep-size 8)",
+           ("--tp", "8", "--dp-size", "8", "--enable-dp-attention", "--ep-size", "8"), 8),
+    Layout("tp8-fp8kv", "single-node TP8, fp8 KV cache (--kv-cache-dtype fp8_e4m3)",
+           ("--tp", "8", "--kv-cache-dtype", "fp8_e4m3"), 8, opt_in=True),
+    # SGLang-only options that change the experts' kernel
+    Layout("tp8-fimxfp4", "single-node TP8, FlashInfer MXFP4 experts asked for (--moe-runner-backend flashinfer_mxfp4)",
+           ("--tp", "8", "--moe-runner-backend", "flashinfer_mxfp4"), 8, opt_in=True,
+           note="SGLang's own default picks this runner on SM 10.x only; asked for, it serves SM 9.0 and 12.0 with "
+                "FlashInfer's CUTLASS MXFP4 kernels too."),
+    Layout("tp8-marlin", "single-node TP8, Marlin experts asked for (--moe-runner-backend marlin)",
+           ("--tp", "8", "--moe-runner-backend", "marlin"), 8, opt_in=True),
+)}
+
+KIMI_K3 = Profile(
+    name="kimi-k3",
+    title="Kimi-K3",
+    architecture="KimiK3ForConditionalGeneration",
+    config_package_path="kimi-k3/config.json",
+    warm_imports=(),
+    engine="sglang",
+    layer_classes={
+        "KimiK3DeltaAttention": "kda",
+        "KimiK3MLAAttention": "mla",
+        "KimiK3MoE": "moe",
+        "KimiK3MLP@mlp": "dense",
+    },
+    layouts=LAYOUTS,
+    lanes=(
+        Lane("moe", "Routed experts", "moe", "all", (
+            # the MoE block's forward takes MegaMoE in place of its experts module where it decided so
+            Source("construct", "moe.block", ("attrs.mega_experts",), label="MegaMoE"),
+            Source("construct", "moe.flashinfer", ("attrs.fi_kernel", "attrs.runner")),
+            Source("construct", "moe.experts", ("attrs.runner",),
+                   extra=("attrs.quant_method", "attrs.experts_cls", "attrs.moe_a2a_backend", "attrs.use_mega_moe")),)),
+        Lane("kda.prefill", "KDA prefill", "kda", "prefill", (Source("construct", "kda.backends", ("attrs.prefill",)),)),
+        Lane("kda.decode", "KDA decode", "kda", "decode", (Source("construct", "kda.backends", ("attrs.decode",)),)),
+        Lane("kda.spec_verify", "KDA spec-verify", "kda", "spec-verify",
+             (Source("construct", "kda.backends", ("attrs.verify",)),),
+             exercised_if=("attrs.speculative_algorithm", "no speculative decoding in this layout")),
+        Lane("mla.decode", "MLA attention (decode)", "mla", "decode",
+             (Source("construct", "mla.backends", ("attrs.decode",)),)),
+        Lane("mla.prefill", "MLA prefill", "mla", "prefill", (Source("construct", "mla.backends", ("attrs.prefill",)),)),
+        Lane("mla.spec_verify", "MLA spec-verify", "mla", "spec-verify",
+             (Source("construct", "mla.backends", ("attrs.verify", "attrs.verify_mode")),),
+             exercised_if=("attrs.speculative_algorithm", "no speculative decoding in this layout")),
+        Lane("dense", "Dense MLP linears", "dense", "all", (
+            Source("module", r"\.mlp\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),)),
+        Lane("shared", "Shared-expert linears", "moe", "all", (
+            Source("module", r"\.shared_experts\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),)),
+    ),
+    kind_titles={"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP"},
+    ledger_notes={
+        "glossary": (
+            ("SiTU", "Kimi-K3's gated activation in its experts; a kernel that does not whitelist it cannot serve them"),
+            ("KDA / MLA", "K3's two attention kinds: Kimi Delta Attention (linear, recurrent state) and multi-head "
+                          "latent attention"),
+            ("runner", "SGLang's MoE runner (`MoeRunnerBackend`) and, for FlashInfer MXFP4, the FlashInfer kernel "
+                       "family its quantization method picked (`_fi_kernel`)"),
+        ),
+        "layer_numbers": "Layer numbers are SGLang's 0-based module indices (`language_model.model.layers.N`).",
+        "candidates_of": "MLA layers",
+    },
+)

@@ -1,0 +1,336 @@
+"""One SGLang cell in resolve mode: the stages SGLang's own code runs for a (system, layout), and what SGLang
+decided, read from SGLang.
+
+Stages (each recorded with its outcome; a failing one is evidence, not a crash):
+
+* ``config``: ``prepare_server_args`` on the layout's ``sglang serve`` arguments, then ``publish`` (which runs
+  SGLang's whole resolution pipeline, ``resolve_once``). Every kernel-choosing field's resolved value is read
+  with SGLang's ``resolution_result``, and who declared it with SGLang's declaration stash
+  (``_resolved_overrides``): the values declared before the last one are the defaults SGLang replaced.
+* ``distributed``: this process as rank 0 of the layout's world on torch's fake process group; SGLang's own
+  ``init_distributed_environment``, ``initialize_model_parallel`` and DP-attention setup.
+* ``construct``: SGLang's model loader's ``_initialize_model`` on the meta device (every layer's ``__init__``
+  ran, the MoE runner included: SGLang builds it in the MoE layer's constructor).
+* ``inspect``: each built block's class, and what the experts' quantization method and runner hold.
+
+Nothing here picks a backend: the records are SGLang's answers. What SGLang reads of the device is the simulated
+GPU's (``probes.engines.sglang.platform``).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+
+from probes.core import fence
+from probes.core.recorder import describe
+from probes.core.stages import Stage, StageFailed
+from probes.engines.sglang import platform
+from probes.resolve import simulate
+
+#: how the evidence names the command a layout's arguments follow (``argv[2]`` is the model directory)
+LAUNCH = ("sglang.launch_server", "--model-path")
+
+#: the resolved server arguments that choose a kernel or a lane's shape, read from SGLang's resolution
+DECISIONS = (
+    "attention_backend", "prefill_attention_backend", "decode_attention_backend", "speculative_attention_mode",
+    "speculative_algorithm", "speculative_draft_attention_backend", "speculative_moe_runner_backend",
+    "linear_attn_backend", "linear_attn_decode_backend", "linear_attn_prefill_backend", "linear_attn_verify_backend",
+    "mamba_backend", "moe_runner_backend", "moe_a2a_backend", "ep_size", "tp_size", "dp_size",
+    "enable_dp_attention", "attn_dp_size", "kv_cache_dtype", "page_size", "flashinfer_mxfp4_moe_precision",
+    "enable_w4a4_mxfp4_megamoe", "device", "disable_cuda_graph", "cuda_graph_max_bs", "chunked_prefill_size",
+    "disable_shared_experts_fusion", "boundary_reduction",
+)
+
+#: attributes of the experts' quantization method that say which kernel family its ``apply`` takes
+QUANT_METHOD_FACTS = ("use_flashinfer", "use_marlin", "use_deep_gemm", "use_triton_kernels", "use_mega_moe",
+                      "_fi_kernel", "_use_sm90_humming", "flashinfer_mxfp4_moe_precision")
+
+
+def serve_argv(plan: dict, cell: dict) -> list[str]:
+    """``sglang.launch_server --model-path MODEL <layout args>``: ``<model>`` in an argument is the model
+    directory."""
+    model = cell["model_dir"]
+    args = [str(a).replace("<model>", model) for a in cell["layout"]["serve_args"]]
+    return [*LAUNCH, model, *args, *plan.get("serve_args", [])]
+
+
+def run_cell(plan: dict, cell: dict, rec, error) -> None:
+    system, layout = cell["system"], cell["layout"]
+    argv = serve_argv(plan, cell)
+    rec.update_header(argv=argv)
+    rec.emit("job", system=system, layout=layout, argv=argv)
+    if error is not None:
+        raise StageFailed("imports")
+    simulate.set_simulated(system, layout["world_size"])
+    try:
+        _stages(plan, cell, rec, argv)
+    finally:
+        rec.emit("availability", **_availability())
+        rec.emit("simulated", items=dict(sorted(simulate.SIMULATED.items())),
+                 device={"name": system["device_name"], "capability": list(system["capability"]),
+                         "total_memory_gib": system["total_memory_gib"], "sm_count": system["sm_count"],
+                         "device_count": layout["world_size"]})
+        rec.emit("standin_fit", items=dict(sorted(fence.FIT.items())))
+
+
+def _stages(plan: dict, cell: dict, rec, argv: list[str]) -> None:
+    with Stage(rec, "config"):
+        from sglang.srt.runtime_context import publish
+        from sglang.srt.server_args import prepare_server_args
+
+        sa = prepare_server_args(list(argv[1:]))
+        _publish(sa)
+        mc = _record_decisions(sa, rec)
+    with Stage(rec, "distributed"), platform.cuda_allocations_to_meta():
+        _init_distributed(sa, mc, rec)
+    with Stage(rec, "construct"):
+        model = _construct(sa, rec)
+    with Stage(rec, "inspect"):
+        _inspect(model, sa, mc, rec)
+
+
+def _publish(sa) -> None:
+    """SGLang's ``publish`` as its scheduler process calls it for rank 0 (its resolution pipeline runs here)."""
+    import inspect
+
+    from sglang.srt import runtime_context as rc
+
+    if "ranks" in inspect.signature(rc.publish).parameters:
+        rc.publish(sa, role="scheduler", ranks=rc.SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    else:
+        rc.publish(sa, role="scheduler")
+
+
+def _record_decisions(sa, rec):
+    """SGLang's resolved value of each deciding field (``resolution_result``), what the user passed
+    (``_raw_input``), and every declaration of the field in order (source, value): the stash is SGLang's own."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    stash = list(getattr(sa, "_resolved_overrides", None) or ())
+    raw = dict(getattr(sa, "_raw_input", None) or {})
+    from sglang.srt.configs.model_config import ModelConfig
+
+    mc = ModelConfig.from_server_args(sa)
+    rec.emit("config", architecture=list(getattr(mc.hf_config, "architectures", []) or []),
+             quantization=str(mc.quantization), dtype=str(mc.dtype), attention_arch=str(mc.attention_arch),
+             tp_size=int(resolution_result(sa, "tp_size") or 1), dp_size=int(resolution_result(sa, "dp_size") or 1),
+             ep_size=int(resolution_result(sa, "ep_size") or 1))
+    for field in DECISIONS:
+        if not hasattr(sa, field):
+            continue
+        declared = [[str(source), describe(fields[field])] for source, fields in stash if field in fields]
+        rec.emit("select", target=f"server_args.{field}", scope="", result=describe(resolution_result(sa, field)),
+                 raw=describe(raw.get(field, getattr(sa, field, None))), declared=declared)
+    return mc
+
+
+def _init_distributed(sa, mc, rec) -> None:
+    """Rank 0 of the layout's world on torch's fake process group, then SGLang's own parallel runtime: the entry its
+    scheduler calls (``bootstrap.init_parallel_runtime`` and ``init_layer_runtime``; 0.5.19's
+    ``init_torch_distributed`` with the rank-0 ``ParallelState`` its scheduler builds)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    world = int(parallel.tp_size) * int(parallel.pp_size)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    real_new_group = dist.new_group
+
+    @fence.guard("torch.distributed")
+    def new_group(ranks=None, *args, **kwargs):
+        kwargs["backend"] = "fake"
+        return fence.foreign(real_new_group, ranks, *args, **kwargs)
+
+    dist.new_group = new_group
+    simulate.SIMULATED["torch.distributed"] = f"fake process group, this process is rank 0 of {world}"
+    orig_init = ps.GroupCoordinator.__init__
+    platform.check_fit("sglang GroupCoordinator")
+
+    @fence.guard("sglang GroupCoordinator")
+    def coordinator_init(self, *args, **kwargs):
+        import inspect
+
+        bound = inspect.signature(orig_init).bind(self, *args, **kwargs)
+        for name in list(bound.arguments):
+            if name.startswith("use_"):  # every device communicator (NCCL, custom all-reduce, ...): none is built
+                bound.arguments[name] = False
+        fence.foreign(orig_init, *bound.args, **bound.kwargs)
+
+    ps.GroupCoordinator.__init__ = coordinator_init
+    simulate.SIMULATED["sglang GroupCoordinator"] = (
+        "built without device communicators or broadcasters (every use_* argument False): the groups exist with "
+        "their ranks; no collective is run in resolve mode")
+    if hasattr(bootstrap, "init_parallel_runtime"):
+        bootstrap.init_parallel_runtime(server_args=sa, device="cuda", dist_port=1)
+        bootstrap.init_layer_runtime(model_config=mc)
+    else:
+        from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+        from sglang.srt.layers.dp_attention import compute_dp_attention_world_info
+
+        attn_tp_rank, attn_tp_size, attn_dp_rank, attn_dp_size = compute_dp_attention_world_info(
+            parallel.enable_dp_attention, 0, parallel.tp_size, parallel.dp_size, parallel.attn_cp_size)
+        state = ParallelState(
+            tp_rank=0, tp_size=parallel.tp_size, pp_rank=0, pp_size=parallel.pp_size,
+            dp_rank=0 if parallel.dp_size > 1 else None, dp_size=parallel.dp_size, attn_tp_rank=attn_tp_rank,
+            attn_tp_size=attn_tp_size, attn_cp_rank=0, attn_cp_size=parallel.attn_cp_size, attn_dcp_rank=0,
+            attn_dcp_size=parallel.dcp_size, attn_dp_rank=attn_dp_rank, attn_dp_size=attn_dp_size, moe_ep_rank=0,
+            moe_ep_size=parallel.ep_size, moe_dp_rank=0, moe_dp_size=parallel.moe_dp_size, gpu_id=0)
+        bootstrap.init_torch_distributed(server_args=sa, model_config=mc, device="cuda", ps=state, dist_port=1,
+                                         is_draft_worker=False, local_omp_cpuid=None)
+    rec.emit("distributed", world_size=world)
+
+
+def _construct(sa, rec):
+    import torch
+
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    initialize_moe_config()
+    for module, fn in (("sglang.srt.layers.quantization.fp8_utils", "initialize_fp8_gemm_config"),
+                       ("sglang.srt.layers.quantization.fp4_utils", "initialize_fp4_gemm_config")):
+        getattr(importlib.import_module(module), fn)()
+    mc = ModelConfig.from_server_args(sa)
+    lc = LoadConfig(load_format="dummy")
+    qc = _get_quantization_config(mc, lc)
+    simulate.stand_in_cuda_streams()
+    with set_default_torch_dtype(mc.dtype), simulate.meta_device_mode():
+        model = _initialize_model(mc, lc, qc)
+    rec.emit("model", cls=f"{type(model).__module__}:{type(model).__qualname__}",
+             quant_config=type(qc).__name__ if qc is not None else None)
+    return model
+
+
+def _inspect(model, sa, mc, rec) -> None:
+    """The decoder layers' blocks as SGLang built them (``scope`` records: layer kinds come from these classes),
+    and per layer what SGLang chose for it: the experts' quantization method and MoE runner as built, and the
+    attention backends of the runner that serves each attention layer, from SGLang's own functions
+    (``runtime_context.attention_backends``, ``resolve_linear_attn_backends``)."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+    from sglang.srt.layers.moe import utils as moe_utils
+
+    mla = _mla_backends(sa)
+    kda = _kda_backends(mc)
+    moe_globals = {"moe_runner_backend": describe(moe_utils.get_moe_runner_backend()),
+                   "moe_a2a_backend": describe(moe_utils.get_moe_a2a_backend())}
+    spec = describe(resolution_result(sa, "speculative_algorithm"))
+    for name, module in model.named_modules():
+        layer = _layer(name)
+        if layer is None or name.startswith(("vision_tower.", "mm_projector.")):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        cls = type(module)
+        qual = f"{cls.__module__}:{cls.__qualname__}"
+        if leaf in ("self_attn", "mlp") and name.endswith(f"layers.{layer}.{leaf}"):
+            rec.emit("scope", target="scope.block", prefix=name, cls=qual)
+        if leaf == "mlp" and hasattr(module, "_use_mega_moe"):
+            # the MoE block's own decision whether its forward routes the experts through MegaMoE
+            # (``_forward_mega_experts``) instead of its experts module
+            mega = bool(getattr(module, "_use_mega_moe"))
+            rec.emit("construct", target="moe.block", scope=name, cls=qual, attrs={
+                "use_mega_moe": mega,
+                "mega_experts": f"{cls.__name__}._forward_mega_experts" if mega else None,
+                "ep_a2a": describe(getattr(module, "_ep_a2a", None)),
+                "defer_moe_finalize": describe(getattr(module, "_defer_moe_finalize", None))})
+        if leaf == "self_attn":
+            kind = cls.__name__
+            if "MLA" in kind:
+                rec.emit("construct", target="mla.backends", scope=name, cls=qual,
+                         attrs={**mla, "speculative_algorithm": spec})
+            elif kda is not None:
+                rec.emit("construct", target="kda.backends", scope=name, cls=qual,
+                         attrs={**kda, "speculative_algorithm": spec})
+        if name.endswith(".mlp.experts"):
+            qm = getattr(module, "quant_method", None)
+            runner = getattr(qm, "runner", None)
+            attrs = {k: describe(getattr(qm, k)) for k in QUANT_METHOD_FACTS if hasattr(qm, k)}
+            attrs["runner_backend"] = describe(getattr(runner, "runner_backend", None)) if runner is not None else None
+            attrs["quant_method"] = type(qm).__name__ if qm is not None else None
+            attrs["experts_cls"] = cls.__name__
+            attrs.update(moe_globals)
+            # what the experts run with: the runner their quantization method built, or, where it built none (its
+            # apply calls the kernel itself), the resolved global runner backend
+            attrs["runner"] = attrs["runner_backend"] or attrs["moe_runner_backend"]
+            rec.emit("construct", target="moe.experts", scope=name, cls=qual, attrs=attrs)
+            if attrs.get("_fi_kernel"):  # the FlashInfer entry its quantization method picked for this GPU
+                rec.emit("construct", target="moe.flashinfer", scope=name, cls=qual,
+                         attrs={"fi_kernel": attrs["_fi_kernel"], "runner": attrs["runner"]})
+        if leaf in ("gate_up_proj", "down_proj") and ".mlp." in name and ".experts" not in name:
+            qm = getattr(module, "quant_method", None)
+            rec.emit("module", name=name, layer=layer, facts={"quant_method": type(qm).__name__ if qm else None,
+                                                              "cls": cls.__name__})
+
+
+def _mla_backends(sa) -> dict:
+    """The (prefill, decode) pair SGLang's runner serves MLA with (``runtime_context.attention_backends``), and the
+    backend speculative verification runs on (``speculative_attention_mode`` names which of the two)."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+    from sglang.srt.runtime_context import attention_backends
+
+    prefill, decode = attention_backends()
+    mode = resolution_result(sa, "speculative_attention_mode")
+    return {"prefill": describe(prefill), "decode": describe(decode), "verify_mode": describe(mode),
+            "verify": describe(decode if mode == "decode" else prefill)}
+
+
+def _kda_backends(mc) -> dict | None:
+    """The linear-attention runner's per-phase kernels, from SGLang's ``resolve_linear_attn_backends`` with the
+    prefill default its attention registry gives a KDA runner (``flashinfer_kda_prefill_default``, where the release
+    has one; it reads only the runner's model config, so the runner stand-in carries just that)."""
+    try:
+        from sglang.srt.layers.attention.linear.utils import resolve_linear_attn_backends
+    except ImportError:
+        return None
+    prefill_default = None
+    try:
+        from sglang.srt.layers.attention.linear.kda_backend import flashinfer_kda_prefill_default
+    except ImportError:
+        flashinfer_kda_prefill_default = None
+    if flashinfer_kda_prefill_default is not None:
+        class _Runner:  # an object SGLang's function reads one attribute of
+            model_config = mc
+
+        prefill_default = flashinfer_kda_prefill_default(_Runner())
+        simulate.SIMULATED["sglang ModelRunner (KDA prefill default)"] = (
+            "an object carrying only the model config, handed to SGLang's flashinfer_kda_prefill_default")
+    b = resolve_linear_attn_backends(prefill_default=prefill_default)
+    return {"prefill": describe(b.prefill.value), "decode": describe(b.decode.value),
+            "verify": describe(b.verify.value), "prefill_default": describe(prefill_default)}
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def _availability() -> dict:
+    """SGLang's own answers on the optional packages it reads (``get_platform().has_flashinfer`` and the import
+    checks in ``utils.common``), asked after the cell ran."""
+    out = {}
+    try:
+        from sglang.srt.runtime_context import get_platform
+
+        out["flashinfer"] = bool(get_platform().has_flashinfer)
+    except Exception as exc:
+        out["flashinfer"] = f"unknown ({type(exc).__name__})"
+    for key, module in (("deep_gemm", "deep_gemm"), ("sgl_kernel", "sgl_kernel"), ("triton_kernels", "triton_kernels")):
+        try:
+            out[key] = importlib.util.find_spec(module) is not None
+        except Exception as exc:
+            out[key] = f"unknown ({type(exc).__name__})"
+    return out
+
+
+__all__ = ["DECISIONS", "LAUNCH", "run_cell", "serve_argv"]

@@ -151,6 +151,9 @@ class BackendLabels:
     term: str
     kernels: dict[str, dict]
     families: dict[str, str] = field(default_factory=dict)
+    #: the labels are kernel names the lane's value shows in place of the backend string (False: the labels are the
+    #: harness's own derived names, used for verdicts and labels.json only; the value stays the engine's words)
+    values_are_kernels: bool = True
 
 
 @dataclass(frozen=True)

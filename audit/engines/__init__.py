@@ -44,6 +44,11 @@ class Engine:
     #: with the model (``<model>``) named
     serve: str = ""
     serve_model: str = ""
+    #: what the ledger says the engine reads of the declared host facts (``audit/pins/hosts.py``)
+    host_reads: str = ""
+    #: what each construction stage of its resolve agent ran (the ledger's stage table); empty: the shared wording
+    #: (``audit.report.routing.STAGE_MEANING``, the first engine's)
+    stage_meaning: dict = field(default_factory=dict, compare=False, hash=False)
     #: the import check run in a freshly built environment: prints JSON with the engine's version as ``engine``
     env_probe: str = ""
     #: the inventory keys whose value is the engine's own version and commit (the agent reads them in-process)
@@ -68,6 +73,7 @@ VLLM = Engine(
     reports_folder="", resolve_agent="probes.resolve.agent", fit_agent="probes.resolve.fitcheck",
     observe_agent="probes.observe.agent", device_code_packages=("vllm",), framework="vllm",
     serve="vllm serve", serve_model="vllm serve <model>",
+    host_reads="vLLM's own availability checks read these (FlashInfer's, DeepGEMM's, TRT-LLM attention's)",
     env_probe=_probe("vllm"), inventory_keys=("vllm", "vllm_commit"),
 )
 
@@ -77,6 +83,16 @@ SGLANG = Engine(
     fit_agent="probes.engines.sglang.fitcheck",
     observe_agent="", device_code_packages=("sgl_kernel",), framework="sglang",
     serve="sglang serve --model-path <model>", serve_model="sglang serve --model-path <model>",
+    host_reads=("which of these SGLang's own checks read is not declared yet; they are stated as the environment held "
+                "them"),
+    stage_meaning={
+        "imports": "SGLang's server arguments and runtime context imported under the simulated platform",
+        "config": "ServerArgs parsed from the `sglang serve` arguments and resolved by SGLang's own pipeline "
+                  "(publish, resolve_once)",
+        "distributed": "SGLang's parallel runtime initialised (fake process group, rank 0)",
+        "construct": "model constructed on the meta device by SGLang's model loader (every layer's __init__ ran)",
+        "inspect": "constructed modules inspected",
+    },
     env_probe=_probe("sglang"), inventory_keys=("sglang", "sglang_commit"),
 )
 

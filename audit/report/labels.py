@@ -33,6 +33,13 @@ def derive(profile: Profile, lane: str, group: dict, label_map: dict[str, str]) 
     if source == STEP_PATH_SOURCE and path is not None:  # a step the model's own path takes: its kernels serve it
         part = short(fields[0]).lower() if fields else lane.split(".", 1)[0]
         return f"vllm_{path.family}_{part}", path.family, f"{path.owner} serves this step"
+    backend = profile.backend_labels
+    if backend is not None and lane in backend.kernels:  # the lane's value is a backend string the profile maps
+        if not fields:
+            return "unknown", "unknown", "no evidence"
+        label = backend.kernels[lane].get(fields[0], "unknown")
+        family = label_map.get(label) or backend.families.get(label, "unknown")
+        return label, family, "label map" if label in label_map else "backend -> family table"
     if lane == MOE_LANE:
         for scheme in profile.scheme_parts():  # experts recorded by class, not through the oracle
             if source in scheme.experts_labels and fields:
@@ -47,13 +54,6 @@ def derive(profile: Profile, lane: str, group: dict, label_map: dict[str, str]) 
             return label, label_map[label], "label map"
         family = profile.moe_family(backend)
         return label, family, "backend -> family table"
-    backend = profile.backend_labels
-    if backend is not None and lane in backend.kernels:  # the lane's value is a backend string the profile maps
-        if not fields:
-            return "unknown", "unknown", "no evidence"
-        label = backend.kernels[lane].get(fields[0], "unknown")
-        family = label_map.get(label) or backend.families.get(label, "unknown")
-        return label, family, "label map" if label in label_map else "backend -> family table"
     if lane.startswith(("mla.", "attention.")):  # an attention lane's value is the backend class vLLM chose
         cls = short(fields[0]) if fields else ""
         return cls.lower() or "unknown", ATTN_FAMILY.get(cls, "unknown"), "attention class -> family table"

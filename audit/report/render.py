@@ -422,6 +422,14 @@ def _verdict_view(routing: dict) -> dict:
                                    if r["claim"] and r["verdict"] == "UNVERIFIED")}
 
 
+def _in_words(texts: dict, engine) -> dict:
+    """Shared wording written with the first engine's name, in *engine*'s."""
+    if engine.name == engines.DEFAULT:
+        return texts
+    first = engines.get(engines.DEFAULT).title
+    return {k: v.replace(first, engine.title) for k, v in texts.items()}
+
+
 def view_model(routing: dict, *, profile, reproduce: str) -> dict:
     """Everything the ledger's template shows, from the routing (and the model's profile for its words)."""
     check_model(routing, profile)
@@ -439,14 +447,14 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
         # the engine's words: its name, the pin's version and build under the engine's own keys, its serve command
         "E": engine.title, "pin_version": engine.version_of(routing["pin"]),
         "run_commit": (routing.get("run") or {}).get(engine.commit_key, ""),
-        "serve": engine.serve, "serve_model": engine.serve_model,
+        "serve": engine.serve, "serve_model": engine.serve_model, "host_reads": engine.host_reads,
         "pin": {"image_config_digest": "", "image_tarball": "", **routing["pin"]},
         "run": {"vllm_commit": "", "runtime": "?", "python": "", "mode": "resolve", "date": "?",
                 "cuda_toolkit": "not recorded", "aborted": None, "image": None, "architecture_note": "",
                 "inventory": None, "slice": None, **routing.get("run", {})},
         "harness_version": __version__, "systems": systems, "sm_families": _sm_families(systems),
         "host_facts": [f for f in HOST_FACTS if f != "cuda"], "no_device_code": NO_DEVICE_CODE,
-        "claim_words": _claim_words(routing, profile), "flags": FLAGS, "layouts": layouts,
+        "claim_words": _claim_words(routing, profile), "flags": _in_words(FLAGS, engine), "layouts": layouts,
         "matrices": _matrices(routing, cells, systems, layouts, lane_ids, profile),
         "audited_cells": [f"{c['system']}/{c['layout']}" for c in cells],
         "details": _details(routing, cells, systems, layouts, lane_ids, profile),
@@ -463,7 +471,7 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
         **_environment(cells, routing, profile),
         "memo_rejected": int((routing.get("run") or {}).get("memo_rejected", 0)),
         "levels": sorted(set().union(*[_levels(c) for c in cells])), "level_text": EVIDENCE_LEVELS,
-        "stage_order": STAGE_ORDER, "stage_meaning": STAGE_MEANING, "reproduce": reproduce,
+        "stage_order": STAGE_ORDER, "stage_meaning": {**STAGE_MEANING, **engine.stage_meaning}, "reproduce": reproduce,
         **_verdict_view(routing),
         "lane_titles": lane_titles, "kind_titles": profile.kind_titles,
         "model_notes": {"glossary": (), "layer_numbers": f"Layer numbers are {engine.title}'s 0-based module indices.",

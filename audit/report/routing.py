@@ -76,11 +76,12 @@ def collapse(per_layer: dict[int, object], raw: dict[int, dict] | None = None) -
 
 
 def _argv(argv: list) -> list:
-    """The cell's ``vllm serve`` argv with the run's model directory (argv[2], also inside an argument that names a
-    draft in it) spelled ``<model-dir>``: the same evidence renders the same ledger, whatever the run's path."""
+    """The cell's serve argv (the engine's command in argv[0:2], ``vllm serve``) with the run's model directory
+    (argv[2], also inside an argument that names a draft in it) spelled ``<model-dir>``: the same evidence renders
+    the same ledger, whatever the run's path."""
     model = str(argv[2]) if len(argv) > 2 else None
-    return argv[:1] + ["serve", "<model-dir>"] + [a.replace(model, "<model-dir>") if model and isinstance(a, str) else a
-                                                  for a in argv[3:]]
+    return argv[:2] + ["<model-dir>"] + [a.replace(model, "<model-dir>") if model and isinstance(a, str) else a
+                                         for a in argv[3:]]
 
 
 def _field(record: dict, path: str):
@@ -606,7 +607,9 @@ def _model_lanes(f: EvidenceFile, profile: Profile, post: dict | None, state) ->
     candidates vLLM tried, from that model's records (*f*: a view, audit.evidence.files.model_view)."""
     lanes, candidates = {}, {}
     readings = {**POSTLOAD_READINGS, **profile.postload_readings}
-    kernels = profile.backend_labels.kernels if profile.backend_labels is not None else {}
+    # a lane's value names the kernel its backend string enters where the profile's labels are kernel names
+    kernels = profile.backend_labels.kernels if profile.backend_labels is not None and \
+        profile.backend_labels.values_are_kernels else {}
     wide = profile.model_state.key if profile.model_state is not None else None
     for lane in profile.lanes:
         if state is None and any(s.kind == "postload" and s.target == wide for s in lane.sources):

@@ -25,6 +25,8 @@ GPU makes leaves the claim UNVERIFIED, never guessed.
 """
 from __future__ import annotations
 
+from audit import engines
+
 from dataclasses import dataclass, replace
 
 from audit.profiles import MOE_LANE
@@ -483,6 +485,7 @@ def attach(routing: dict, exp: Expectations, profile, *, display_path: str) -> d
     """Judge and store the verdicts in the routing model (so ledger and diff see them)."""
     rows = judge(routing, exp, profile)
     rows += unjudgeable(routing, exp, rows, profile)
+    rows = _in_engine_words(rows, profile)
     routing["verdicts"] = {"expectations": display_path, "summary": summary(rows), "rows": rows,
                            # the claims' label map (kernel source -> backend family): labels.json and the PR
                            # summary read a kernel in the claims' words from routing.json alone
@@ -494,6 +497,17 @@ def attach(routing: dict, exp: Expectations, profile, *, display_path: str) -> d
                                        **({"dispatch": dict(c.dispatch)} if c.dispatch else {})}
                                       for c in exp.claims]}
     return routing
+
+
+def _in_engine_words(rows: list[dict], profile) -> list[dict]:
+    """The verdicts' reasons name the engine that decided: they are written with the first engine's name, which the
+    profile's engine's replaces for every other engine (its contract, ``audit/engines``)."""
+    engine = engines.get(profile.engine)
+    if engine.name == engines.DEFAULT:
+        return rows
+    first = engines.get(engines.DEFAULT).title
+    return [{**r, "why": str(r.get("why") or "").replace(first, engine.title)} if first in str(r.get("why") or "")
+            else r for r in rows]
 
 
 def whole_lane_row(rows: list[dict], c: dict) -> dict | None:

@@ -51,30 +51,34 @@ def _module_present(dotted: str) -> bool:
     return False
 
 
-def fingerprint(plan: dict | None = None, *, packages: tuple = (), modules: tuple = ()) -> dict:
+def fingerprint(plan: dict | None = None, *, packages: tuple = (), modules: tuple = (), shared: bool = True,
+                env_prefixes: tuple = ()) -> dict:
     """What in this process's install and environment can change vLLM's choices: the shared packages and modules,
     and the audited model's own (*packages*, *modules*: its probes package's).
 
     Variables the harness set (``plan["harness_env"]``, e.g. CUDA_HOME in the local runtime, where it
     is stated in the provenance instead) are left out; values of variables the user passed through
-    by name (``plan["redact_env"]``) and of anything that looks like a credential are redacted.
+    by name (``plan["redact_env"]``) and of anything that looks like a credential are redacted. ``shared=False``: only
+    the caller's packages, modules and variable prefixes (another engine's probes: the shared lists are the first
+    engine's).
     """
     plan = plan or {}
     harness = set(_HARNESS_ENV) | set(plan.get("harness_env", ()))
     redact = set(plan.get("redact_env", ()))
     pkgs = {}
-    for name in dict.fromkeys(FINGERPRINT_PACKAGES + tuple(packages)):
+    for name in dict.fromkeys((FINGERPRINT_PACKAGES if shared else ()) + tuple(packages)):
         try:
             pkgs[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
     env = {}
     for k, v in sorted(os.environ.items()):
-        if k.startswith(FINGERPRINT_ENV_PREFIXES) and k not in harness:
+        if k.startswith((FINGERPRINT_ENV_PREFIXES if shared else ()) + tuple(env_prefixes)) and k not in harness:
             env[k] = REDACTED if k in redact or any(w in k.upper() for w in _SECRET_WORDS) else v
     return {
         "packages": pkgs,
-        "modules": {mod: _module_present(mod) for mod in dict.fromkeys(FINGERPRINT_MODULES + tuple(modules))},
+        "modules": {mod: _module_present(mod) for mod in dict.fromkeys((FINGERPRINT_MODULES if shared else ())
+                                                                        + tuple(modules))},
         "tools": {t: bool(shutil.which(t)) for t in FINGERPRINT_TOOLS},
         "env": env,
         "python": sys.version.split()[0],

@@ -7,7 +7,7 @@ method and MoE runner), it is read off each built layer.
 """
 from __future__ import annotations
 
-from audit.profiles import Lane, Profile, Source
+from audit.profiles import BackendLabels, JudgedLane, Lane, Profile, Source
 from audit.systems import Layout
 
 #: K3's MegaMoE on SGLang: DeepGEMM MegaMoE is an all-to-all backend (it forces the expert-parallel size to the TP
@@ -69,6 +69,34 @@ KIMI_K3 = Profile(
             Source("module", r"\.shared_experts\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),)),
     ),
     kind_titles={"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP"},
+    # the perf database's SGLang rows for K3 label the routed experts by their W4A8 lane (MXFP8 activations): the
+    # FlashInfer trtllm-gen kernels and the MegaMoE module; KDA and MLA are not judged on SGLang yet (their kernels
+    # have no vocabulary here)
+    judged=(JudgedLane("moe", "moe", "w4a8_mxfp4_mxfp8", "prefill+decode", ("decode", "prefill", "verify")),),
+    perf_lanes={"w4a8_mxfp4_mxfp8": "moe"},
+    # derived labels (this harness's) for what the experts run with, by the first field of the lane's record: the
+    # FlashInfer entry Mxfp4MoEMethod picked, the MoE runner SGLang built, or the MoE block's MegaMoE forward; each
+    # family from SGLang's source (FlashInfer's trtllm_sm100 entry is trtllm-gen's fused MoE; its SM90/SM120 entries
+    # are FlashInfer's CUTLASS fused MoE; MegaMoE calls DeepGEMM's fp8_fp4_mega_moe)
+    backend_labels=BackendLabels(
+        term="experts value",
+        kernels={"moe": {
+            "trtllm_sm100": "sglang_mxfp4_flashinfer_trtllm_sm100",
+            "cutlass_sm90": "sglang_mxfp4_flashinfer_cutlass_sm90",
+            "cutlass_sm120": "sglang_mxfp4_flashinfer_cutlass_sm120",
+            "MoeRunnerBackend.TRITON": "sglang_mxfp4_triton",
+            "MoeRunnerBackend.TRITON_KERNELS": "sglang_mxfp4_triton_kernels",
+            "MoeRunnerBackend.MARLIN": "sglang_mxfp4_marlin",
+            "MoeRunnerBackend.DEEP_GEMM": "sglang_mxfp4_deep_gemm",
+            "KimiK3MoE._forward_mega_experts": "deepgemm_megamoe",
+        }},
+        families={"sglang_mxfp4_flashinfer_trtllm_sm100": "flashinfer_trtllm_gen",
+                  "sglang_mxfp4_flashinfer_cutlass_sm90": "cutlass", "sglang_mxfp4_flashinfer_cutlass_sm120": "cutlass",
+                  "sglang_mxfp4_triton": "triton", "sglang_mxfp4_triton_kernels": "triton",
+                  "sglang_mxfp4_marlin": "marlin", "sglang_mxfp4_deep_gemm": "deepgemm",
+                  "deepgemm_megamoe": "deepgemm"},
+        values_are_kernels=False,
+    ),
     ledger_notes={
         "glossary": (
             ("SiTU", "Kimi-K3's gated activation in its experts; a kernel that does not whitelist it cannot serve them"),

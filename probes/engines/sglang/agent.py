@@ -21,6 +21,14 @@ from probes.core.plan import read_plan
 from probes.core.stages import Stage, StageFailed
 from probes.resolve.agent import _ended, _fork, _listdir, _wait, cell_dir, describe_exit, plan_slots, split_groups
 
+#: packages, modules and variables whose presence or value can change what SGLang selects (the evidence's fingerprint)
+FINGERPRINT_PACKAGES = ("sglang", "torch", "triton", "transformers", "sglang-kernel", "sgl-deep-gemm", "sgl-deep-ep",
+                        "sgl-flash-mla", "flashinfer-python", "flashinfer-cubin", "flash-attn-4", "nvidia-cutlass-dsl",
+                        "cuda-tile", "tilelang", "quack-kernels", "humming-kernels", "triton-kernels",
+                        "compressed-tensors", "cuda-python", "nvidia-cuda-nvcc", "xgrammar", "ninja")
+FINGERPRINT_MODULES = ("sgl_kernel", "deep_gemm", "flashinfer", "triton_kernels", "flash_mla", "cutlass", "tilelang")
+FINGERPRINT_ENV_PREFIXES = ("SGLANG_", "SGL_", "CUDA_", "TRITON_", "FLASHINFER_", "DG_", "TORCH_CUDA_ARCH", "PYTORCH_")
+
 #: what an SM process imports before forking its cells (each cell imports the rest itself)
 SM_IMPORTS = ("sglang.srt.server_args", "sglang.srt.arg_groups.overrides", "sglang.srt.runtime_context")
 
@@ -104,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
     from probes.core.environment import fingerprint
 
-    rec.emit("fingerprint", **fingerprint(plan, packages=("sglang", "sglang-kernel", "sgl-kernel", "sgl-deep-gemm",
-                                                          "flashinfer-python", "cuda-tile", "triton-kernels"),
-                                          modules=("sgl_kernel", "deep_gemm", "flashinfer", "triton_kernels")))
+    rec.emit("fingerprint", **fingerprint(plan, shared=False, packages=FINGERPRINT_PACKAGES,
+                                          modules=FINGERPRINT_MODULES, env_prefixes=FINGERPRINT_ENV_PREFIXES))
     parallel = max(1, int(plan.get("parallel", 1)))
     queues = plan_slots(split_groups(plan["cells"], parallel), parallel)
     running: dict[int, tuple[int, list]] = {}

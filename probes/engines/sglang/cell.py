@@ -71,6 +71,11 @@ def run_cell(plan: dict, cell: dict, rec, error) -> None:
                  device={"name": system["device_name"], "capability": list(system["capability"]),
                          "total_memory_gib": system["total_memory_gib"], "sm_count": system["sm_count"],
                          "device_count": layout["world_size"]})
+        for piece in platform.FIT_TARGETS:  # every stand-in's and reader's fit, whether or not this cell reached it
+            try:
+                platform.check_fit(piece)
+            except ImportError as exc:
+                fence.FIT[piece] = f"does not fit: {platform.FIT_TARGETS[piece][0]} does not import ({exc})"
         rec.emit("standin_fit", items=dict(sorted(fence.FIT.items())))
 
 

@@ -628,9 +628,10 @@ def render_run(run_dir: str | Path, *, lock_path: str | Path = "images.lock",
                 f"{died} of {len(routing['cells'])} cell(s) left no evidence (their process died, was killed or its "
                 "job failed)" if died else "",
                 f"{len(faulty)} of {len(routing['cells'])} cell(s) stopped at a harness fault (the harness's own code "
-                "raised inside vLLM's process; see Harness faults)" if faulty else "",
+                f"raised inside {pin.engine_contract.title}'s process; see Harness faults)" if faulty else "",
                 f"{len(misfits)} stand-in(s) do not fit this release ({', '.join(sorted(misfits))}): what the "
-                "simulation ran past them may not be vLLM's code as released (see What was simulated)"
+                f"simulation ran past them may not be {pin.engine_contract.title}'s code as released (see What was "
+                "simulated)"
                 if misfits else "") if part)}
     beside = _beside_run or incomplete
     target_root = run_dir / INCOMPLETE_REPORTS if beside else Path(reports_dir)

@@ -385,7 +385,7 @@ class HarnessFaultError(RunIncomplete):
                      f"({first['type'].split(':')[-1]}: {first['message'][:200]}) in {len(self.cells)} cell(s): the "
                         "audit is INCOMPLETE and reports/ was not changed")
         self.args = (self.message,)
-        self.hint = ("the harness's own code raised inside vLLM's process; the INCOMPLETE ledger's 'Harness faults' "
+        self.hint = ("the harness's own code raised inside the engine's process; the INCOMPLETE ledger's 'Harness faults' "
                      "section has the traceback: fix that piece of the harness and audit again")
 
 

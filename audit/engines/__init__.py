@@ -44,6 +44,8 @@ class Engine:
     #: with the model (``<model>``) named
     serve: str = ""
     serve_model: str = ""
+    #: the serving command's name (``vllm serve``), as prose names a configuration of it
+    command: str = ""
     #: what the ledger says the engine reads of the declared host facts (``audit/pins/hosts.py``)
     host_reads: str = ""
     #: what each construction stage of its resolve agent ran (the ledger's stage table); empty: the shared wording
@@ -72,7 +74,7 @@ VLLM = Engine(
     name="vllm", title="vLLM", package="vllm", version_key="vllm_version", commit_key="vllm_commit", python="3.12",
     reports_folder="", resolve_agent="probes.resolve.agent", fit_agent="probes.resolve.fitcheck",
     observe_agent="probes.observe.agent", device_code_packages=("vllm",), framework="vllm",
-    serve="vllm serve", serve_model="vllm serve <model>",
+    serve="vllm serve", serve_model="vllm serve <model>", command="vllm serve",
     host_reads="vLLM's own availability checks read these (FlashInfer's, DeepGEMM's, TRT-LLM attention's)",
     env_probe=_probe("vllm"), inventory_keys=("vllm", "vllm_commit"),
 )
@@ -82,7 +84,7 @@ SGLANG = Engine(
     python="3.11", reports_folder="sglang", resolve_agent="probes.engines.sglang.agent",
     fit_agent="probes.engines.sglang.fitcheck",
     observe_agent="", device_code_packages=("sgl_kernel",), framework="sglang",
-    serve="sglang serve --model-path <model>", serve_model="sglang serve --model-path <model>",
+    serve="sglang serve --model-path <model>", serve_model="sglang serve --model-path <model>", command="sglang serve",
     host_reads=("which of these SGLang's own checks read is not declared yet; they are stated as the environment held "
                 "them"),
     stage_meaning={

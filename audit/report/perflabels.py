@@ -12,6 +12,8 @@ data out: the same routing always gives the same file.
 """
 from __future__ import annotations
 
+from audit import engines
+
 import json
 
 from audit.errors import RenderError
@@ -103,7 +105,7 @@ def build_labels(routing: dict, profile, label_map: dict[str, str] | None = None
         if cell.get("status") == "INCOMPLETE":
             skipped.append({"system": system, "layout": layout, "why": "the cell did not finish"})
             continue
-        refused = cell_refused(cell)
+        refused = cell_refused(cell, engines.get(profile.engine).title)
         if refused:  # nothing serves there: a label would describe a server that never starts
             skipped.append({"system": system, "layout": layout, "why": refused})
             continue

@@ -7,6 +7,7 @@ all ask here. A simulation limit is never a refusal.
 """
 from __future__ import annotations
 
+from audit import engines
 from audit.lanevalue import short
 from audit.report import dispatch
 from probes.core import tiers
@@ -14,16 +15,18 @@ from probes.core import tiers
 STAGES = ("construction", "load", "dispatch")
 
 
-def cell_refused(cell: dict) -> str | None:
-    """Why vLLM refuses to serve this cell's configuration at all (its own check raised at construction or at
-    load), or None. A simulation limit is no refusal: the layers it reached keep their labels."""
+def cell_refused(cell: dict, engine: str = "") -> str | None:
+    """Why the engine (*engine*: its name, the first engine's where not given) refuses to serve this cell's
+    configuration at all (its own check raised at construction or at load), or None. A simulation limit is no
+    refusal: the layers it reached keep their labels."""
+    engine = engine or engines.get(engines.DEFAULT).title
     r = cell.get("load_refused")
     if r:
-        return (f"vLLM refuses to load it: {r.get('function', '')} raised {short(r.get('type', ''))}: "
+        return (f"{engine} refuses to load it: {r.get('function', '')} raised {short(r.get('type', ''))}: "
                 f"{r.get('message', '')}")
     f = cell.get("failure") or {}
     if f.get("outcome") == "refused":
-        return (f"vLLM refuses to build it ({f.get('stage', '')}): {short(f.get('type', ''))}: "
+        return (f"{engine} refuses to build it ({f.get('stage', '')}): {short(f.get('type', ''))}: "
                 f"{f.get('message', '')}")
     return None
 
@@ -83,7 +86,7 @@ def cell_refusals(cell: dict, profile) -> list[dict]:
     stage = refused_stage(cell)
     if stage is not None:
         r = cell.get("load_refused") if stage == "load" else cell.get("failure") or {}
-        return [{"stage": stage, "why": cell_refused(cell), "lanes": [], "at": "",
+        return [{"stage": stage, "why": cell_refused(cell, engines.get(profile.engine).title), "lanes": [], "at": "",
                  "raised": f"{short(r.get('type', ''))}: {r.get('message', '')}"}]
     out: dict[tuple, dict] = {}
     for lane, groups in (cell.get("lanes") or {}).items():

@@ -520,7 +520,7 @@ def pr_summary(d: dict, old: dict, new: dict, profile) -> str:
     if engine.name == engines.DEFAULT:
         return text
     first = engines.get(engines.DEFAULT)
-    return text.replace(f"`{first.serve} ", f"`{engine.serve} ").replace(first.title, engine.title)
+    return text.replace(f"`{first.command}`", f"`{engine.command}`").replace(first.title, engine.title)
 
 
 def _pr_summary(d: dict, old: dict, new: dict, profile) -> str:

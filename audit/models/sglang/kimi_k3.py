@@ -22,6 +22,19 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
            ("--tp", "8", "--dp-size", "8", "--enable-dp-attention", "--ep-size", "8"), 8),
     Layout("tp8-fp8kv", "single-node TP8, fp8 KV cache (--kv-cache-dtype fp8_e4m3)",
            ("--tp", "8", "--kv-cache-dtype", "fp8_e4m3"), 8, opt_in=True),
+    Layout("tp8-dspark", "single-node TP8 + DSpark speculative decoding (--speculative-algorithm DSPARK)",
+           ("--tp", "8", "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", "<model>/draft"), 8,
+           opt_in=True, draft_config="kimi-k3/drafts/dspark-sglang/config.json",
+           note="No DSpark draft for K3 is published: the draft's config.json was written for this harness from what "
+                "SGLang's DSpark parser requires (audit/data/kimi-k3/drafts/dspark-sglang/README.md says each value's "
+                "source). The target is built and judged with SGLang's DSpark settings; the draft model itself is not "
+                "built here."),
+    Layout("tp8-eagle3", "single-node TP8 + EAGLE3 speculative decoding (a Llama-style EAGLE3 draft)",
+           ("--tp", "8", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "<model>/draft"), 8,
+           opt_in=True, draft_config="kimi-k3/drafts/eagle3/config.json",
+           note="No EAGLE3 draft for K3 is published: the draft's config.json (LlamaForCausalLMEagle3, a class SGLang "
+                "serves too) was written for this harness (audit/data/kimi-k3/drafts/eagle3/README.md). The target is "
+                "built and judged; the draft model itself is not built here."),
     # SGLang-only options that change the experts' kernel
     Layout("tp8-fimxfp4", "single-node TP8, FlashInfer MXFP4 experts asked for (--moe-runner-backend flashinfer_mxfp4)",
            ("--tp", "8", "--moe-runner-backend", "flashinfer_mxfp4"), 8, opt_in=True,

@@ -19,7 +19,6 @@ GPU's (``probes.engines.sglang.platform``).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 
 from probes.core import fence
@@ -81,7 +80,6 @@ def run_cell(plan: dict, cell: dict, rec, error) -> None:
 
 def _stages(plan: dict, cell: dict, rec, argv: list[str]) -> None:
     with Stage(rec, "config"):
-        from sglang.srt.runtime_context import publish
         from sglang.srt.server_args import prepare_server_args
 
         sa = prepare_server_args(list(argv[1:]))
@@ -192,8 +190,6 @@ def _init_distributed(sa, mc, rec) -> None:
 
 
 def _construct(sa, rec):
-    import torch
-
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.moe import initialize_moe_config
@@ -321,8 +317,8 @@ def _layer(name: str) -> int | None:
 
 
 def _availability() -> dict:
-    """SGLang's own answers on the optional packages it reads (``get_platform().has_flashinfer`` and the import
-    checks in ``utils.common``), asked after the cell ran."""
+    """SGLang's own answers on the optional packages it reads, asked after the cell ran: ``get_platform()``'s
+    ``has_flashinfer`` (what is installed at all is the fingerprint's)."""
     out = {}
     try:
         from sglang.srt.runtime_context import get_platform
@@ -330,11 +326,6 @@ def _availability() -> dict:
         out["flashinfer"] = bool(get_platform().has_flashinfer)
     except Exception as exc:
         out["flashinfer"] = f"unknown ({type(exc).__name__})"
-    for key, module in (("deep_gemm", "deep_gemm"), ("sgl_kernel", "sgl_kernel"), ("triton_kernels", "triton_kernels")):
-        try:
-            out[key] = importlib.util.find_spec(module) is not None
-        except Exception as exc:
-            out[key] = f"unknown ({type(exc).__name__})"
     return out
 
 

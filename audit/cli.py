@@ -492,9 +492,9 @@ def _pins(args, out) -> int:
         for pin in sorted_pins(lock):
             out.print(pin.name, markup=False, highlight=False)
         return ExitCode.OK
-    t = Table("pin", "vLLM", "runtimes", "wheel sha256 / image", "from")
-    for pin in sorted_pins(lock):  # release order; builds from branches without a release tag last
-        t.add_row(pin.name, pin.version, ", ".join(pin.runtimes),
+    t = Table("pin", "engine", "version", "runtimes", "wheel sha256 / image", "from")
+    for pin in sorted_pins(lock):  # release order per engine; builds from branches without a release tag last
+        t.add_row(pin.name, pin.engine_contract.title, pin.version, ", ".join(pin.runtimes),
                   (pin.wheel_sha256[:16] + "…") if pin.wheel_sha256 else pin.image,
                   _pin_source(pin))
     out.print(t)

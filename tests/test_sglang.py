@@ -133,3 +133,11 @@ def test_the_comparison_puts_both_engines_side_by_side(audited, tmp_path):
     assert row["right"] == "trtllm_mla" and row["right_evidence"].startswith("resolved")
     again = _cli("compare", "v0.33.0", PIN, "--reports", str(tmp_path))
     assert again.returncode == 0 and (tmp_path / "compare" / f"v0.33.0..{PIN}.md").read_text(encoding="utf-8") == md
+
+
+def test_verify_pins_covers_an_sglang_pin(sglang_env):
+    """One cell per SM family with the fences on, every stand-in's fit, SGLang's availability answer against a plain
+    import: the harness fits the pinned SGLang release."""
+    res = _cli("verify-pins", "--pins", PIN)
+    assert res.returncode == ExitCode.OK, res.stdout[-3000:] + res.stderr[-2000:]
+    assert f"{PIN}: ok (" in res.stdout and "all 1 pin(s) passed" in res.stderr

@@ -483,9 +483,11 @@ def _pin_order(pin: Pin) -> tuple:
 
 
 def sorted_pins(lock: Lock) -> list[Pin]:
-    """The lock's pins in release order (PEP 440: dev < rc < release < post); pins of one version keep the
-    order of the lock file, unplaced builds (see :func:`is_placed`) come last in the order of the file."""
-    return sorted(lock.pins.values(), key=_pin_order)
+    """The lock's pins in release order (PEP 440: dev < rc < release < post), each engine's apart (the first engine's
+    first, then the others in the registry's order); pins of one version keep the order of the lock file, unplaced
+    builds (see :func:`is_placed`) come last in the order of the file."""
+    order = list(engines.ENGINES)
+    return sorted(lock.pins.values(), key=lambda p: (_pin_order(p)[0], order.index(p.engine), _pin_order(p)))
 
 
 def previous_pin(lock: Lock, name: str, *, releases_only: bool = False) -> Pin | None:

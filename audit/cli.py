@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             left, right = lock.get(args.pin), lock.get(args.with_pin)  # unknown pins are bad input
             md, data = write_compare(args.reports, left.name, models.for_pin(args.model, left), right.name,
                                      models.for_pin(args.model, right))
-            err.print(f"{len(data['tables'])} table(s), {data['differ']} row(s) read differently")
+            err.print(f"{len(data['tables'])} table(s) of {len(data['lanes'])} lane(s) both engines declare")
             out.print(str(md))
             return ExitCode.OK
         if args.command == "accept":

@@ -38,8 +38,6 @@ def _value(side: dict, system: str, layout: str, lane: str) -> tuple[str, str]:
     cell = side["cells"].get((system, layout))
     if cell is None:
         return "not audited", "—"
-    if lane not in side["order"]:
-        return f"— (not a lane of {side['engine']}'s profile)", "—"
     if cell["status"] == "INCOMPLETE":
         return "INCOMPLETE (no routing)", "—"
     groups = (cell.get("lanes") or {}).get(lane) or []
@@ -56,7 +54,8 @@ def compare(reports_dir: str | Path, left: str, left_profile, right: str, right_
         raise UsageError(f"a comparison is of one model: {left_profile.name} and {right_profile.name} differ")
     reports_dir = Path(reports_dir)
     a, b = _side(left, left_profile, reports_dir), _side(right, right_profile, reports_dir)
-    lanes = list(a["order"]) + [lane for lane in b["order"] if lane not in a["order"]]
+    lanes = [lane for lane in a["order"] if lane in b["order"]]
+    titles = {**b["titles"], **a["titles"]}
     shared_layouts = [n for n in left_profile.layouts if n in right_profile.layouts]
     tables = []
     for system in SYSTEMS.values():
@@ -69,7 +68,7 @@ def compare(reports_dir: str | Path, left: str, left_profile, right: str, right_
                 vb, eb = _value(b, system.name, name, lane)
                 title = a["titles"].get(lane) or b["titles"].get(lane) or lane
                 rows.append({"lane": lane, "title": title, "left": va, "left_evidence": ea, "right": vb,
-                             "right_evidence": eb, "same": va == vb})
+                             "right_evidence": eb})
             tables.append({"system": system.name, "device": system.device_name,
                            "sm": f"{system.capability[0]}.{system.capability[1]}", "layout": name,
                            "left_args": list(left_profile.layouts[name].serve_args),
@@ -77,15 +76,16 @@ def compare(reports_dir: str | Path, left: str, left_profile, right: str, right_
                            "left_title": left_profile.layouts[name].title,
                            "right_title": right_profile.layouts[name].title, "rows": rows})
     only = {"left": [n for n in left_profile.layouts if n not in right_profile.layouts],
-            "right": [n for n in right_profile.layouts if n not in left_profile.layouts]}
+            "right": [n for n in right_profile.layouts if n not in left_profile.layouts],
+            "left_lanes": [titles.get(lane, lane) for lane in a["order"] if lane not in b["order"]],
+            "right_lanes": [titles.get(lane, lane) for lane in b["order"] if lane not in a["order"]]}
     return {"model": left_profile.name, "title": left_profile.title,
             "left": {**{k: a[k] for k in ("pin", "engine", "version")},
                      "source": str(models.reports_root("reports", left_profile) / left / "routing.json")},
             "right": {**{k: b[k] for k in ("pin", "engine", "version")},
                       "source": str(models.reports_root("reports", right_profile) / right / "routing.json")},
             "serve": {"left": engines.get(left_profile.engine).serve, "right": engines.get(right_profile.engine).serve},
-            "lanes": lanes, "tables": tables, "only": only,
-            "differ": sum(1 for t in tables for r in t["rows"] if not r["same"])}
+            "lanes": lanes, "tables": tables, "only": only}
 
 
 def render(data: dict) -> str:

@@ -133,3 +133,19 @@ def test_a_fresh_audit_routes_every_committed_cell_the_same(vllm_env, tmp_path):
               for path in (tmp_path / "reports" / pin / "labels.json", REPORTS / pin / "labels.json")]
     assert only(labels[0]["rows"]) == only(labels[1]["rows"]) and labels[0]["rows"]
     assert only(labels[0]["not_labelled"]) == only(labels[1]["not_labelled"])
+
+
+def test_the_committed_comparison_is_its_routings_rendered():
+    """Issue 47: the side-by-side table of vLLM v0.33.0 and the newest SGLang pin is committed, and is what today's
+    code renders from the two committed routings (markdown and data, byte for byte)."""
+    from audit import models
+    from audit.report.compare import compare, render
+
+    newest = [p for p in lockmod.sorted_pins(LOCK) if p.engine == "sglang"][-1]
+    left, right = models.get("kimi-k3"), models.get("kimi-k3", "sglang")
+    stem = REPORTS / "compare" / f"v0.33.0..{newest.name}"
+    data = compare(REPORTS, "v0.33.0", left, newest.name, right)
+    md, js = stem.parent / f"{stem.name}.md", stem.parent / f"{stem.name}.json"
+    assert render(data) == md.read_text(encoding="utf-8"), f"run `make compare PIN=v0.33.0 WITH={newest.name}`"
+    assert json.loads(js.read_text(encoding="utf-8")) == json.loads(json.dumps(data))
+    assert len(data["tables"]) == 56 and {"moe", "mla.decode", "kda.prefill"} <= set(data["lanes"])

@@ -383,7 +383,7 @@ class PinEnvironments:
         _run([python, "-m", "venv", str(env)], step="create venv", remaining=left())
         py = str(env / "bin" / "python")
         resolution = self.resolution(pin, wheel, py, progress, left)
-        _run([find_uv(), "pip", "install", "--no-config", "--only-binary", ":all:", "--python", py, "--constraint",
+        _run([find_uv(), "pip", "install", "--no-config", "--python", py, "--constraint",
               str(resolution), *self._override_args(pin, env), str(wheel)],
              step=f"uv pip install {engine.package} wheel", env=self._uv_env(), timeout=5400, remaining=left())
         probe = _run([py, "-c", engine.env_probe], step="check torch", env=self._env(env, None), remaining=left())

@@ -48,6 +48,8 @@ class Engine:
     command: str = ""
     #: what the ledger says the engine reads of the declared host facts (``audit/pins/hosts.py``)
     host_reads: str = ""
+    #: how far its resolve agent runs the engine's code (the evidence levels its rows can have)
+    levels: tuple[str, ...] = ("construction", "post-load", "dispatch")
     #: what each construction stage of its resolve agent ran (the ledger's stage table); empty: the shared wording
     #: (``audit.report.routing.STAGE_MEANING``, the first engine's)
     stage_meaning: dict = field(default_factory=dict, compare=False, hash=False)
@@ -87,6 +89,7 @@ SGLANG = Engine(
     serve="sglang serve --model-path <model>", serve_model="sglang serve --model-path <model>", command="sglang serve",
     host_reads=("which of these SGLang's own checks read is not declared yet; they are stated as the environment held "
                 "them"),
+    levels=("construction",),
     stage_meaning={
         "imports": "SGLang's server arguments and runtime context imported under the simulated platform",
         "config": "ServerArgs parsed from the `sglang serve` arguments and resolved by SGLang's own pipeline "

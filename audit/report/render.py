@@ -448,6 +448,7 @@ def view_model(routing: dict, *, profile, reproduce: str) -> dict:
         "E": engine.title, "pin_version": engine.version_of(routing["pin"]),
         "run_commit": (routing.get("run") or {}).get(engine.commit_key, ""),
         "serve": engine.serve, "serve_model": engine.serve_model, "host_reads": engine.host_reads,
+        "engine_levels": engine.levels,
         "pin": {"image_config_digest": "", "image_tarball": "", **routing["pin"]},
         "run": {"vllm_commit": "", "runtime": "?", "python": "", "mode": "resolve", "date": "?",
                 "cuda_toolkit": "not recorded", "aborted": None, "image": None, "architecture_note": "",

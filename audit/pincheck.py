@@ -153,7 +153,8 @@ def check_pin(pin_name: str, profile: Profile, *, lock_path: str | Path = "image
                 res.skipped.append(f"{k}: {v}; not needed: {why}")
             else:
                 res.misfits.append(f"{k}: {v}")
-    res.host = host_problems(pin, routing)
+    # an engine whose releases ship no image recipe declares no host facts: nothing to check against
+    res.host = host_problems(pin, routing) if pin.engine_contract.declares_host else []
     plain = plain_imports(pin, progress)
     for key, modules in sorted(_answer_modules().items()):
         said, got = answers.get(key), plain.get(key, "?")

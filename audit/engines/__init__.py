@@ -48,6 +48,9 @@ class Engine:
     command: str = ""
     #: what the ledger says the engine reads of the declared host facts (``audit/pins/hosts.py``)
     host_reads: str = ""
+    #: its release pins declare their official image's host facts (images.lock ``[pin.host]``), read from the
+    #: release's image recipe; False where no recipe ships to read them from (verify-pins does not ask for them)
+    declares_host: bool = True
     #: how far its resolve agent runs the engine's code (the evidence levels its rows can have)
     levels: tuple[str, ...] = ("construction", "post-load", "dispatch")
     #: what each construction stage of its resolve agent ran (the ledger's stage table); empty: the shared wording
@@ -89,7 +92,7 @@ SGLANG = Engine(
     serve="sglang serve --model-path <model>", serve_model="sglang serve --model-path <model>", command="sglang serve",
     host_reads=("which of these SGLang's own checks read is not declared yet; they are stated as the environment held "
                 "them"),
-    levels=("construction",),
+    levels=("construction",), declares_host=False,
     stage_meaning={
         "imports": "SGLang's server arguments and runtime context imported under the simulated platform",
         "config": "ServerArgs parsed from the `sglang serve` arguments and resolved by SGLang's own pipeline "

@@ -507,24 +507,11 @@ def _nullcontext():
 
 def _init_fake_distributed(vllm_config, rec) -> None:
     """Make this process rank 0 of the layout's world with torch's fake process group."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from vllm.distributed import parallel_state as ps
 
     pc = vllm_config.parallel_config
     world = pc.world_size_across_dp if pc.data_parallel_size > 1 else pc.world_size
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    real_new_group = dist.new_group
-
-    @fence.guard("torch.distributed")
-    def new_group(ranks=None, *args, **kwargs):
-        kwargs["backend"] = "fake"
-        return fence.foreign(real_new_group, ranks, *args, **kwargs)
-
-    dist.new_group = new_group
-    simulate.SIMULATED["torch.distributed"] = f"fake process group, this process is rank 0 of {world}"
+    simulate.fake_world(world)
     orig_init = ps.GroupCoordinator.__init__
 
     @fence.guard("vllm GroupCoordinator")

@@ -314,6 +314,36 @@ def install_platform():
     return instance
 
 
+def is_cuda_device(dev) -> bool:
+    """Whether a ``device`` argument names a CUDA device (a torch.device, ``"cuda"``/``"cuda:N"``, an index)."""
+    import torch
+
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, int)
+
+
+def fake_world(world: int) -> None:
+    """This process as rank 0 of *world* on torch's fake process group, every further group fake too (a fenced
+    stand-in for ``torch.distributed.new_group``), stated in :data:`SIMULATED`."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    real_new_group = dist.new_group
+
+    @fence.guard("torch.distributed")
+    def new_group(ranks=None, *args, **kwargs):
+        kwargs["backend"] = "fake"
+        return fence.foreign(real_new_group, ranks, *args, **kwargs)
+
+    dist.new_group = new_group
+    SIMULATED["torch.distributed"] = f"fake process group, this process is rank 0 of {world}"
+
+
 def meta_device_mode():
     """The meta device as the default device (``with torch.device("meta")``), plus explicit
     ``device='cuda'`` allocations sent to the meta device too.
@@ -327,13 +357,7 @@ def meta_device_mode():
     from torch.utils._device import DeviceContext, _device_constructors
 
     meta = torch.device("meta")
-
-    def _is_cuda(dev) -> bool:
-        if isinstance(dev, torch.device):
-            return dev.type == "cuda"
-        if isinstance(dev, str):
-            return dev.startswith("cuda")
-        return isinstance(dev, int)
+    _is_cuda = is_cuda_device
 
     ctors = _device_constructors()  # torch's own set of factory functions (cached, the same object every call)
 

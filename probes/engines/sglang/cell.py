@@ -132,26 +132,13 @@ def _init_distributed(sa, mc, rec) -> None:
     """Rank 0 of the layout's world on torch's fake process group, then SGLang's own parallel runtime: the entry its
     scheduler calls (``bootstrap.init_parallel_runtime`` and ``init_layer_runtime``; 0.5.19's
     ``init_torch_distributed`` with the rank-0 ``ParallelState`` its scheduler builds)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from sglang.srt.distributed import bootstrap
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
     world = int(parallel.tp_size) * int(parallel.pp_size)
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    real_new_group = dist.new_group
-
-    @fence.guard("torch.distributed")
-    def new_group(ranks=None, *args, **kwargs):
-        kwargs["backend"] = "fake"
-        return fence.foreign(real_new_group, ranks, *args, **kwargs)
-
-    dist.new_group = new_group
-    simulate.SIMULATED["torch.distributed"] = f"fake process group, this process is rank 0 of {world}"
+    simulate.fake_world(world)
     orig_init = ps.GroupCoordinator.__init__
     platform.check_fit("sglang GroupCoordinator")
 

@@ -65,11 +65,7 @@ def cuda_allocations_to_meta():
     meta = torch.device("meta")
 
     def _is_cuda(dev) -> bool:
-        if isinstance(dev, torch.device):
-            return dev.type == "cuda"
-        if isinstance(dev, str):
-            return dev.startswith("cuda")
-        return isinstance(dev, int) and not isinstance(dev, bool)
+        return not isinstance(dev, bool) and simulate.is_cuda_device(dev)
 
     class _CudaToMeta(TorchFunctionMode):
         def __torch_function__(self, func, types_, args=(), kwargs=None):

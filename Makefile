@@ -91,11 +91,11 @@ lock-add: setup
 		$(if $(IMAGE_TAG),--image-tag $(call q,$(IMAGE_TAG))) $(if $(VLLM_VERSION),--vllm-version $(call q,$(VLLM_VERSION))) \
 		$(if $(VARIANT),--variant $(call q,$(VARIANT))) $(if $(INDEX_URL),--index-url $(call q,$(INDEX_URL)))
 
-# Build (root; cached) a local image carrying Python and PIN's vLLM wheel, and build/test-images.lock
+# Build (root; cached) a local image carrying Python and PIN's engine wheel (vLLM's, SGLang's), and build/test-images.lock
 # pinning it as <PIN>-image: then `make audit PIN=<PIN>-image RUNTIME=docker LOCK=build/test-images.lock`.
 test-image: setup
 	mkdir -p build
-	$(BIN)/python tests/images/build_vllm_image.py --pin $(call q,$(PIN)) --lock $(call q,$(LOCK)) --lock-out build/test-images.lock
+	$(BIN)/python tests/images/build_image.py --pin $(call q,$(PIN)) --lock $(call q,$(LOCK)) --lock-out build/test-images.lock
 
 # Re-render a ledger from a run directory's evidence: make render RUN=~/.cache/serving-truth/runs/...
 render: setup

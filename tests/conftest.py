@@ -93,7 +93,7 @@ def docker_client():
 def vllm_image(docker_client, vllm_env, tmp_path_factory):
     """An image carrying Python and the pinned vLLM wheel (built locally once, then cached by the
     engine), and a lock file pinning it by config digest as ``<pin>-image``."""
-    from tests.images.build_vllm_image import build, lock_entry
+    from tests.images.build_image import build, lock_entry
 
     from audit.pins import lock
 
@@ -102,6 +102,26 @@ def vllm_image(docker_client, vllm_env, tmp_path_factory):
     path = tmp_path_factory.mktemp("lock") / "images.lock"
     path.write_text((ROOT / "images.lock").read_text() + "\n" + lock_entry(pin, built["image_id"], built["tag"]))
     return {"lock": path, "pin": f"{VLLM_PIN}-image", "image_id": built["image_id"], "tag": built["tag"]}
+
+
+SGLANG_PIN = "sglang-0.5.23"
+
+
+@pytest.fixture(scope="session")
+def sglang_image(docker_client):
+    """An image carrying Python 3.11 and the pinned SGLang wheel under its shipped resolution (built locally once
+    from the audit's uv cache, which building the pin's environment first fills), and a lock file pinning it by
+    config digest as ``<pin>-image``."""
+    from tests.images.build_image import build, lock_entry
+
+    from audit.pins import lock
+    from audit.runtimes.local import LocalRuntime
+
+    pin = lock.load(ROOT / "images.lock").get(SGLANG_PIN)
+    LocalRuntime().ensure_env(pin, lambda *a, **k: None)
+    built = build(pin)
+    return {"lock_text": (ROOT / "images.lock").read_text() + "\n" + lock_entry(pin, built["image_id"], built["tag"]),
+            "pin": f"{SGLANG_PIN}-image", "image_id": built["image_id"], "tag": built["tag"]}
 
 
 def audit_beside_k3(tmp_path_factory, profile, systems: str, layouts: str) -> dict:

@@ -256,7 +256,9 @@ class DockerRuntime(RuntimeDefaults):
 
         mounts = [Mount(RUN_MOUNT, str(request.run_dir), type="bind", read_only=True)]
         kw = self._container_kwargs(request, image, ref, role="inventory", mounts=mounts, with_stub=False)
-        container = self.client.containers.create(command=["-m", "probes.core.inventory", "--cuda-symbols"], **kw)
+        engine = request.pin.engine_contract
+        container = self.client.containers.create(
+            command=["-m", "probes.core.inventory", "--engine", engine.package, "--cuda-symbols"], **kw)
         try:
             container.start()
             status = container.wait(timeout=600)
@@ -270,10 +272,20 @@ class DockerRuntime(RuntimeDefaults):
                              hint="the image needs python3 on PATH (Python >= 3.10)",
                              log_tail="\n".join(err.splitlines()[-30:]))
         try:
-            return json.loads(out.strip().splitlines()[-1])
+            inv = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
             raise ImageError(f"the inventory step printed no JSON inside {ref}", ref=ref,
                              log_tail="\n".join((out + err).splitlines()[-30:])) from None
+        held = inv.get("engine") or {}
+        if not held.get("installed"):
+            raise ImageError(f"{ref} holds no {engine.title} ({engine.package} is not importable in the image)",
+                             ref=ref, hint=f"pin {request.pin.name} is pinned to {engine.title} {request.pin.version}: "
+                                           f"its image must carry {engine.package} {request.pin.version}")
+        if held.get("version") != request.pin.version:
+            raise ImageError(f"{ref} holds {engine.title} {held.get('version')}, pin {request.pin.name} says "
+                             f"{request.pin.version}", ref=ref,
+                             hint="images.lock names another image for this pin, or the pin's version is wrong")
+        return inv
 
     # -- run -----------------------------------------------------------------------------------
     def platform_for(self, request: RunRequest) -> tuple[str, str]:
@@ -301,7 +313,12 @@ class DockerRuntime(RuntimeDefaults):
         stage_probes(request.run_dir)
         progress("stage", text="inventory of the image")
         inv = self._inventory(request, image, ref)
+        image_facts["verified"] += f", {request.pin.engine_contract.title} {request.pin.version} in the image"
         if request.mode == "observe":
+            if not request.pin.engine_contract.observe_agent:  # core refuses first; never run another engine's
+                raise RuntimeUnsupportedError(request.pin.name, runtime="docker", supported=[],
+                                              reason=f"observe mode is not built for "
+                                                     f"{request.pin.engine_contract.title}")
             return self._run_observe(request, progress, image, ref, image_facts, inv)
         if inv.get("gpu", {}).get("gpus"):
             raise ImageError("the container sees a GPU: resolve mode refuses to stand in for a real driver",
@@ -334,7 +351,7 @@ class DockerRuntime(RuntimeDefaults):
         missing = collect_missing(request, fallback_log=log)
         info = {
             "runtime": f"docker ({ref})", "python": inv.get("python", {}).get("version"), "mode": "resolve",
-            "date": started.strftime("%Y-%m-%d"), "image": image_facts, "inventory": _inventory_summary(inv),
+            "date": started.strftime("%Y-%m-%d"), "image": image_facts, "inventory": _inventory_summary(inv, request.pin),
             "cuda_toolkit": _toolkit_note(inv),
         }
         if arch_note:
@@ -383,13 +400,14 @@ class DockerRuntime(RuntimeDefaults):
                       ipc_mode="host")
             kw["tmpfs"] = {"/tmp": "rw,nosuid,nodev,size=64g,mode=1777"}
             progress("stage", text=f"serving {system.name}/{layout.name} inside {ref[:60]}")
-            container = self.client.containers.create(command=["-m", "probes.observe.agent", where(plan), str(i)], **kw)
+            container = self.client.containers.create(command=["-m", request.pin.engine_contract.observe_agent,
+                                                                        where(plan), str(i)], **kw)
             log = request.evidence_dir / cell / "agent.log"
             self._run_container(container, dataclasses.replace(request, cells=[(system, layout)]), progress, log)
         return RunResult(evidence_dir=request.evidence_dir, missing=collect_missing(request), info={
             "runtime": f"docker ({ref}) on this host's GPUs", "python": inv.get("python", {}).get("version"),
             "mode": "observe", "date": started.strftime("%Y-%m-%d"), "image": image_facts,
-            "inventory": _inventory_summary(inv), "cuda_toolkit": _toolkit_note(inv)})
+            "inventory": _inventory_summary(inv, request.pin), "cuda_toolkit": _toolkit_note(inv)})
 
     def _run_container(self, container, request: RunRequest, progress: Progress, log: Path) -> int:
         """Start, wait (progress, timeout), keep the log, and always remove the container."""
@@ -446,20 +464,24 @@ def _close_socket(sock) -> None:
             pass
 
 
-def _inventory_summary(inv: dict) -> dict:
+def _inventory_summary(inv: dict, pin: Pin) -> dict:
     """The provenance facts (the site-packages paths and the raw GPU query stay in run.json only)."""
     pk = inv.get("packages", {})
+    held = inv.get("engine", {})
+    providers = inv.get("deep_gemm_from") or {}
+    external = ", ".join(f"{name} {version or '(version unknown)'}" for name, version in sorted(providers.items())) \
+        or pk.get("deep-gemm") or "(version unknown)"
     return {
         "python": inv.get("python", {}).get("version"),
         "os": inv.get("os"),
         "machine": inv.get("machine"),
-        "vllm": inv.get("vllm", {}).get("version"),
-        "vllm_commit": inv.get("vllm", {}).get("commit"),
+        "engine": held.get("version"),
+        "engine_commit": held.get("commit"),
         "torch": inv.get("torch", {}).get("version"),
         "torch_cuda": inv.get("torch", {}).get("cuda"),
         "flashinfer": pk.get("flashinfer-python"),
-        "deep_gemm": ("external " + (pk.get("deep-gemm") or "(version unknown)")) if inv.get("deep_gemm_external")
-        else ("vendored in vLLM" if inv.get("vllm", {}).get("deep_gemm_vendored") else "absent"),
+        "deep_gemm": ("external: " + external) if inv.get("deep_gemm_external")
+        else (f"vendored in {pin.engine_contract.title}" if held.get("deep_gemm_vendored") else "absent"),
         "cutlass_dsl": pk.get("nvidia-cutlass-dsl"),
         "triton": pk.get("triton"),
         "gpus": inv.get("gpu", {}).get("gpus", []),

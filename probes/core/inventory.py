@@ -1,13 +1,15 @@
 """What an image (or environment) holds, read without importing vLLM or torch.
 
-    python -m probes.core.inventory [--cuda-symbols]
+    python -m probes.core.inventory [--engine PACKAGE] [--cuda-symbols]
 
-Prints one JSON object: Python, the packages that decide vLLM's kernel choices (vLLM version and
-git sha, torch and its CUDA, FlashInfer, DeepGEMM external or vendored, CUTLASS DSL, ...), the CUDA
-toolkit the image carries, the GPU and driver when one is visible, and with ``--cuda-symbols`` the
-CUDA driver functions its libraries import (the host builds the stub libcuda from that list).
-Versions come from package metadata and from reading ``vllm/_version.py`` and ``torch/version.py``
-as text, so nothing heavy is imported and nothing initialises CUDA. Standard library only.
+Prints one JSON object: Python, the packages that decide the serving engine's kernel choices (the
+engine's version and git sha, torch and its CUDA, FlashInfer, DeepGEMM external or vendored, CUTLASS
+DSL, ...), the CUDA toolkit the image carries, the GPU and driver when one is visible, and with
+``--cuda-symbols`` the CUDA driver functions its libraries import (the host builds the stub libcuda
+from that list). ``--engine`` names the engine's import package (the host passes its engine contract's;
+``vllm`` when absent). Versions come from package metadata and from reading the engine's
+``_version.py`` and ``torch/version.py`` as text, so nothing heavy is imported and nothing
+initialises CUDA. Standard library only.
 """
 from __future__ import annotations
 
@@ -74,15 +76,31 @@ def _versions() -> dict:
     return out
 
 
-def _vllm() -> dict:
-    d = _package_dir("vllm")
+def _engine(package: str) -> dict:
+    """The engine's version and commit as its build wrote them into ``<package>/_version.py``, and whether it
+    vendors DeepGEMM (``third_party/deep_gemm``)."""
+    d = _package_dir(package)
     if d is None:
-        return {"installed": False}
+        return {"package": package, "installed": False}
     v = _assignments(os.path.join(d, "_version.py"))
+    version = v.get("__version__") or v.get("version")
+    if not version:
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
     vendored = os.path.isdir(os.path.join(d, "third_party", "deep_gemm"))
-    return {"installed": True, "version": v.get("__version__") or v.get("version"),
-            "commit": v.get("__commit_id__") or v.get("commit_id"), "path": d,
-            "deep_gemm_vendored": vendored}
+    return {"package": package, "installed": True, "version": version,
+            "commit": v.get("__commit_id__") or v.get("commit_id"), "path": d, "deep_gemm_vendored": vendored}
+
+
+def _providers(module: str) -> list[str]:
+    """The distributions that install the top-level import *module* (``deep_gemm`` ships as deep-gemm or under
+    an engine's own name)."""
+    try:
+        return sorted(set(importlib.metadata.packages_distributions().get(module, [])))
+    except Exception:  # noqa: BLE001 - a broken metadata entry must not end the inventory
+        return []
 
 
 def _torch() -> dict:
@@ -149,15 +167,17 @@ def site_dirs() -> list[str]:
     return dirs
 
 
-def inventory(cuda_symbols: bool = False) -> dict:
+def inventory(cuda_symbols: bool = False, engine: str = "vllm") -> dict:
+    dg = _providers("deep_gemm")
     out = {
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "machine": platform.machine(),
         "os": _os_release(),
         "packages": _versions(),
-        "vllm": _vllm(),
+        "engine": _engine(engine),
         "torch": _torch(),
         "deep_gemm_external": _package_dir("deep_gemm") is not None,
+        "deep_gemm_from": {name: _version_of(name) for name in dg},
         "cuda_toolkit": _toolkit(),
         "gpu": _gpus(),
         "site_packages": site_dirs(),
@@ -169,9 +189,23 @@ def inventory(cuda_symbols: bool = False) -> dict:
     return out
 
 
+def _version_of(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    print(json.dumps(inventory(cuda_symbols="--cuda-symbols" in argv), sort_keys=True))
+    engine = "vllm"
+    if "--engine" in argv:
+        at = argv.index("--engine")
+        if at + 1 >= len(argv) or not argv[at + 1].isidentifier():
+            print("usage: python -m probes.core.inventory [--engine PACKAGE] [--cuda-symbols]", file=sys.stderr)
+            return 2
+        engine = argv[at + 1]
+    print(json.dumps(inventory(cuda_symbols="--cuda-symbols" in argv, engine=engine), sort_keys=True))
     return 0
 
 

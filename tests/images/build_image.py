@@ -1,12 +1,18 @@
-"""Build a local container image that carries Python and a pinned vLLM wheel, as vLLM's images do.
+"""Build a local container image that carries Python and a pinned engine wheel (vLLM's, SGLang's), as the
+engines' own images do.
 
 No registry is reachable on the machines this project is tested on, so the docker runtime's tests
 run against an image built here: a Debian rootfs from ``debootstrap``, the same CPython minor version
 the pin names (copied from this host's build of it), a venv at ``/opt/venv`` holding the pinned wheel
-installed by pip from PyPI (hash-checked first), then ``docker import``. The image is cached: a
-second call with the same pin returns the existing image in a second.
+(hash-checked first), then ``docker import``. The image is cached: a second call with the same pin
+returns the existing image in a second.
 
-    python tests/images/build_vllm_image.py --pin v0.33.0 [--lock images.lock] [--lock-out FILE]
+The wheel goes in one of two ways (``INSTALLERS``, by engine): vLLM's by pip inside the image from PyPI,
+as vLLM's Dockerfile installs it; SGLang's by uv from the pin's shipped resolution (its ``overrides``
+included), hard-linked from the audit's uv cache into the rootfs, so the image holds exactly the packages the
+local runtime's environment holds and the rootfs costs no disk beyond what ``docker import`` stores.
+
+    python tests/images/build_image.py --pin v0.33.0 [--lock images.lock] [--lock-out FILE]
 
 Prints a JSON object (image id, tag, pin entry). With ``--lock-out`` it also writes a lock file with
 the pin ``<pin>-image`` that names the image by its config digest (``image_config_digest``), which is
@@ -26,8 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from audit import engines  # noqa: E402
 from audit.pins import lock as lockmod  # noqa: E402
 from audit.fsutil import cache_root  # noqa: E402
+from audit.runtimes.environment import find_uv  # noqa: E402
 from audit.runtimes.local import LocalRuntime, find_python  # noqa: E402
 
 #: bump when the recipe changes: it is part of the cache key
@@ -38,6 +46,9 @@ MIRROR = "http://deb.debian.org/debian"
 DEB_PACKAGES = ("ca-certificates", "libssl3", "libffi8", "libsqlite3-0", "libbz2-1.0", "liblzma5", "zlib1g",
                 "libreadline8", "libncursesw6", "libuuid1", "libgdbm6", "libexpat1")
 LABEL = "serving-truth.test-image"
+#: how each engine's wheel is installed into the image: "pip" inside the image from PyPI, or "uv" from the pin's
+#: shipped resolution through the audit's uv cache (see the module's docstring)
+INSTALLERS = {"vllm": "pip", "sglang": "uv"}
 
 
 def sh(cmd, **kw):
@@ -45,8 +56,13 @@ def sh(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
+def installer(pin: lockmod.Pin) -> str:
+    return INSTALLERS[pin.engine_contract.name]
+
+
 def image_key(pin: lockmod.Pin, python_version: str) -> str:
-    return hashlib.sha256(f"{RECIPE}:{pin.wheel_sha256}:{python_version}:{SUITE}".encode()).hexdigest()[:12]
+    extra = "" if installer(pin) == "pip" else f":{installer(pin)}:{','.join(pin.overrides)}"
+    return hashlib.sha256(f"{RECIPE}:{pin.wheel_sha256}:{python_version}:{SUITE}{extra}".encode()).hexdigest()[:12]
 
 
 def find_image(client, tag: str):
@@ -68,7 +84,8 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
     full_version = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
                                   check=True, capture_output=True, text=True).stdout.strip()
     key = image_key(pin, full_version)
-    tag = f"serving-truth-test/vllm:{pin.version}-{key}"
+    engine = pin.engine_contract
+    tag = f"serving-truth-test/{engine.package}:{pin.version}-{key}"
     found = find_image(client, tag)
     if found is not None:
         return {"image_id": found.id, "tag": tag, "cached": True}
@@ -80,7 +97,8 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
             os.environ["PATH"] = os.environ.get("PATH", "") + os.pathsep + sbin
     if not shutil.which("debootstrap"):
         raise SystemExit("debootstrap is not installed: apt-get install -y debootstrap")
-    wheel = LocalRuntime().wheel_path(pin, lambda *a, **k: None)  # hash-checked against images.lock
+    local = LocalRuntime()
+    wheel = local.wheel_path(pin, lambda *a, **k: None)  # hash-checked against images.lock
     work = cache_root() / "image-build" / key
     rootfs = work / "rootfs"
     log.write(f"building {tag} in {work}\n")
@@ -111,7 +129,8 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
         shutil.copy("/etc/resolv.conf", rootfs / "etc/resolv.conf")
         # the build (not the image) trusts what this host trusts, e.g. an intercepting proxy's CA
         shutil.copy(os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt", rootfs / "build-ca.crt")
-        shutil.copy(wheel, rootfs / "tmp" / wheel.name)
+        if installer(pin) == "pip":
+            shutil.copy(wheel, rootfs / "tmp" / wheel.name)
         pip_cache = cache_root() / "pip-cache"
         pip_cache.mkdir(parents=True, exist_ok=True)
         (rootfs / "pip-cache").mkdir()
@@ -125,20 +144,20 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
             sh(["chroot", str(rootfs), f"/usr/local/bin/python{pin.python}", "-c",
                 "import ssl, ctypes, sqlite3, lzma, bz2, uuid; print('python ok')"], env=env, stdout=log)
             sh(["chroot", str(rootfs), f"/usr/local/bin/python{pin.python}", "-m", "venv", "/opt/venv"], env=env)
-            sh(["chroot", str(rootfs), "/opt/venv/bin/python", "-m", "pip", "install", "--quiet",
-                f"/tmp/{wheel.name}"], env=env, stdout=log)
-            info = subprocess.run(
-                ["chroot", str(rootfs), "/opt/venv/bin/python", "-c",
-                 "import json, torch, importlib.metadata as m; print(json.dumps({'torch': torch.__version__, "
-                 "'cuda': torch.version.cuda, 'vllm': m.version('vllm')}))"],
-                env=env, check=True, capture_output=True, text=True).stdout
+            if installer(pin) == "pip":
+                sh(["chroot", str(rootfs), "/opt/venv/bin/python", "-m", "pip", "install", "--quiet",
+                    f"/tmp/{wheel.name}"], env=env, stdout=log)
+            else:
+                _uv_install(local, pin, wheel, python, rootfs, work, log)
+            info = subprocess.run(["chroot", str(rootfs), "/opt/venv/bin/python", "-c", engine.env_probe],
+                                  env=env, check=True, capture_output=True, text=True).stdout
             facts = json.loads(info.strip().splitlines()[-1])
-            if not facts["cuda"] or facts["vllm"] != pin.version:
-                raise SystemExit(f"the image would hold {facts}: not the pinned vLLM with a CUDA torch")
+            if not facts["cuda"] or facts["engine"] != pin.version:
+                raise SystemExit(f"the image would hold {facts}: not the pinned {engine.title} with a CUDA torch")
         finally:
             _umount_all(rootfs)
         (rootfs / "pip-cache").rmdir()
-        (rootfs / "tmp" / wheel.name).unlink()
+        (rootfs / "tmp" / wheel.name).unlink(missing_ok=True)
         (rootfs / "build-ca.crt").unlink()
         (rootfs / "etc/resolv.conf").write_text("")
         shutil.rmtree(rootfs / "var/cache/apt", ignore_errors=True)
@@ -148,10 +167,10 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
             "ENV VIRTUAL_ENV=/opt/venv",
             "ENV LANG=C.UTF-8",
             f"LABEL {LABEL}={key}",
-            f"LABEL org.opencontainers.image.title=vllm-{pin.version}-test",
+            f"LABEL org.opencontainers.image.title={engine.package}-{pin.version}-test",
             'CMD ["python3"]',
         ]
-        if nvcc:  # a toolkit at CUDA_HOME, as vLLM's images carry one
+        if nvcc:  # a toolkit at CUDA_HOME, as the engines' images carry one
             changes.append("ENV CUDA_HOME=/" + str(nvcc[0].parent.parent.relative_to(rootfs)))
         cmd = ["docker", "import"]
         for c in changes:
@@ -167,6 +186,24 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     image = client.images.get(tag)
     return {"image_id": image.id, "tag": tag, "cached": False}
+
+
+def _uv_install(local: LocalRuntime, pin: lockmod.Pin, wheel: Path, python: str, rootfs: Path, work: Path,
+                log) -> None:
+    """The pinned wheel into the image's venv by uv, under the pin's shipped resolution and its overrides, files
+    hard-linked from the audit's uv cache (the rootfs sits beside it, under the same cache root)."""
+    resolution = local.resolution_file(pin)
+    if resolution is None:
+        raise SystemExit(f"pin {pin.name} has no shipped resolution (audit/data/envlocks); build its environment "
+                         "once (`serving-truth env build`) first")
+    site = rootfs / f"opt/venv/lib/python{pin.python}/site-packages"
+    overrides = []
+    if pin.overrides:
+        path = work / "overrides.txt"
+        path.write_text("".join(f"{r}\n" for r in pin.overrides), encoding="utf-8")
+        overrides = ["--override", str(path)]
+    sh([find_uv(), "pip", "install", "--no-config", "--python", python, "--target", str(site), "--constraint",
+        str(resolution), *overrides, str(wheel)], env=local._uv_env(), stdout=log)
 
 
 def _mounts_under(rootfs: Path) -> list[str]:
@@ -188,13 +225,15 @@ def _umount_all(rootfs: Path) -> None:
 
 
 def lock_entry(pin: lockmod.Pin, image_id: str, tag: str) -> str:
+    engine = pin.engine_contract
     return (
         "[[pin]]\n"
         f'name = "{pin.name}-image"\n'
-        f'vllm_version = "{pin.version}"\n'
+        + (f'engine = "{engine.name}"\n' if engine.name != engines.DEFAULT else "")
+        + f'{engine.version_key} = "{pin.version}"\n'
         f'python = "{pin.python}"\n'
         f'image_config_digest = "{image_id}"\n'
-        f'note = "built on this machine by tests/images/build_vllm_image.py ({tag}) from {pin.wheel}"\n'
+        f'note = "built on this machine by tests/images/build_image.py ({tag}) from {pin.wheel}"\n'
     )
 
 

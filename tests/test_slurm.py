@@ -307,3 +307,36 @@ def test_observe_job_scripts_ask_for_gpus_and_run_the_observe_agent(tmp_path):
     resolve = rt.job_script(req, SYSTEMS["b200_sxm"], LAYOUTS["dep8"], plan=Path("/p.json"), log=Path("/x.log"),
                             env={}, python="/env/bin/python")
     assert "gpus" not in resolve and resolve.rstrip().endswith("-m probes.resolve.agent /p.json")
+
+
+@pytest.mark.slurm
+@pytest.mark.sglang
+def test_an_sglang_pin_runs_one_job_per_cell_and_routes_as_the_committed_report(slurm_cluster, tmp_path):
+    """The second engine on the cluster: each job runs the agent SGLang's engine contract names, in the SGLang
+    environment the submit host built, and the merged cells route field by field as the committed SGLang report."""
+    from tests.compare import comparable
+
+    from audit.pins import lock
+    from audit.runtimes.local import LocalRuntime
+
+    pin = lock.load(ROOT / "images.lock").get("sglang-0.5.23")
+    LocalRuntime().ensure_env(pin, lambda *a, **k: None)
+    reports = tmp_path / "reports"
+    r = subprocess.run([*CLI, "audit", pin.name, "--runtime", "slurm", "--cluster", str(profile(tmp_path)),
+                        "--systems", "b200_sxm,h200_sxm", "--layouts", "tp8", "--reports", str(reports), "--no-cache"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert r.returncode in (ExitCode.OK, ExitCode.FINDINGS), r.stderr[-4000:]
+    run_dir = sorted((tmp_path / "shared" / "runs").glob(f"{pin.name}-*"))[-1]
+    jobs = json.loads((run_dir / "jobs.json").read_text())
+    assert len({e["job_id"] for e in jobs.values()}) == 2 and all(e["state"] == "COMPLETED" for e in jobs.values())
+    script = Path(jobs["b200_sxm--tp8"]["script"]).read_text()
+    assert "-m probes.engines.sglang.agent" in script and "sglang-0.5.23-cp311-" in script
+    routing = json.loads((reports / "sglang" / pin.name / "routing.json").read_text())
+    committed = {(c["system"], c["layout"]): c for c in
+                 json.loads((ROOT / "reports/sglang/sglang-0.5.23/routing.json").read_text())["cells"]}
+    assert len(routing["cells"]) == 2
+    for cell in routing["cells"]:
+        key = (cell["system"], cell["layout"])
+        assert cell["status"] == "COMPLETE", (key, cell.get("failure"))
+        assert comparable(cell) == comparable(committed[key]), key
+    assert our_jobs_alive(run_dir) == []

@@ -22,7 +22,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.sglang
 
 PIN = "sglang-0.5.23"
-CELLS = ("b200_sxm,h200_sxm", "tp8,dep8")
+CELLS = ("b200_sxm,h200_sxm", "tp8,dep8,tp8-dspark")
 
 
 def _cli(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
@@ -97,6 +97,32 @@ def test_megamoe_is_the_moe_blocks_own_decision_and_judged(audited):
     ledger = (reports / "sglang" / PIN / "ledger.md").read_text(encoding="utf-8")
     assert "SGLang 0.5.23's own selection code ran" in ledger and "vLLM" not in ledger
     assert (reports / "sglang" / PIN / "labels.json").is_file()
+
+
+def test_a_speculative_draft_is_built_and_served_by_sglangs_draft_runner_answer(audited):
+    """The DSpark draft is built on meta by SGLang's loader from the draft's model config (its own stage), and its
+    attention backend is what SGLang's draft runner resolution gives it: on SM 10.x K3's own override names the draft's
+    backend (trtllm_mha, one backend for every draft phase); on Hopper none is named, so the draft worker takes the
+    process's prefill backend (FA3)."""
+    _, routing, _ = audited
+    b200, h200 = _cell(routing, "b200_sxm", "tp8-dspark"), _cell(routing, "h200_sxm", "tp8-dspark")
+    for cell in (b200, h200):
+        assert cell["status"] == "COMPLETE" and ("construct-draft", True) in [(s["stage"], s["ok"]) for s in cell["stages"]]
+        assert cell["draft"]["cls"] == "sglang.srt.models.dspark:DSparkDraftModel"
+        assert cell["draft"]["layers"] == [0, 1] and cell["draft"]["layer_kinds"]["attention"] == [0, 1]
+    attn = lambda cell: cell["draft"]["lanes"]["attention"][0]["value"]["kernel"]  # noqa: E731
+    assert attn(b200) == "trtllm_mha / trtllm_mha" and attn(h200) == "fa3 / fa3"
+    assert _cell(routing, "b200_sxm", "tp8")["draft"] is None  # no draft where the layout has none
+
+
+@pytest.mark.parametrize("piece", ["sglang draft ModelRunner (attention backend)",
+                                   "wrong value: sglang draft ModelRunner (attention backend)"])
+def test_a_fault_planted_in_the_draft_stand_in_exits_4(sglang_env, tmp_path, piece):
+    res = _cli("audit", PIN, "--systems", "b200_sxm", "--layouts", "tp8-dspark", "--reports", str(tmp_path),
+               "--no-cache", "--expectations", "none", "--plant-fault", piece)
+    assert res.returncode == ExitCode.RUN_FAILED, res.stderr[-2000:]
+    assert "sglang draft ModelRunner (attention backend)" in res.stderr
+    assert not (tmp_path / "sglang" / PIN / "routing.json").exists()
 
 
 @pytest.mark.parametrize("piece", ["torch.cuda.mem_get_info", "wrong value: torch.cuda.mem_get_info",

@@ -99,7 +99,10 @@ SGLANG = Engine(
                   "(publish, resolve_once)",
         "distributed": "SGLang's parallel runtime initialised (fake process group, rank 0)",
         "construct": "model constructed on the meta device by SGLang's model loader (every layer's __init__ ran)",
-        "inspect": "constructed modules inspected",
+        "construct-draft": "speculative draft model (DSpark, EAGLE3) constructed the same way, its model config as "
+                           "SGLang's draft worker builds it (layouts with a draft only)",
+        "inspect": "constructed modules inspected; a draft's attention backend read from SGLang's draft runner "
+                   "resolution",
     },
     env_probe=_probe("sglang"), inventory_keys=("sglang", "sglang_commit"),
 )

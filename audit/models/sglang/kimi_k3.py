@@ -27,14 +27,16 @@ LAYOUTS: dict[str, Layout] = {l.name: l for l in (
            opt_in=True, draft_config="kimi-k3/drafts/dspark-sglang/config.json",
            note="No DSpark draft for K3 is published: the draft's config.json was written for this harness from what "
                 "SGLang's DSpark parser requires (audit/data/kimi-k3/drafts/dspark-sglang/README.md says each value's "
-                "source). The target is built and judged with SGLang's DSpark settings; the draft model itself is not "
-                "built here."),
+                "source). The target is built and judged with SGLang's DSpark settings; the draft (SGLang's "
+                "DSparkDraftModel) is built on the meta device as SGLang's draft worker builds it, and its attention "
+                "backend is read from SGLang's draft runner resolution."),
     Layout("tp8-eagle3", "single-node TP8 + EAGLE3 speculative decoding (a Llama-style EAGLE3 draft)",
            ("--tp", "8", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "<model>/draft"), 8,
            opt_in=True, draft_config="kimi-k3/drafts/eagle3/config.json",
            note="No EAGLE3 draft for K3 is published: the draft's config.json (LlamaForCausalLMEagle3, a class SGLang "
                 "serves too) was written for this harness (audit/data/kimi-k3/drafts/eagle3/README.md). The target is "
-                "built and judged; the draft model itself is not built here."),
+                "built and judged; the draft is built on the meta device as SGLang's draft worker builds it, and its "
+                "attention backend is read from SGLang's draft runner resolution."),
     # SGLang-only options that change the experts' kernel
     Layout("tp8-fimxfp4", "single-node TP8, FlashInfer MXFP4 experts asked for (--moe-runner-backend flashinfer_mxfp4)",
            ("--tp", "8", "--moe-runner-backend", "flashinfer_mxfp4"), 8, opt_in=True,
@@ -56,6 +58,11 @@ KIMI_K3 = Profile(
         "KimiK3MLAAttention": "mla",
         "KimiK3MoE": "moe",
         "KimiK3MLP@mlp": "dense",
+        # K3 builds none of these itself: a speculative draft's blocks (DSpark's DFlash stack, EAGLE3's Llama layer)
+        "DFlashAttention": "attention",
+        "LlamaAttention": "attention",
+        "DFlashMLP@mlp": "dense",
+        "LlamaMLP@mlp": "dense",
     },
     layouts=LAYOUTS,
     lanes=(
@@ -76,12 +83,18 @@ KIMI_K3 = Profile(
         Lane("mla.spec_verify", "MLA spec-verify", "mla", "spec-verify",
              (Source("construct", "mla.backends", ("attrs.verify", "attrs.verify_mode")),),
              exercised_if=("attrs.speculative_algorithm", "no speculative decoding in this layout")),
+        # a draft runner's own backend serves every draft phase where SGLang overrides it; otherwise the process's
+        # (prefill, decode) pair
+        Lane("attention", "Draft attention (a speculative draft's own layers)", "attention", "all",
+             (Source("construct", "draft.attention", ("attrs.prefill", "attrs.decode"),
+                     extra=("attrs.draft_override", "attrs.worker_backend")),)),
         Lane("dense", "Dense MLP linears", "dense", "all", (
             Source("module", r"\.mlp\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),)),
         Lane("shared", "Shared-expert linears", "moe", "all", (
             Source("module", r"\.shared_experts\.(gate_up_proj|down_proj)$", ("facts.quant_method",)),)),
     ),
-    kind_titles={"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP"},
+    kind_titles={"kda": "KDA", "mla": "MLA", "moe": "MoE", "dense": "dense MLP",
+                 "attention": "plain attention (a speculative draft's)"},
     # the perf database's SGLang rows for K3 label the routed experts by their W4A8 lane (MXFP8 activations): the
     # FlashInfer trtllm-gen kernels and the MegaMoE module; KDA and MLA are not judged on SGLang yet (their kernels
     # have no vocabulary here)

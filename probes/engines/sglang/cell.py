@@ -11,7 +11,13 @@ Stages (each recorded with its outcome; a failing one is evidence, not a crash):
   ``init_distributed_environment``, ``initialize_model_parallel`` and DP-attention setup.
 * ``construct``: SGLang's model loader's ``_initialize_model`` on the meta device (every layer's ``__init__``
   ran, the MoE runner included: SGLang builds it in the MoE layer's constructor).
-* ``inspect``: each built block's class, and what the experts' quantization method and runner hold.
+* ``construct-draft`` (layouts with a speculative draft model): the draft's model config as SGLang's draft worker
+  builds it (``ModelConfig.from_server_args`` with the draft's path, ``is_draft_model``), and the draft model on the
+  meta device by the same loader inside SGLang's ``draft_model_build_scope``.
+* ``inspect``: each built block's class, and what the experts' quantization method and runner hold; for a draft, the
+  attention backends its runner serves it with, from SGLang's own ``resolve_attention_backend_strs`` on the draft
+  runner's two fields (``is_draft_worker`` and ``draft_attention_backend``, the latter from SGLang's
+  ``resolve_draft_attention_backend`` with what the algorithm's worker hands it).
 
 Nothing here picks a backend: the records are SGLang's answers. What SGLang reads of the device is the simulated
 GPU's (``probes.engines.sglang.platform``).
@@ -89,8 +95,16 @@ def _stages(plan: dict, cell: dict, rec, argv: list[str]) -> None:
         _init_distributed(sa, mc, rec)
     with Stage(rec, "construct"):
         model = _construct(sa, rec)
+    draft = None
+    if _draft_path(sa):
+        with Stage(rec, "construct-draft"), rec.about("draft"):
+            draft, draft_mc = _construct_draft(sa, mc, rec)
     with Stage(rec, "inspect"):
         _inspect(model, sa, mc, rec)
+        if draft is not None:
+            with rec.about("draft"):
+                _inspect(draft, sa, draft_mc, rec)
+                _describe_draft(draft, model, sa, rec)
 
 
 def _publish(sa) -> None:
@@ -198,6 +212,103 @@ def _construct(sa, rec):
     return model
 
 
+def _draft_path(sa) -> str | None:
+    """The draft model SGLang's speculative worker loads (``speculative_draft_model_path``, as resolved)."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    if not describe(resolution_result(sa, "speculative_algorithm")) or not hasattr(sa, "speculative_draft_model_path"):
+        return None
+    return resolution_result(sa, "speculative_draft_model_path") or None
+
+
+def _construct_draft(sa, target_mc, rec):
+    """The speculative draft as SGLang's draft worker builds it (``TpModelWorker._init_model_config`` with
+    ``is_draft_worker``: the draft's path, ``is_draft_model=True``, the target's context length), constructed by the
+    loader on the meta device inside ``draft_model_build_scope`` (the draft's construction-time MoE settings)."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.moe.utils import draft_model_build_scope
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    mc = ModelConfig.from_server_args(sa, model_path=_draft_path(sa), is_draft_model=True,
+                                      context_length=target_mc.context_len)
+    lc = LoadConfig(load_format="dummy")
+    qc = _get_quantization_config(mc, lc)
+    platform.check_fit("sglang draft model build")
+    with draft_model_build_scope(), set_default_torch_dtype(mc.dtype), simulate.meta_device_mode():
+        draft = _initialize_model(mc, lc, qc)
+    rec.emit("model", role="draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}",
+             architecture=list(getattr(mc.hf_config, "architectures", []) or []),
+             quant_config=type(qc).__name__ if qc is not None else None,
+             parameters_meta=all(p.is_meta for p in draft.parameters()))
+    return draft, mc
+
+
+#: SGLang's function that gives a draft worker its attention backend where the caller names none (the DSpark-family
+#: workers call it through ``build_draft_tp_worker``), by release: 0.5.23 exports it, earlier releases keep it private
+DRAFT_WORKER_BACKEND = ("resolve_draft_worker_attention_backend", "_resolve_draft_attention_backend_fallback")
+#: the speculative algorithms whose worker builds its draft through ``build_draft_tp_worker`` (the others hand the
+#: draft's ``TpModelWorker`` no attention backend): read from SGLang's workers, fenced by the fit check
+DRAFT_TP_WORKER_ALGORITHMS = ("DSPARK", "DFLASH")
+
+
+def _describe_draft(draft, target, sa, rec) -> None:
+    """The draft beside its target: its class, the target modules it holds as its own (topmost only), and the
+    attention backends its runner serves it with, from SGLang's functions (see the module's docstring)."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+    from sglang.srt.model_executor import model_runner as mr
+    from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
+        resolve_attention_backend_strs)
+    from sglang.srt.speculative import draft_worker_common as dwc
+
+    for piece in ("sglang draft worker attention", "sglang draft ModelRunner (attention backend)",
+                  "sglang draft runner's own backend"):
+        platform.check_fit(piece)
+    algorithm = str(describe(resolution_result(sa, "speculative_algorithm")))
+    handed = None
+    if algorithm.upper() in DRAFT_TP_WORKER_ALGORITHMS:
+        pick = next(getattr(dwc, n) for n in DRAFT_WORKER_BACKEND if hasattr(dwc, n))
+        handed = pick(algo_label=algorithm.upper())
+    own = mr.resolve_draft_attention_backend(draft_attention_backend=handed, is_draft_worker=True)
+
+    strs = resolve_attention_backend_strs(model_runner=_draft_runner(own))
+    target_names = {id(m): name for name, m in target.named_modules()}
+    shares: list[list[str]] = []
+    for name, module in draft.named_modules():
+        if id(module) in target_names and not any(name.startswith(d + ".") for d, _ in shares):
+            shares.append([name, target_names[id(module)]])
+    rec.emit("draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}", numbering={}, shares=shares)
+    for name, module in draft.named_modules():
+        if name.rsplit(".", 1)[-1] == "self_attn" and _layer(name) is not None:
+            rec.emit("construct", target="draft.attention", scope=name,
+                     cls=f"{type(module).__module__}:{type(module).__qualname__}",
+                     attrs={"prefill": describe(strs.prefill), "decode": describe(strs.decode),
+                            "draft_override": bool(strs.is_draft_override), "worker_backend": describe(handed),
+                            "speculative_algorithm": algorithm})
+
+
+class _DraftRunner:
+    """The two fields of a draft ``ModelRunner`` that SGLang's ``resolve_attention_backend_strs`` reads."""
+
+    is_draft_worker = True
+
+    def __init__(self, backend):
+        self.draft_attention_backend = backend
+
+    def __getattr__(self, name):  # SGLang read a field this stand-in does not carry: it no longer fits
+        raise fence.ContractBroken(f"sglang draft ModelRunner (attention backend): SGLang read {name!r}, which the "
+                                   "stand-in does not carry")
+
+
+@fence.guard("sglang draft ModelRunner (attention backend)", contract=fence.returns(_DraftRunner))
+def _draft_runner(backend) -> _DraftRunner:
+    simulate.SIMULATED["sglang draft ModelRunner (attention backend)"] = (
+        "an object carrying only is_draft_worker and draft_attention_backend (SGLang's own "
+        "resolve_draft_attention_backend answer), handed to SGLang's resolve_attention_backend_strs")
+    return _DraftRunner(backend)
+
+
 def _inspect(model, sa, mc, rec) -> None:
     """The decoder layers' blocks as SGLang built them (``scope`` records: layer kinds come from these classes),
     and per layer what SGLang chose for it: the experts' quantization method and MoE runner as built, and the
@@ -206,8 +317,18 @@ def _inspect(model, sa, mc, rec) -> None:
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.srt.layers.moe import utils as moe_utils
 
-    mla = _mla_backends(sa)
-    kda = _kda_backends(mc)
+    backends: dict = {}  # read once, where the model has a layer of the kind (a draft may have none)
+
+    def mla() -> dict:
+        if "mla" not in backends:
+            backends["mla"] = _mla_backends(sa)
+        return backends["mla"]
+
+    def kda() -> dict | None:
+        if "kda" not in backends:
+            backends["kda"] = _kda_backends(mc)
+        return backends["kda"]
+
     moe_globals = {"moe_runner_backend": describe(moe_utils.get_moe_runner_backend()),
                    "moe_a2a_backend": describe(moe_utils.get_moe_a2a_backend())}
     spec = describe(resolution_result(sa, "speculative_algorithm"))
@@ -233,10 +354,10 @@ def _inspect(model, sa, mc, rec) -> None:
             kind = cls.__name__
             if "MLA" in kind:
                 rec.emit("construct", target="mla.backends", scope=name, cls=qual,
-                         attrs={**mla, "speculative_algorithm": spec})
-            elif kda is not None:
+                         attrs={**mla(), "speculative_algorithm": spec})
+            elif "DeltaAttention" in kind and kda() is not None:
                 rec.emit("construct", target="kda.backends", scope=name, cls=qual,
-                         attrs={**kda, "speculative_algorithm": spec})
+                         attrs={**kda(), "speculative_algorithm": spec})
         if name.endswith(".mlp.experts"):
             qm = getattr(module, "quant_method", None)
             runner = getattr(qm, "runner", None)

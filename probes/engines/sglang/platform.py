@@ -95,6 +95,14 @@ FIT_TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "sglang MoE runner globals": ("sglang.srt.layers.moe.utils", ("get_moe_runner_backend", "get_moe_a2a_backend")),
     "sglang ModelRunner (KDA prefill default)": ("sglang.srt.layers.attention.linear.utils",
                                                  ("resolve_linear_attn_backends",)),
+    "sglang draft model build": ("sglang.srt.layers.moe.utils", ("draft_model_build_scope",)),
+    "sglang draft worker attention": ("sglang.srt.speculative.draft_worker_common",
+                                      ("resolve_draft_worker_attention_backend|_resolve_draft_attention_backend_fallback",)),
+    "sglang draft ModelRunner (attention backend)": (
+        "sglang.srt.model_executor.model_runner_components.attention_backend_setup",
+        ("resolve_attention_backend_strs",)),
+    "sglang draft runner's own backend": ("sglang.srt.model_executor.model_runner",
+                                          ("resolve_draft_attention_backend",)),
 }
 
 

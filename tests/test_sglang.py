@@ -157,6 +157,11 @@ def test_the_comparison_puts_both_engines_side_by_side(audited, tmp_path):
     row = next(r for t in data["tables"] if (t["system"], t["layout"]) == ("b200_sxm", "tp8") for r in t["rows"]
                if r["lane"] == "mla.decode")
     assert row["right"] == "trtllm_mla" and row["right_evidence"].startswith("resolved")
+    # the DSpark drafts side by side: each engine's draft lanes, marked as the draft's
+    drafts = {r["lane"]: r for t in data["tables"] if (t["system"], t["layout"]) == ("b200_sxm", "tp8-dspark")
+              for r in t["rows"] if r.get("draft")}
+    assert drafts["attention"]["right"] == "trtllm_mha / trtllm_mha" and drafts["attention"]["title"].endswith("(draft)")
+    assert "| Draft attention" in md
     again = _cli("compare", "v0.33.0", PIN, "--reports", str(tmp_path))
     assert again.returncode == 0 and (tmp_path / "compare" / f"v0.33.0..{PIN}.md").read_text(encoding="utf-8") == md
 

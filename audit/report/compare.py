@@ -5,7 +5,8 @@ What is compared is declared, not guessed: a lane is the same lane where both en
 (the ledger's lane ids: ``moe``, ``mla.decode``, ...); a layout is the same deployment where both profiles name a
 layout alike (``tp8``, ``dep8``, ...), and each table shows both engines' flags for it. A lane or a layout only one
 engine declares is listed as such, never matched by its title. Values are each engine's own (the ledger's lane
-values); nothing is translated from one engine's words into the other's.
+values); nothing is translated from one engine's words into the other's. Where either engine built a speculative
+draft, the draft's own lanes follow the target's, marked "(draft)".
 
 Written as ``reports/compare/<pin>..<pin>.md`` with its data (``.json``); the same two routings render the same
 bytes.
@@ -33,14 +34,18 @@ def _side(pin: str, profile, reports_dir: Path) -> dict:
             "titles": routing.get("lane_titles") or {}, "order": routing.get("lane_order") or []}
 
 
-def _value(side: dict, system: str, layout: str, lane: str) -> tuple[str, str]:
-    """(what runs, evidence) of *lane* in one engine's cell; why there is none where it has no value."""
+def _value(side: dict, system: str, layout: str, lane: str, *, draft: bool = False) -> tuple[str, str]:
+    """(what runs, evidence) of *lane* in one engine's cell (``draft``: its speculative draft's lane); why there is
+    none where it has no value."""
     cell = side["cells"].get((system, layout))
     if cell is None:
         return "not audited", "—"
     if cell["status"] == "INCOMPLETE":
         return "INCOMPLETE (no routing)", "—"
-    groups = (cell.get("lanes") or {}).get(lane) or []
+    if draft and not cell.get("draft"):
+        return "no draft built", cell["evidence"]
+    lanes = (cell.get("draft") or {}).get("lanes") if draft else cell.get("lanes")
+    groups = (lanes or {}).get(lane) or []
     levels = sorted({g.get("level") for g in groups if g.get("level")})
     evidence = ", ".join([cell["evidence"], *levels]) if groups else cell["evidence"]
     return _lane_summary(groups, cell), evidence
@@ -55,6 +60,9 @@ def compare(reports_dir: str | Path, left: str, left_profile, right: str, right_
     reports_dir = Path(reports_dir)
     a, b = _side(left, left_profile, reports_dir), _side(right, right_profile, reports_dir)
     lanes = [lane for lane in a["order"] if lane in b["order"]]
+    right_ids = {lane.id for lane in right_profile.lanes}
+    declared = [lane.id for lane in left_profile.lanes if lane.id in right_ids]
+    titles_of = {lane.id: lane.title for lane in (*left_profile.lanes, *right_profile.lanes)}
     titles = {**b["titles"], **a["titles"]}
     shared_layouts = [n for n in left_profile.layouts if n in right_profile.layouts]
     tables = []
@@ -69,6 +77,15 @@ def compare(reports_dir: str | Path, left: str, left_profile, right: str, right_
                 title = a["titles"].get(lane) or b["titles"].get(lane) or lane
                 rows.append({"lane": lane, "title": title, "left": va, "left_evidence": ea, "right": vb,
                              "right_evidence": eb})
+            # a speculative draft's own lanes, where either engine built one: the lanes both profiles declare that
+            # either draft has a value for
+            drafts = [side["cells"].get((system.name, name), {}).get("draft") or {} for side in (a, b)]
+            for lane in [lane for lane in declared if any(lane in (d.get("lanes") or {}) for d in drafts)]:
+                va, ea = _value(a, system.name, name, lane, draft=True)
+                vb, eb = _value(b, system.name, name, lane, draft=True)
+                title = a["titles"].get(lane) or b["titles"].get(lane) or titles_of.get(lane, lane)
+                rows.append({"lane": lane, "draft": True, "title": f"{title} (draft)", "left": va, "left_evidence": ea,
+                             "right": vb, "right_evidence": eb})
             tables.append({"system": system.name, "device": system.device_name,
                            "sm": f"{system.capability[0]}.{system.capability[1]}", "layout": name,
                            "left_args": list(left_profile.layouts[name].serve_args),

@@ -32,8 +32,8 @@ import os
 import sys
 import traceback
 
-from probes.core.lifecycle import die_with_parent, watch_parent
-from probes.core.plan import read_plan
+from probes.core.lifecycle import die_with_parent
+from probes.core.plan import close_cell, start_agent
 from probes.core.stages import Stage, StageFailed
 from probes.resolve.warmup import IMPORTED_FILE, _read_imported, warm_up
 
@@ -176,15 +176,7 @@ def _run_cell(plan, cell, rec, warm, out) -> int:
     except StageFailed:
         pass
     finally:
-        from probes.core import fence
-
-        # the fence's account (every fenced piece and how often it ran) and every harness fault of this cell's
-        # process and of the processes it was forked from: the host ends a cell with a fault INCOMPLETE
-        rec.emit("fence", **fence.summary())
-        for fault in fence.FAULTS:
-            rec.emit("harness_fault", **fault)
-        path = rec.flush(final=True)
-        print(f"evidence: {path}", flush=True)
+        close_cell(rec)
         imported = [m for m in list(sys.modules) if m not in before]
         with open(os.path.join(out, IMPORTED_FILE), "w", encoding="utf-8") as fh:
             json.dump(imported, fh)
@@ -274,14 +266,9 @@ _STARTED_WITH: dict[str, str] = {}
 def main(argv: list[str] | None = None) -> int:
     _STARTED_WITH.update(os.environ)
     argv = sys.argv[1:] if argv is None else argv
-    plan = read_plan(argv, "python -m probes.resolve.agent PLAN.json", nargs=1)
+    plan = start_agent(argv, "python -m probes.resolve.agent PLAN.json")
     if plan is None:
         return 2
-    watch_parent()
-    from probes.core import fence
-
-    # a test of the fence: before any piece is installed
-    fence.plant(plan.get("plant_fault") or "", survey=bool(plan.get("plant_survey")))
     # humming (imported by vLLM) starts two background Python processes at import to pre-build its JIT
     # launcher and NVRTC compiler; resolve mode launches no kernel, so they only cost each SM process
     # ~25 s of CPU. The variable only switches those builds (and JIT build parallelism) off; no choice

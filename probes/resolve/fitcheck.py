@@ -13,12 +13,10 @@ import it.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 
-from probes.core.lifecycle import watch_parent
-from probes.core.plan import read_plan
+from probes.core.plan import fit_main
 
 USAGE = "python -m probes.resolve.fitcheck PLAN.json OUT.json"
 
@@ -68,22 +66,9 @@ def check(plan: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print(f"usage: {USAGE}", file=sys.stderr)
-        return 2
-    plan = read_plan(argv[:1], USAGE, nargs=1)
-    if plan is None:
-        return 2
-    watch_parent()
     # as the agent: humming's background JIT pre-builds only cost time here (no kernel is launched)
-    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
-    out = check(plan)
-    tmp = argv[1] + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(out, fh, sort_keys=True)
-    os.replace(tmp, argv[1])
-    return 0
+    return fit_main(sys.argv[1:] if argv is None else argv, USAGE, check,
+                    before=lambda: os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1"))
 
 
 if __name__ == "__main__":

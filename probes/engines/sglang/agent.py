@@ -16,8 +16,7 @@ import os
 import sys
 import traceback
 
-from probes.core.lifecycle import watch_parent
-from probes.core.plan import read_plan
+from probes.core.plan import close_cell, start_agent
 from probes.core.stages import Stage, StageFailed
 from probes.resolve.agent import _ended, _fork, _listdir, _wait, cell_dir, describe_exit, plan_slots, split_groups
 
@@ -74,7 +73,6 @@ def _run_cell(plan: dict, cell: dict, rec, error, out: str) -> int:
     log = os.open(os.path.join(out, "agent.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    from probes.core import fence
     from probes.engines.sglang import cell as sglang_cell
 
     rec.retarget(out, cell={"system": cell["system"]["name"], "layout": cell["layout"]["name"]})
@@ -83,23 +81,15 @@ def _run_cell(plan: dict, cell: dict, rec, error, out: str) -> int:
     except StageFailed:
         pass
     finally:
-        rec.emit("fence", **fence.summary())
-        for fault in fence.FAULTS:
-            rec.emit("harness_fault", **fault)
-        path = rec.flush(final=True)
-        print(f"evidence: {path}", flush=True)
+        close_cell(rec)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    plan = read_plan(argv, "python -m probes.engines.sglang.agent PLAN.json", nargs=1)
+    plan = start_agent(argv, "python -m probes.engines.sglang.agent PLAN.json")
     if plan is None:
         return 2
-    watch_parent()
-    from probes.core import fence
-
-    fence.plant(plan.get("plant_fault") or "", survey=bool(plan.get("plant_survey")))
     from probes.engines.sglang import platform
     from probes.resolve import simulate
 

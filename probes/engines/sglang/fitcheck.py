@@ -8,12 +8,9 @@ Under the plan's first cell's SKU, each target of ``platform.FIT_TARGETS`` is im
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 
-from probes.core.lifecycle import watch_parent
-from probes.core.plan import read_plan
+from probes.core.plan import fit_main
 
 USAGE = "python -m probes.engines.sglang.fitcheck PLAN.json OUT.json"
 
@@ -39,20 +36,7 @@ def check(plan: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        print(f"usage: {USAGE}", file=sys.stderr)
-        return 2
-    plan = read_plan(argv[:1], USAGE, nargs=1)
-    if plan is None:
-        return 2
-    watch_parent()
-    out = check(plan)
-    tmp = argv[1] + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(out, fh, sort_keys=True)
-    os.replace(tmp, argv[1])
-    return 0
+    return fit_main(sys.argv[1:] if argv is None else argv, USAGE, check)
 
 
 if __name__ == "__main__":

@@ -158,9 +158,10 @@ def managed(client, **labels):
 
 @pytest.fixture(scope="module")
 def local_like_the_image(vllm_env, tmp_path_factory):
-    """The docker test's cells run by the local runtime arranged as the test image is (a pip install of the wheel:
-    its own nvcc wheel, no flashinfer-cubin package), not as the official image the session's runs stand for: the
-    Docker runtime runs its image as it is, so only a local run of the same host can match it."""
+    """The docker test's cells run by the local runtime arranged as the test image is (the pin's shipped resolution:
+    its own nvcc wheel, no flashinfer-cubin package, no flashinfer-cubin variable), not as the official image the
+    session's runs stand for: the Docker runtime runs its image as it is, so only a local run of the same host can
+    match it."""
     from audit.models.kimi_k3 import KIMI_K3, LAYOUTS
     from audit.runtimes import RunRequest
     from audit.runtimes.local import LocalRuntime

@@ -7,10 +7,11 @@ the pin names (copied from this host's build of it), a venv at ``/opt/venv`` hol
 (hash-checked first), then ``docker import``. The image is cached: a second call with the same pin
 returns the existing image in a second.
 
-The wheel goes in one of two ways (``INSTALLERS``, by engine): vLLM's by pip inside the image from PyPI,
-as vLLM's Dockerfile installs it; SGLang's by uv from the pin's shipped resolution (its ``overrides``
-included), hard-linked from the audit's uv cache into the rootfs, so the image holds exactly the packages the
-local runtime's environment holds and the rootfs costs no disk beyond what ``docker import`` stores.
+The wheel goes in by uv, under the pin's shipped resolution (``audit/data/envlocks``, its ``overrides``
+included), hard-linked from the audit's uv cache into the rootfs: the image holds exactly the packages the
+local runtime's environment holds (a docker audit and a local one can be compared cell by cell), nothing is
+downloaded twice (building the pin's environment first fills the cache), and the rootfs costs no disk beyond
+what ``docker import`` stores.
 
     python tests/images/build_image.py --pin v0.33.0 [--lock images.lock] [--lock-out FILE]
 
@@ -42,13 +43,12 @@ from audit.runtimes.local import LocalRuntime, find_python  # noqa: E402
 RECIPE = 3
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
-#: shared libraries a CPython build links against, plus what pip needs to reach PyPI
+#: shared libraries a CPython build links against (and the CA bundle its ssl module loads)
 DEB_PACKAGES = ("ca-certificates", "libssl3", "libffi8", "libsqlite3-0", "libbz2-1.0", "liblzma5", "zlib1g",
                 "libreadline8", "libncursesw6", "libuuid1", "libgdbm6", "libexpat1")
 LABEL = "serving-truth.test-image"
-#: how each engine's wheel is installed into the image: "pip" inside the image from PyPI, or "uv" from the pin's
-#: shipped resolution through the audit's uv cache (see the module's docstring)
-INSTALLERS = {"vllm": "pip", "sglang": "uv"}
+#: how the wheel is installed (part of the image's cache key): uv from the pin's shipped resolution
+INSTALLER = "uv"
 
 
 def sh(cmd, **kw):
@@ -56,12 +56,8 @@ def sh(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
-def installer(pin: lockmod.Pin) -> str:
-    return INSTALLERS[pin.engine_contract.name]
-
-
 def image_key(pin: lockmod.Pin, python_version: str) -> str:
-    extra = "" if installer(pin) == "pip" else f":{installer(pin)}:{','.join(pin.overrides)}"
+    extra = f":{INSTALLER}:{','.join(pin.overrides)}"
     return hashlib.sha256(f"{RECIPE}:{pin.wheel_sha256}:{python_version}:{SUITE}{extra}".encode()).hexdigest()[:12]
 
 
@@ -126,29 +122,14 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
             shutil.rmtree(rootfs / "var/cache/apt", ignore_errors=True)
             sh(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(base) + ".tmp", "."])
             os.replace(str(base) + ".tmp", base)
-        shutil.copy("/etc/resolv.conf", rootfs / "etc/resolv.conf")
-        # the build (not the image) trusts what this host trusts, e.g. an intercepting proxy's CA
-        shutil.copy(os.environ.get("PIP_CERT") or "/etc/ssl/certs/ca-certificates.crt", rootfs / "build-ca.crt")
-        if installer(pin) == "pip":
-            shutil.copy(wheel, rootfs / "tmp" / wheel.name)
-        pip_cache = cache_root() / "pip-cache"
-        pip_cache.mkdir(parents=True, exist_ok=True)
-        (rootfs / "pip-cache").mkdir()
         sh(["mount", "-t", "proc", "proc", str(rootfs / "proc")])
-        sh(["mount", "--bind", str(pip_cache), str(rootfs / "pip-cache")])
-        proxies = {k: v for k, v in os.environ.items()
-                   if k.lower() in ("http_proxy", "https_proxy", "no_proxy", "pip_index_url", "pip_extra_index_url")}
-        env = {**proxies, "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/root", "LANG": "C.UTF-8",
-               "PIP_CACHE_DIR": "/pip-cache", "PIP_CERT": "/build-ca.crt", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": "/root", "LANG": "C.UTF-8"}
         try:
             sh(["chroot", str(rootfs), f"/usr/local/bin/python{pin.python}", "-c",
                 "import ssl, ctypes, sqlite3, lzma, bz2, uuid; print('python ok')"], env=env, stdout=log)
-            sh(["chroot", str(rootfs), f"/usr/local/bin/python{pin.python}", "-m", "venv", "/opt/venv"], env=env)
-            if installer(pin) == "pip":
-                sh(["chroot", str(rootfs), "/opt/venv/bin/python", "-m", "pip", "install", "--quiet",
-                    f"/tmp/{wheel.name}"], env=env, stdout=log)
-            else:
-                _uv_install(local, pin, wheel, python, rootfs, work, log)
+            sh(["chroot", str(rootfs), f"/usr/local/bin/python{pin.python}", "-m", "venv",
+                "/opt/venv"], env=env)
+            _uv_install(local, pin, wheel, python, rootfs, work, log)
             info = subprocess.run(["chroot", str(rootfs), "/opt/venv/bin/python", "-c", engine.env_probe],
                                   env=env, check=True, capture_output=True, text=True).stdout
             facts = json.loads(info.strip().splitlines()[-1])
@@ -156,9 +137,6 @@ def build(pin: lockmod.Pin, *, log=sys.stderr) -> dict:
                 raise SystemExit(f"the image would hold {facts}: not the pinned {engine.title} with a CUDA torch")
         finally:
             _umount_all(rootfs)
-        (rootfs / "pip-cache").rmdir()
-        (rootfs / "tmp" / wheel.name).unlink(missing_ok=True)
-        (rootfs / "build-ca.crt").unlink()
         (rootfs / "etc/resolv.conf").write_text("")
         shutil.rmtree(rootfs / "var/cache/apt", ignore_errors=True)
         nvcc = sorted(rootfs.glob(f"opt/venv/lib/python{pin.python}/site-packages/nvidia/*/bin/nvcc"))

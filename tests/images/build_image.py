@@ -47,8 +47,9 @@ MIRROR = "http://deb.debian.org/debian"
 DEB_PACKAGES = ("ca-certificates", "libssl3", "libffi8", "libsqlite3-0", "libbz2-1.0", "liblzma5", "zlib1g",
                 "libreadline8", "libncursesw6", "libuuid1", "libgdbm6", "libexpat1")
 LABEL = "serving-truth.test-image"
-#: how the wheel is installed (part of the image's cache key): uv from the pin's shipped resolution
-INSTALLER = "uv"
+#: how the wheel is installed (part of the image's cache key): uv from the pin's shipped resolution, its scripts
+#: moved onto the venv's PATH (2)
+INSTALLER = "uv-2"
 
 
 def sh(cmd, **kw):
@@ -182,6 +183,29 @@ def _uv_install(local: LocalRuntime, pin: lockmod.Pin, wheel: Path, python: str,
         overrides = ["--override", str(path)]
     sh([find_uv(), "pip", "install", "--no-config", "--python", python, "--target", str(site), "--constraint",
         str(resolution), *overrides, str(wheel)], env=local._uv_env(), stdout=log)
+    _scripts_onto_path(site / "bin", rootfs / "opt/venv/bin", python)
+
+
+def _scripts_onto_path(scripts: Path, venv_bin: Path, host_python: str) -> None:
+    """uv's ``--target`` leaves the packages' scripts (``ninja``, ``cmake``, the engine's CLI) in ``<target>/bin``,
+    off PATH, with the host interpreter in their shebang: each goes to the venv's ``bin`` (where a pip install puts
+    it, and where the engines look for ``ninja``), a Python script's shebang naming the venv's interpreter. Written
+    anew, never edited in place (files under the target may be hard links into the uv cache)."""
+    if not scripts.is_dir():
+        return
+    for entry in sorted(scripts.iterdir()):
+        dest = venv_bin / entry.name
+        if dest.exists() or dest.is_symlink():
+            entry.unlink()
+            continue
+        data = entry.read_bytes()
+        first, sep, rest = data.partition(b"\n")
+        if first.startswith(b"#!") and b"python" in first:
+            data = b"#!/opt/venv/bin/python" + sep + rest
+        dest.write_bytes(data)
+        dest.chmod(0o755)
+        entry.unlink()
+    scripts.rmdir()
 
 
 def _mounts_under(rootfs: Path) -> list[str]:

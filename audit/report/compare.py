@@ -19,7 +19,7 @@ from pathlib import Path
 from audit import engines, models
 from audit.fsutil import write_atomic
 from audit.report.diff import load_routing
-from audit.report.render import _env, _lane_summary
+from audit.report.render import NONE_BUILT, _env, _lane_summary
 from audit.systems import SYSTEMS
 
 #: under reports/: the comparisons
@@ -74,6 +74,8 @@ def compare(reports_dir: str | Path, left: str, left_profile, right: str, right_
             for lane in lanes:
                 va, ea = _value(a, system.name, name, lane)
                 vb, eb = _value(b, system.name, name, lane)
+                if va == vb == NONE_BUILT:  # a lane of a kind neither engine built in this cell (a draft's own)
+                    continue
                 title = a["titles"].get(lane) or b["titles"].get(lane) or lane
                 rows.append({"lane": lane, "title": title, "left": va, "left_evidence": ea, "right": vb,
                              "right_evidence": eb})

@@ -109,6 +109,10 @@ def _levels(cell: dict) -> set[str]:
     return {g["evidence"] for gs in cell["lanes"].values() for g in gs if "evidence" in g} or {cell["evidence"]}
 
 
+#: what a lane says in a cell that built no layer of its kind
+NONE_BUILT = "— (none built here)"
+
+
 def _lane_summary(groups: list[dict], cell: dict, read_after: bool = False) -> str:
     """``read_after``: the lane is read off the built modules once construction finished, so a stop leaves it
     unread (the layers before the stop were built; nothing read them)."""
@@ -122,7 +126,7 @@ def _lane_summary(groups: list[dict], cell: dict, read_after: bool = False) -> s
             return f"not built: simulation limit ({failure.get('stage', '?')} raised {short(failure.get('type', ''))})"
         if stopped:
             return f"not built: {failure.get('stage', '?')} raised {short(failure.get('type', ''))}"
-        return "— (none built here)"
+        return NONE_BUILT
     # a deployment vLLM refuses at load serves nothing: what construction built is marked so
     mark = "(refused at load) " if cell.get("load_refused") else ""
     if len(groups) == 1 and not stopped:

@@ -560,13 +560,19 @@ def describe_draft(draft, target, rec) -> None:
         served = _LAYER_RE.search(registered) if own and isinstance(registered, str) else None
         if served:
             numbering.setdefault(own.group(1), int(served.group(1)))
+    rec.emit("draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}", numbering=numbering,
+             shares=shared_modules(draft, target))
+
+
+def shared_modules(draft, target) -> list[list[str]]:
+    """The target's modules a speculative draft holds as its own (the very objects, topmost only), as
+    [draft module, target module] name pairs: both engines' draft records."""
     target_names = {id(m): name for name, m in target.named_modules()}
     shares: list[list[str]] = []
     for name, module in draft.named_modules():
         if id(module) in target_names and not any(name.startswith(d + ".") for d, _ in shares):
             shares.append([name, target_names[id(module)]])
-    rec.emit("draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}", numbering=numbering,
-             shares=shares)
+    return shares
 
 
 def inspect_model(model, rec) -> None:

@@ -273,12 +273,10 @@ def _describe_draft(draft, target, sa, rec) -> None:
     own = mr.resolve_draft_attention_backend(draft_attention_backend=handed, is_draft_worker=True)
 
     strs = resolve_attention_backend_strs(model_runner=_draft_runner(own))
-    target_names = {id(m): name for name, m in target.named_modules()}
-    shares: list[list[str]] = []
-    for name, module in draft.named_modules():
-        if id(module) in target_names and not any(name.startswith(d + ".") for d, _ in shares):
-            shares.append([name, target_names[id(module)]])
-    rec.emit("draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}", numbering={}, shares=shares)
+    from probes.resolve.cell import shared_modules
+
+    rec.emit("draft", cls=f"{type(draft).__module__}:{type(draft).__qualname__}", numbering={},
+             shares=shared_modules(draft, target))
     for name, module in draft.named_modules():
         if name.rsplit(".", 1)[-1] == "self_attn" and _layer(name) is not None:
             rec.emit("construct", target="draft.attention", scope=name,
